@@ -1,0 +1,23 @@
+// Entry points of the backends. The C API (flashgdn.cpp) validates the call, builds
+// a Problem and dispatches here by device.
+#pragma once
+
+#include <cstddef>
+
+#include "problem.h"
+
+namespace flashgdn {
+
+// CPU backend (cpu_backend.cpp): same chunked algorithm, fp32 arithmetic, threads.
+void cpu_fwd(const Problem& p, const FwdOutputs& out);
+void cpu_bwd(const Problem& p, const BwdIO& io);
+
+#ifdef FLASHGDN_WITH_CUDA
+// CUDA backend (cuda/launch.cu): kernels for SM90, asynchronous on `stream`.
+size_t cuda_fwd_workspace_bytes(const Problem& p);
+size_t cuda_bwd_workspace_bytes(const Problem& p);
+void cuda_fwd(const Problem& p, const FwdOutputs& out, void* workspace, void* stream);
+void cuda_bwd(const Problem& p, const BwdIO& io, void* workspace, void* stream);
+#endif
+
+}  // namespace flashgdn

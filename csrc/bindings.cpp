@@ -1,0 +1,182 @@
+// Python bindings (nanobind, module flashgdn._C): DLPack arrays in, C API calls out.
+// No dependency on torch: any framework whose tensors export DLPack works. Outputs
+// and the CUDA workspace are allocated by the caller (the Python layer), so calls
+// are allocation-free, asynchronous and CUDA-graph capturable.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "flashgdn/flashgdn.h"
+
+namespace nb = nanobind;
+using OptArray = std::optional<nb::ndarray<>>;
+
+namespace {
+
+flashgdn_dtype to_dtype(nb::dlpack::dtype t) {
+  using code = nb::dlpack::dtype_code;
+  if (t.lanes != 1) return FLASHGDN_DTYPE_OTHER;
+  if (t.code == static_cast<uint8_t>(code::Float) && t.bits == 32) return FLASHGDN_DTYPE_F32;
+  if (t.code == static_cast<uint8_t>(code::Float) && t.bits == 16) return FLASHGDN_DTYPE_F16;
+  if (t.code == static_cast<uint8_t>(code::Bfloat) && t.bits == 16) return FLASHGDN_DTYPE_BF16;
+  if (t.code == static_cast<uint8_t>(code::Int) && t.bits == 32) return FLASHGDN_DTYPE_I32;
+  if (t.code == static_cast<uint8_t>(code::Int) && t.bits == 64) return FLASHGDN_DTYPE_I64;
+  return FLASHGDN_DTYPE_OTHER;
+}
+
+flashgdn_tensor to_tensor(const OptArray& a, const char* name) {
+  flashgdn_tensor t{};
+  if (!a) return t;
+  if (a->ndim() > FLASHGDN_MAX_DIMS)
+    throw nb::value_error((std::string(name) + " has too many dimensions (" +
+                           std::to_string(a->ndim()) + ")")
+                              .c_str());
+  t.data = a->data();
+  t.dtype = to_dtype(a->dtype());
+  const int dev = a->device_type();
+  t.device = dev == nb::device::cpu::value    ? FLASHGDN_DEVICE_CPU
+             : dev == nb::device::cuda::value ? FLASHGDN_DEVICE_CUDA
+                                              : FLASHGDN_DEVICE_OTHER;
+  t.device_id = a->device_id();
+  t.ndim = static_cast<int32_t>(a->ndim());
+  for (int i = 0; i < t.ndim; ++i) {
+    t.shape[i] = a->shape(i);
+    t.strides[i] = a->stride(i);
+  }
+  // A zero-element tensor may carry a null pointer; keep it "present".
+  if (t.data == nullptr) t.data = reinterpret_cast<void*>(uintptr_t{16});
+  return t;
+}
+
+void check(int rc) {
+  if (rc != 0) throw nb::value_error(flashgdn_last_error());
+}
+
+flashgdn_fwd_args fwd_args(const OptArray& q, const OptArray& k, const OptArray& v,
+                           const OptArray& g, const OptArray& beta, const OptArray& h0,
+                           const OptArray& cu, float scale, const OptArray& o,
+                           const OptArray& ht) {
+  flashgdn_fwd_args a{};
+  a.q = to_tensor(q, "q");
+  a.k = to_tensor(k, "k");
+  a.v = to_tensor(v, "v");
+  a.g = to_tensor(g, "g");
+  a.beta = to_tensor(beta, "beta");
+  a.initial_state = to_tensor(h0, "initial_state");
+  a.cu_seqlens = to_tensor(cu, "cu_seqlens");
+  a.scale = scale;
+  a.o = to_tensor(o, "o");
+  a.final_state = to_tensor(ht, "final_state");
+  return a;
+}
+
+flashgdn_bwd_args bwd_args(const OptArray& q, const OptArray& k, const OptArray& v,
+                           const OptArray& g, const OptArray& beta, const OptArray& h0,
+                           const OptArray& cu, float scale, const OptArray& d_o,
+                           const OptArray& dht, const OptArray& dq, const OptArray& dk,
+                           const OptArray& dv, const OptArray& dg, const OptArray& dbeta,
+                           const OptArray& dh0) {
+  flashgdn_bwd_args a{};
+  a.q = to_tensor(q, "q");
+  a.k = to_tensor(k, "k");
+  a.v = to_tensor(v, "v");
+  a.g = to_tensor(g, "g");
+  a.beta = to_tensor(beta, "beta");
+  a.initial_state = to_tensor(h0, "initial_state");
+  a.cu_seqlens = to_tensor(cu, "cu_seqlens");
+  a.scale = scale;
+  a.d_o = to_tensor(d_o, "do");
+  a.d_final_state = to_tensor(dht, "dht");
+  a.dq = to_tensor(dq, "dq");
+  a.dk = to_tensor(dk, "dk");
+  a.dv = to_tensor(dv, "dv");
+  a.dg = to_tensor(dg, "dg");
+  a.dbeta = to_tensor(dbeta, "dbeta");
+  a.dh0 = to_tensor(dh0, "dh0");
+  return a;
+}
+
+template <typename Args>
+void set_workspace(Args& a, const OptArray& ws, uintptr_t stream) {
+  if (ws) {
+    a.workspace = ws->data();
+    a.workspace_bytes = ws->nbytes();
+  }
+  a.stream = reinterpret_cast<void*>(stream);
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "flashgdn native core: chunked Gated DeltaNet forward/backward (CPU and CUDA)";
+  m.def("version", [] { return std::string(flashgdn_version()); });
+  m.def("has_cuda", [] {
+#ifdef FLASHGDN_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+
+  auto none = [](const char* n) { return nb::arg(n).none(); };
+
+  m.def(
+      "fwd_workspace_size",
+      [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
+         float scale, OptArray o, OptArray ht) {
+        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht);
+        size_t bytes = 0;
+        check(flashgdn_fwd_workspace_size(&a, &bytes));
+        return bytes;
+      },
+      none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
+      none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"),
+      "Bytes of workspace the forward needs (0 on the CPU). Validates the arguments.");
+
+  m.def(
+      "fwd",
+      [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
+         float scale, OptArray o, OptArray ht, OptArray ws, uintptr_t stream) {
+        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht);
+        set_workspace(a, ws, stream);
+        check(flashgdn_fwd(&a));
+      },
+      none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
+      none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"), none("workspace"),
+      nb::arg("stream") = 0,
+      "Chunked GDN forward into preallocated o (and final_state); asynchronous on CUDA.");
+
+  m.def(
+      "bwd_workspace_size",
+      [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
+         float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
+         OptArray dg, OptArray dbeta, OptArray dh0) {
+        auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0);
+        size_t bytes = 0;
+        check(flashgdn_bwd_workspace_size(&a, &bytes));
+        return bytes;
+      },
+      none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
+      none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
+      none("dv"), none("dg"), none("dbeta"), none("dh0"),
+      "Bytes of workspace the backward needs (0 on the CPU). Validates the arguments.");
+
+  m.def(
+      "bwd",
+      [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
+         float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
+         OptArray dg, OptArray dbeta, OptArray dh0, OptArray ws, uintptr_t stream) {
+        auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0);
+        set_workspace(a, ws, stream);
+        check(flashgdn_bwd(&a));
+      },
+      none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
+      none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
+      none("dv"), none("dg"), none("dbeta"), none("dh0"), none("workspace"),
+      nb::arg("stream") = 0,
+      "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.");
+}

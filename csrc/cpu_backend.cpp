@@ -1,0 +1,387 @@
+// CPU backend: the chunked WY algorithm of docs/algorithm.md in fp32, one task per
+// (sequence, head) for the forward and per (sequence, q/k head) for the backward
+// (so the gradients of grouped value heads are summed without races), spread
+// over std::thread workers.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "backends.h"
+
+namespace flashgdn {
+namespace {
+
+constexpr int D = kHeadDim;
+constexpr int C = kChunk;
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400u)) {
+        man <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_half(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0);  // inf/nan
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // overflow to inf
+  if (ax < 0x38800000u) {                        // subnormal or zero in half
+    if (ax < 0x33000000u) return sign;
+    const uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // value * 2^24 = m >> shift
+    const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    uint32_t r = m >> shift;
+    if (rem > half || (rem == half && (r & 1))) ++r;
+    return sign | static_cast<uint16_t>(r);
+  }
+  uint32_t r = ((ax >> 13) - (112u << 10));
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1))) ++r;
+  return sign | static_cast<uint16_t>(r);
+}
+
+float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+float load(const void* p, flashgdn_dtype t, int64_t i) {
+  switch (t) {
+    case FLASHGDN_DTYPE_F32: return static_cast<const float*>(p)[i];
+    case FLASHGDN_DTYPE_BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+void store(void* p, flashgdn_dtype t, int64_t i, float x) {
+  switch (t) {
+    case FLASHGDN_DTYPE_F32: static_cast<float*>(p)[i] = x; break;
+    case FLASHGDN_DTYPE_BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(x); break;
+    default: static_cast<uint16_t*>(p)[i] = float_to_half(x); break;
+  }
+}
+
+struct Seq {
+  int64_t start, len;
+};
+
+std::vector<Seq> sequences(const Problem& p) {
+  std::vector<Seq> s(p.N);
+  for (int64_t i = 0; i < p.N; ++i) {
+    if (!p.varlen()) {
+      s[i] = {i * p.T, p.T};
+    } else if (p.cu_dtype == FLASHGDN_DTYPE_I32) {
+      auto cu = static_cast<const int32_t*>(p.cu_seqlens);
+      s[i] = {cu[i], cu[i + 1] - cu[i]};
+    } else {
+      auto cu = static_cast<const int64_t*>(p.cu_seqlens);
+      s[i] = {cu[i], cu[i + 1] - cu[i]};
+    }
+  }
+  return s;
+}
+
+// C[M,N] (+)= alpha * op(A)[M,Kd] op(B)[Kd,N]; op(X) = X^T when the flag is set.
+// Row-major with leading dimensions; i-k-j loop order for contiguous inner access.
+void gemm(float* Cm, int ldc, const float* A, int lda, bool ta, const float* Bm, int ldb, bool tb,
+          int M, int N, int Kd, float alpha, bool accumulate) {
+  if (!accumulate)
+    for (int i = 0; i < M; ++i) std::fill(Cm + i * ldc, Cm + i * ldc + N, 0.f);
+  for (int i = 0; i < M; ++i) {
+    float* c = Cm + i * ldc;
+    for (int kk = 0; kk < Kd; ++kk) {
+      const float a = alpha * (ta ? A[kk * lda + i] : A[i * lda + kk]);
+      if (a == 0.f) continue;
+      if (!tb) {
+        const float* b = Bm + kk * ldb;
+        for (int j = 0; j < N; ++j) c[j] += a * b[j];
+      } else {
+        for (int j = 0; j < N; ++j) c[j] += a * Bm[j * ldb + kk];
+      }
+    }
+  }
+}
+
+// Everything the forward and backward need about one chunk of one head, computed
+// from its inputs: gates, the WY inverse T = (I + A)^-1, W, U0 and the masked
+// products. Rows >= L are zero.
+struct Chunk {
+  int L = 0;
+  float Q[C * D], K[C * D], V[C * D];
+  float b[C], G[C], Gam[C], eL[C];
+  float KK[C * C], Dec[C * C];  // KK = K K^T, Dec[r,s] = exp(G_r - G_s) for s <= r, else 0
+  float A[C * C], Tm[C * C];
+  float W[C * D], U0[C * D];
+
+  void load_inputs(const Problem& p, int64_t tok0, int len, int64_t h) {
+    L = len;
+    const int64_t hq = h / p.group();
+    std::fill(Q, Q + C * D, 0.f);
+    std::fill(K, K + C * D, 0.f);
+    std::fill(V, V + C * D, 0.f);
+    float acc = 0.f;
+    for (int r = 0; r < C; ++r) {
+      if (r < L) {
+        const int64_t t = tok0 + r;
+        for (int c = 0; c < D; ++c) {
+          Q[r * D + c] = load(p.q, p.qkv_dtype, (t * p.Hqk + hq) * D + c);
+          K[r * D + c] = load(p.k, p.qkv_dtype, (t * p.Hqk + hq) * D + c);
+          V[r * D + c] = load(p.v, p.qkv_dtype, (t * p.Hv + h) * D + c);
+        }
+        b[r] = load(p.beta, p.beta_dtype, t * p.Hv + h);
+        acc += load(p.g, p.g_dtype, t * p.Hv + h);
+      } else {
+        b[r] = 0.f;
+      }
+      G[r] = acc;
+      Gam[r] = std::exp(acc);
+    }
+    for (int r = 0; r < C; ++r) eL[r] = std::exp(G[C - 1] - G[r]);
+  }
+
+  void compute_wy() {
+    gemm(KK, C, K, D, false, K, D, true, C, C, D, 1.f, false);
+    for (int r = 0; r < C; ++r)
+      for (int s = 0; s < C; ++s) {
+        Dec[r * C + s] = s <= r ? std::exp(G[r] - G[s]) : 0.f;
+        A[r * C + s] = s < r ? b[r] * KK[r * C + s] * Dec[r * C + s] : 0.f;
+      }
+    // Forward substitution: row r of T = e_r - sum_{s<r} A[r,s] T[s,:].
+    for (int r = 0; r < C; ++r) {
+      float* t = Tm + r * C;
+      std::fill(t, t + C, 0.f);
+      t[r] = 1.f;
+      for (int s = 0; s < r; ++s) {
+        const float a = A[r * C + s];
+        if (a == 0.f) continue;
+        for (int j = 0; j <= s; ++j) t[j] -= a * Tm[s * C + j];
+      }
+    }
+    float Kb[C * D], Vb[C * D];
+    for (int r = 0; r < C; ++r)
+      for (int c = 0; c < D; ++c) {
+        Kb[r * D + c] = b[r] * Gam[r] * K[r * D + c];
+        Vb[r * D + c] = b[r] * V[r * D + c];
+      }
+    gemm(W, D, Tm, C, false, Kb, D, false, C, D, C, 1.f, false);
+    gemm(U0, D, Tm, C, false, Vb, D, false, C, D, C, 1.f, false);
+  }
+};
+
+// U = U0 - W S, P = (Q K^T) . Dec, and (optionally) O = scale (Gam Q S + P U).
+void chunk_forward(const Chunk& ck, const float* S, float scale, float* U, float* P, float* O) {
+  std::memcpy(U, ck.U0, sizeof(float) * C * D);
+  gemm(U, D, ck.W, D, false, S, D, false, C, D, D, -1.f, true);
+  gemm(P, C, ck.Q, D, false, ck.K, D, true, C, C, D, 1.f, false);
+  for (int i = 0; i < C * C; ++i) P[i] *= ck.Dec[i];
+  if (O) {
+    gemm(O, D, ck.Q, D, false, S, D, false, C, D, D, 1.f, false);
+    for (int r = 0; r < C; ++r)
+      for (int c = 0; c < D; ++c) O[r * D + c] *= scale * ck.Gam[r];
+    gemm(O, D, P, C, false, U, D, false, C, D, C, scale, true);
+  }
+}
+
+// S <- exp(G_last) S + (eL K)^T U.
+void chunk_state_update(const Chunk& ck, float* S, const float* U) {
+  const float gl = ck.Gam[C - 1];
+  for (int i = 0; i < D * D; ++i) S[i] *= gl;
+  float Ke[C * D];
+  for (int r = 0; r < C; ++r)
+    for (int c = 0; c < D; ++c) Ke[r * D + c] = ck.eL[r] * ck.K[r * D + c];
+  gemm(S, D, Ke, D, true, U, D, false, D, D, C, 1.f, true);
+}
+
+template <typename F>
+void parallel_for(int64_t n, F&& f) {
+  const int64_t workers =
+      std::min<int64_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  std::atomic<int64_t> next{0};
+  auto run = [&] {
+    for (int64_t i; (i = next.fetch_add(1)) < n;) f(i);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run);
+  run();
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace
+
+void cpu_fwd(const Problem& p, const FwdOutputs& out) {
+  const auto seqs = sequences(p);
+  parallel_for(p.N * p.Hv, [&](int64_t task) {
+    const int64_t n = task / p.Hv, h = task % p.Hv;
+    std::vector<float> S(D * D, 0.f);
+    if (p.h0) std::memcpy(S.data(), p.h0 + (n * p.Hv + h) * D * D, sizeof(float) * D * D);
+    auto ck = std::make_unique<Chunk>();
+    std::vector<float> U(C * D), P(C * C), O(C * D);
+    for (int64_t c0 = 0; c0 < seqs[n].len; c0 += C) {
+      const int64_t tok0 = seqs[n].start + c0;
+      ck->load_inputs(p, tok0, static_cast<int>(std::min<int64_t>(C, seqs[n].len - c0)), h);
+      ck->compute_wy();
+      chunk_forward(*ck, S.data(), p.scale, U.data(), P.data(), O.data());
+      for (int r = 0; r < ck->L; ++r)
+        for (int c = 0; c < D; ++c)
+          store(out.o, p.qkv_dtype, ((tok0 + r) * p.Hv + h) * D + c, O[r * D + c]);
+      chunk_state_update(*ck, S.data(), U.data());
+    }
+    if (out.final_state)
+      std::memcpy(out.final_state + (n * p.Hv + h) * D * D, S.data(), sizeof(float) * D * D);
+  });
+}
+
+void cpu_bwd(const Problem& p, const BwdIO& io) {
+  const auto seqs = sequences(p);
+  parallel_for(p.N * p.Hqk, [&](int64_t task) {
+    const int64_t n = task / p.Hqk, hq = task % p.Hqk;
+    const int64_t len = seqs[n].len, tok_start = seqs[n].start;
+    const int64_t nchunks = (len + C - 1) / C;
+    std::vector<float> dq(len * D, 0.f), dk(len * D, 0.f);
+    std::vector<float> hs(nchunks * D * D), S(D * D), dS(D * D), dSnew(D * D);
+    std::vector<float> U(C * D), P(C * C), dO(C * D), dU(C * D), dVt(C * D), Y(C * D), Z(C * D),
+        R(C * D), dA(C * C), dP(C * C), M1(C * C), M2(C * C), dQ(C * D), dK(C * D), tmp(C * D);
+    auto ck = std::make_unique<Chunk>();
+    for (int64_t h = hq * p.group(); h < (hq + 1) * p.group(); ++h) {
+      // Recompute the state entering every chunk.
+      std::fill(S.begin(), S.end(), 0.f);
+      if (p.h0) std::memcpy(S.data(), p.h0 + (n * p.Hv + h) * D * D, sizeof(float) * D * D);
+      for (int64_t ci = 0; ci < nchunks; ++ci) {
+        ck->load_inputs(p, tok_start + ci * C, static_cast<int>(std::min<int64_t>(C, len - ci * C)),
+                        h);
+        ck->compute_wy();
+        std::memcpy(hs.data() + ci * D * D, S.data(), sizeof(float) * D * D);
+        chunk_forward(*ck, S.data(), p.scale, U.data(), P.data(), nullptr);
+        chunk_state_update(*ck, S.data(), U.data());
+      }
+      std::fill(dS.begin(), dS.end(), 0.f);
+      if (io.d_final_state)
+        std::memcpy(dS.data(), io.d_final_state + (n * p.Hv + h) * D * D, sizeof(float) * D * D);
+      for (int64_t ci = nchunks - 1; ci >= 0; --ci) {
+        const int64_t tok0 = tok_start + ci * C;
+        ck->load_inputs(p, tok0, static_cast<int>(std::min<int64_t>(C, len - ci * C)), h);
+        ck->compute_wy();
+        const Chunk& k = *ck;
+        const float* S0 = hs.data() + ci * D * D;
+        chunk_forward(k, S0, p.scale, U.data(), P.data(), nullptr);
+        std::fill(dO.begin(), dO.end(), 0.f);
+        for (int r = 0; r < k.L; ++r)
+          for (int c = 0; c < D; ++c)
+            dO[r * D + c] = load(io.d_o, p.qkv_dtype, ((tok0 + r) * p.Hv + h) * D + c);
+        // Sequential part: dU, dVt = T^T dU and the state gradient entering the chunk.
+        for (int r = 0; r < C; ++r)
+          for (int c = 0; c < D; ++c) tmp[r * D + c] = k.eL[r] * k.K[r * D + c];
+        gemm(dU.data(), D, tmp.data(), D, false, dS.data(), D, false, C, D, D, 1.f, false);
+        gemm(dU.data(), D, P.data(), C, true, dO.data(), D, false, C, D, C, p.scale, true);
+        gemm(dVt.data(), D, k.Tm, C, true, dU.data(), D, false, C, D, C, 1.f, false);
+        for (int i = 0; i < D * D; ++i) dSnew[i] = k.Gam[C - 1] * dS[i];
+        for (int r = 0; r < C; ++r)
+          for (int c = 0; c < D; ++c) tmp[r * D + c] = p.scale * k.Gam[r] * k.Q[r * D + c];
+        gemm(dSnew.data(), D, tmp.data(), D, true, dO.data(), D, false, D, D, C, 1.f, true);
+        for (int r = 0; r < C; ++r)
+          for (int c = 0; c < D; ++c) tmp[r * D + c] = -k.b[r] * k.Gam[r] * k.K[r * D + c];
+        gemm(dSnew.data(), D, tmp.data(), D, true, dVt.data(), D, false, D, D, C, 1.f, true);
+        // Parallel part: gradients of the chunk's inputs.
+        float dG[C], db[C];
+        gemm(Y.data(), D, dO.data(), D, false, S0, D, true, C, D, D, 1.f, false);
+        gemm(Z.data(), D, dVt.data(), D, false, S0, D, true, C, D, D, 1.f, false);
+        gemm(R.data(), D, U.data(), D, false, dS.data(), D, true, C, D, D, 1.f, false);
+        gemm(dA.data(), C, dVt.data(), D, false, U.data(), D, true, C, C, D, -1.f, false);
+        gemm(dP.data(), C, dO.data(), D, false, U.data(), D, true, C, C, D, p.scale, false);
+        float last = 0.f, colsum[C] = {};
+        for (int r = 0; r < C; ++r) {
+          float qy = 0.f, kz = 0.f, kr = 0.f, vd = 0.f;
+          for (int c = 0; c < D; ++c) {
+            qy += k.Q[r * D + c] * Y[r * D + c];
+            kz += k.K[r * D + c] * Z[r * D + c];
+            kr += k.K[r * D + c] * R[r * D + c];
+            vd += k.V[r * D + c] * dVt[r * D + c];
+          }
+          dG[r] = p.scale * k.Gam[r] * qy - k.b[r] * k.Gam[r] * kz - k.eL[r] * kr;
+          db[r] = vd - k.Gam[r] * kz;
+          last += k.eL[r] * kr;
+          for (int s = 0; s < C; ++s) {
+            const int i = r * C + s;
+            const float da = s < r ? dA[i] : 0.f, dp = s <= r ? dP[i] : 0.f;
+            M1[i] = dp * k.Dec[i];
+            M2[i] = k.b[r] * da * k.Dec[i];
+            db[r] += da * k.KK[i] * k.Dec[i];
+            const float e = da * k.A[i] + dp * P[i];
+            dG[r] += e;
+            colsum[s] += e;
+          }
+        }
+        float s0ds = 0.f;
+        for (int i = 0; i < D * D; ++i) s0ds += S0[i] * dS[i];
+        for (int r = 0; r < C; ++r) dG[r] -= colsum[r];
+        dG[k.L - 1] += last + k.Gam[k.L - 1] * s0ds;
+        for (int r = 0; r < C; ++r)
+          for (int c = 0; c < D; ++c) {
+            const int i = r * D + c;
+            dQ[i] = p.scale * k.Gam[r] * Y[i];
+            dK[i] = -k.b[r] * k.Gam[r] * Z[i] + k.eL[r] * R[i];
+          }
+        gemm(dQ.data(), D, M1.data(), C, false, k.K, D, false, C, D, C, 1.f, true);
+        gemm(dK.data(), D, M1.data(), C, true, k.Q, D, false, C, D, C, 1.f, true);
+        gemm(dK.data(), D, M2.data(), C, false, k.K, D, false, C, D, C, 1.f, true);
+        gemm(dK.data(), D, M2.data(), C, true, k.K, D, false, C, D, C, 1.f, true);
+        float run = 0.f;
+        for (int r = k.L - 1; r >= 0; --r) {
+          run += dG[r];
+          const int64_t t = tok0 + r;
+          store(io.dg, p.g_dtype, t * p.Hv + h, run);
+          store(io.dbeta, p.beta_dtype, t * p.Hv + h, db[r]);
+          for (int c = 0; c < D; ++c) {
+            store(io.dv, p.qkv_dtype, (t * p.Hv + h) * D + c, k.b[r] * dVt[r * D + c]);
+            dq[(ci * C + r) * D + c] += dQ[r * D + c];
+            dk[(ci * C + r) * D + c] += dK[r * D + c];
+          }
+        }
+        dS.swap(dSnew);
+      }
+      if (io.dh0) std::memcpy(io.dh0 + (n * p.Hv + h) * D * D, dS.data(), sizeof(float) * D * D);
+    }
+    for (int64_t r = 0; r < len; ++r)
+      for (int c = 0; c < D; ++c) {
+        const int64_t idx = ((tok_start + r) * p.Hqk + hq) * D + c;
+        store(io.dq, p.qkv_dtype, idx, dq[r * D + c]);
+        store(io.dk, p.qkv_dtype, idx, dk[r * D + c]);
+      }
+  });
+}
+
+}  // namespace flashgdn

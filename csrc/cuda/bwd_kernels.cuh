@@ -1,0 +1,379 @@
+// Backward kernels (docs/algorithm.md, "Backward"). The forward quantities are
+// recomputed first by wy_kernel (G, W, U0, T) and state_fwd_kernel (h: the
+// state entering every chunk, U); then:
+//
+// state_bwd_kernel  grid (N, H_v, V / 32), 256 threads, ~150 KB smem
+//   Reverse sequential pass for 32 value columns of one head, dS (128 x 32)
+//   in shared memory, starting from dht:
+//     dU  = scale P^T dO + diag(exp(G_last - G)) K dS,   dVt = T^T dU,
+//     dS <- exp(G_last) dS + (scale diag(exp G) Q)^T dO - (diag(beta exp G) K)^T dVt.
+//   reads  q, k, do, beta, G, T, dht    writes dh (dS leaving each chunk), dVt, dh0
+//
+// grad_chunk_kernel grid (max_chunks, H_qk), 256 threads, ~212 KB smem
+//   All input gradients of one chunk for the value heads of one q/k head (so
+//   dq and dk of grouped heads are summed in registers, deterministically):
+//   dv = beta dVt, dbeta, dg (reverse cumsum of dG), dq, dk.
+//   reads  q, k, v, do, beta, G, U, dVt, h, dh    writes dq, dk, dv, dg, dbeta
+#pragma once
+
+#include "common.cuh"
+
+namespace flashgdn {
+namespace cuda {
+
+struct BwdParams {
+  SeqLayout seqs;
+  int64_t Hqk, Hv;
+  float scale;
+  const void *q, *k, *v, *beta, *d_o;
+  int g_dtype, beta_dtype;
+  const float* dht;   // [N, Hv, D, D] or null
+  const float* G;     // [TT, Hv]
+  const float* Tmat;  // [TT, Hv, C]
+  const float* U;     // [TT, Hv, D]
+  const float* h;     // [max_chunks, Hv, D, D]
+  float* dh;          // [max_chunks, Hv, D, D]
+  float* dVt;         // [TT, Hv, D]
+  float* dh0;         // [N, Hv, D, D] or null
+  void *dq, *dk, *dv, *dg, *dbeta;
+};
+
+constexpr size_t kStateBwdSmem =
+    sizeof(float) * (2 * C * LDD + 2 * C * LDC + 3 * C * LDV + D * LDV + 4 * C);
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
+  if (p.seqs.failed()) return;
+  const int64_t n = blockIdx.x, h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
+  const int vb = blockIdx.z * BV;
+  extern __shared__ float smem[];
+  float* Qs = smem;              // [C][LDD]
+  float* Ks = Qs + C * LDD;      // [C][LDD]
+  float* Ts = Ks + C * LDD;      // [C][LDC]
+  float* Ps = Ts + C * LDC;      // [C][LDC]
+  float* dOs = Ps + C * LDC;     // [C][LDV]
+  float* dUs = dOs + C * LDV;    // [C][LDV]
+  float* dVs = dUs + C * LDV;    // [C][LDV]
+  float* dSs = dVs + C * LDV;    // [D][LDV]
+  float* Gs = dSs + D * LDV;     // [C]
+  float* eL = Gs + C;            // [C]
+  float* gam = eL + C;           // [C]
+  float* bs = gam + C;           // [C]
+
+  const int64_t state_off = (n * p.Hv + h) * D * D;
+  for (int e = threadIdx.x; e < D * BV; e += NT) {
+    const int r = e / BV, c = e % BV;
+    dSs[r * LDV + c] = p.dht ? p.dht[state_off + r * D + vb + c] : 0.f;
+  }
+  const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
+  const int64_t chunk0 = p.seqs.first_chunk(n);
+  const int64_t nchunks = (len + C - 1) / C;
+  for (int64_t ci = nchunks - 1; ci >= 0; --ci) {
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    __syncthreads();
+    {
+      float* db = p.dh + ((chunk0 + ci) * p.Hv + h) * D * D;
+      for (int e = threadIdx.x; e < D * BV; e += NT) {
+        const int r = e / BV, c = e % BV;
+        db[r * D + vb + c] = dSs[r * LDV + c];
+      }
+    }
+    load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    load_rows(Ts, LDC, p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
+    load_rows(dOs, LDV, static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L,
+              C, BV);
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
+      Gs[threadIdx.x] = p.G[(tok0 + r) * p.Hv + h];
+      bs[threadIdx.x] =
+          threadIdx.x < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + threadIdx.x) * p.Hv + h)
+                          : 0.f;
+    }
+    __syncthreads();
+    if (threadIdx.x < C) {
+      eL[threadIdx.x] = __expf(Gs[C - 1] - Gs[threadIdx.x]);
+      gam[threadIdx.x] = __expf(Gs[threadIdx.x]);
+    }
+    {  // P = (Q K^T) . Dec
+      Tile<C, C, 4, 4> qk;
+      qk.zero();
+      qk.mma<false, true, D>(Qs, LDD, Ks, LDD);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = qk.row(i), s = qk.col(j);
+          Ps[r * LDC + s] = s <= r ? qk.a[i][j] * __expf(Gs[r] - Gs[s]) : 0.f;
+        }
+    }
+    __syncthreads();
+    {  // dU = scale P^T dO + eL K dS
+      Tile<C, BV, 2, 4> a, b;
+      a.zero();
+      a.mma<true, false, C>(Ps, LDC, dOs, LDV);
+      b.zero();
+      b.mma<false, false, D>(Ks, LDD, dSs, LDV);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = a.row(i), c = a.col(j);
+          dUs[r * LDV + c] = p.scale * a.a[i][j] + eL[r] * b.a[i][j];
+        }
+    }
+    __syncthreads();
+    {  // dVt = T^T dU
+      Tile<C, BV, 2, 4> t;
+      t.zero();
+      t.mma<true, false, C>(Ts, LDC, dUs, LDV);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = t.row(i), c = t.col(j);
+          if (r < L) p.dVt[((tok0 + r) * p.Hv + h) * D + vb + c] = t.a[i][j];
+          // scaled for the state update below
+          dVs[r * LDV + c] = -bs[r] * gam[r] * t.a[i][j];
+          dOs[r * LDV + c] *= p.scale * gam[r];
+        }
+    }
+    __syncthreads();
+    {  // dS <- exp(G_last) dS + Q^T (scale gam dO) - K^T (beta gam dVt)
+      Tile<D, BV, 4, 4> st;
+      st.zero();
+      st.mma<true, false, C>(Qs, LDD, dOs, LDV);
+      st.mma<true, false, C>(Ks, LDD, dVs, LDV);
+      const float gl = __expf(Gs[C - 1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float& s = dSs[st.row(i) * LDV + st.col(j)];
+          s = gl * s + st.a[i][j];
+        }
+    }
+  }
+  __syncthreads();
+  if (p.dh0)
+    for (int e = threadIdx.x; e < D * BV; e += NT) {
+      const int r = e / BV, c = e % BV;
+      p.dh0[state_off + r * D + vb + c] = dSs[r * LDV + c];
+    }
+}
+
+constexpr size_t kGradSmem =
+    sizeof(float) * (5 * C * LDD + D * LDV + 2 * C * LDC + 8 * C + NT);
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
+  if (p.seqs.failed()) return;
+  const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
+  if (ck.L == 0) return;
+  const int64_t chunk = blockIdx.x, hq = blockIdx.y, group = p.Hv / p.Hqk;
+  const int L = ck.L;
+  const int64_t tok0 = ck.tok0;
+  extern __shared__ float smem[];
+  float* Qs = smem;             // [C][LDD]
+  float* Ks = Qs + C * LDD;     // [C][LDD]
+  float* dOs = Ks + C * LDD;    // [C][LDD]
+  float* Us = dOs + C * LDD;    // [C][LDD]
+  float* dVs = Us + C * LDD;    // [C][LDD]
+  float* Xs = dVs + C * LDD;    // [D][LDV] quarter of h or dh; later E [C][LDC]
+  float* M1 = Xs + D * LDV;     // [C][LDC]
+  float* M2 = M1 + C * LDC;     // [C][LDC]
+  float* Gs = M2 + C * LDC;     // [C]
+  float* gam = Gs + C;
+  float* eL = gam + C;
+  float* bs = eL + C;
+  float* dG = bs + C;
+  float* db = dG + C;
+  float* lastrow = db + C;
+  float* red = lastrow + 2 * C;  // [NT]
+  static_assert(C * LDC <= D * LDV, "E must fit in the X buffer");
+
+  load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+  load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+
+  Tile<C, D, 4, 8> dQ, dK;
+  dQ.zero();
+  dK.zero();
+  for (int64_t h = hq * group; h < (hq + 1) * group; ++h) {
+    __syncthreads();
+    load_rows(dOs, LDD, static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
+    load_rows(Us, LDD, p.U + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
+    load_rows(dVs, LDD, p.dVt + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x;
+      Gs[r] = p.G[(tok0 + (r < L ? r : L - 1)) * p.Hv + h];
+      bs[r] = r < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + r) * p.Hv + h) : 0.f;
+      dG[r] = 0.f;
+      db[r] = 0.f;
+    }
+    __syncthreads();
+    if (threadIdx.x < C) {
+      gam[threadIdx.x] = __expf(Gs[threadIdx.x]);
+      eL[threadIdx.x] = __expf(Gs[C - 1] - Gs[threadIdx.x]);
+    }
+    const float* S0 = p.h + (chunk * p.Hv + h) * D * D;
+    const float* dSL = p.dh + (chunk * p.Hv + h) * D * D;
+
+    {  // Y = dO S0^T, Z = dVt S0^T (over four 32-column quarters of S0)
+      Tile<C, D, 4, 8> Y, Z;
+      Y.zero();
+      Z.zero();
+      for (int q4 = 0; q4 < D / BV; ++q4) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < D * BV; e += NT) {
+          const int r = e / BV, c = e % BV;
+          Xs[r * LDV + c] = S0[r * D + q4 * BV + c];
+        }
+        __syncthreads();
+        Y.mma<false, true, BV>(dOs + q4 * BV, LDD, Xs, LDV);
+        Z.mma<false, true, BV>(dVs + q4 * BV, LDD, Xs, LDV);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = Y.row(i);
+        float qy = 0.f, kz = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int c = Y.col(j);
+          dQ.a[i][j] += p.scale * gam[r] * Y.a[i][j];
+          dK.a[i][j] -= bs[r] * gam[r] * Z.a[i][j];
+          qy += Qs[r * LDD + c] * Y.a[i][j];
+          kz += Ks[r * LDD + c] * Z.a[i][j];
+        }
+        qy = Y.row_sum(qy);
+        kz = Y.row_sum(kz);
+        if (Y.row_leader()) {
+          dG[r] += p.scale * gam[r] * qy - bs[r] * gam[r] * kz;
+          db[r] -= gam[r] * kz;
+        }
+      }
+    }
+    {  // R = U dSL^T
+      Tile<C, D, 4, 8> R;
+      R.zero();
+      for (int q4 = 0; q4 < D / BV; ++q4) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < D * BV; e += NT) {
+          const int r = e / BV, c = e % BV;
+          Xs[r * LDV + c] = dSL[r * D + q4 * BV + c];
+        }
+        __syncthreads();
+        R.mma<false, true, BV>(Us + q4 * BV, LDD, Xs, LDV);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = R.row(i);
+        float kr = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dK.a[i][j] += eL[r] * R.a[i][j];
+          kr += Ks[r * LDD + R.col(j)] * R.a[i][j];
+        }
+        kr = R.row_sum(kr);
+        if (R.row_leader()) {
+          dG[r] -= eL[r] * kr;
+          lastrow[r] = eL[r] * kr;
+        }
+      }
+    }
+    {  // <S0, dSL>, reduced deterministically
+      float acc = 0.f;
+      for (int e = threadIdx.x; e < D * D; e += NT) acc += S0[e] * dSL[e];
+      red[threadIdx.x] = acc;
+    }
+    __syncthreads();  // Xs free again; red and lastrow complete
+    {  // masked C x C products: dA, dP, A, P -> M1 = dP . Dec, M2 = beta dA . Dec, E
+      Tile<C, C, 4, 4> t1, t2, t3, t4;
+      t1.zero();
+      t2.zero();
+      t3.zero();
+      t4.zero();
+      t1.mma<false, true, D>(dVs, LDD, Us, LDD);
+      t2.mma<false, true, D>(dOs, LDD, Us, LDD);
+      t3.mma<false, true, D>(Ks, LDD, Ks, LDD);
+      t4.mma<false, true, D>(Qs, LDD, Ks, LDD);
+      float* E = Xs;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = t1.row(i);
+        float dbp = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int s = t1.col(j);
+          const float dec = s <= r ? __expf(Gs[r] - Gs[s]) : 0.f;
+          const float dA = s < r ? -t1.a[i][j] : 0.f;
+          const float dP = s <= r ? p.scale * t2.a[i][j] : 0.f;
+          const float A = s < r ? bs[r] * t3.a[i][j] * dec : 0.f;
+          const float P = t4.a[i][j] * dec;
+          M1[r * LDC + s] = dP * dec;
+          M2[r * LDC + s] = bs[r] * dA * dec;
+          dbp += dA * t3.a[i][j] * dec;
+          E[r * LDC + s] = dA * A + dP * P;
+        }
+        dbp = t1.row_sum(dbp);
+        if (t1.row_leader()) db[r] += dbp;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < C) {  // dG_r += rowsum(E)_r - colsum(E)_r
+      const int r = threadIdx.x;
+      const float* E = Xs;
+      float acc = 0.f;
+      for (int s = 0; s < C; ++s) acc += E[r * LDC + s] - E[s * LDC + r];
+      dG[r] += acc;
+    }
+    dQ.mma<false, false, C>(M1, LDC, Ks, LDD);
+    dK.mma<true, false, C>(M1, LDC, Qs, LDD);
+    dK.mma<false, false, C>(M2, LDC, Ks, LDD);
+    dK.mma<true, false, C>(M2, LDC, Ks, LDD);
+    {  // dv = beta dVt and dbeta += v . dVt; four threads per row
+      const int r = threadIdx.x / 4, part = threadIdx.x % 4;
+      float vd = 0.f;
+      if (r < L) {
+        const In* vrow = static_cast<const In*>(p.v) + ((tok0 + r) * p.Hv + h) * D;
+        In* dvrow = static_cast<In*>(p.dv) + ((tok0 + r) * p.Hv + h) * D;
+        for (int c = part * 32; c < part * 32 + 32; ++c) {
+          const float d = dVs[r * LDD + c];
+          vd += to_f(vrow[c]) * d;
+          dvrow[c] = from_f<In>(bs[r] * d);
+        }
+      }
+      vd += __shfl_xor_sync(0xffffffffu, vd, 1);
+      vd += __shfl_xor_sync(0xffffffffu, vd, 2);
+      __syncthreads();  // dG column sums done before the serial pass below
+      if (part == 0 && r < L) db[r] += vd;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // last-row terms, then dg = reverse cumsum of dG
+      float last = 0.f, s0ds = 0.f;
+      for (int r = 0; r < C; ++r) last += lastrow[r];
+      for (int t = 0; t < NT; ++t) s0ds += red[t];
+      dG[L - 1] += last + gam[L - 1] * s0ds;
+      float run = 0.f;
+      for (int r = L - 1; r >= 0; --r) {
+        run += dG[r];
+        store_scalar(p.dg, p.g_dtype, (tok0 + r) * p.Hv + h, run);
+        store_scalar(p.dbeta, p.beta_dtype, (tok0 + r) * p.Hv + h, db[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int r = dQ.row(i), c = dQ.col(j);
+      if (r < L) {
+        const int64_t idx = ((tok0 + r) * p.Hqk + hq) * D + c;
+        static_cast<In*>(p.dq)[idx] = from_f<In>(dQ.a[i][j]);
+        static_cast<In*>(p.dk)[idx] = from_f<In>(dK.a[i][j]);
+      }
+    }
+}
+
+}  // namespace cuda
+}  // namespace flashgdn

@@ -1,0 +1,273 @@
+// Launch code of the CUDA backend: workspace layout, kernel configuration and
+// the order of launches for the forward and the backward. Everything is enqueued
+// on the caller's stream; nothing here waits for the device.
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <string>
+
+#include "../backends.h"
+#include "bwd_kernels.cuh"
+#include "fwd_kernels.cuh"
+#include "planner.cuh"
+
+namespace flashgdn {
+namespace {
+
+using namespace cuda;
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw Error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+}
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Carves the workspace into fp32/int arrays; the same walk sizes it (base == null).
+struct Carver {
+  char* base;
+  size_t used = 0;
+  template <typename T>
+  T* take(size_t count) {
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += align_up(count * sizeof(T));
+    return p;
+  }
+};
+
+struct FwdBuffers {
+  int64_t* chunk_offsets;
+  int* error;
+  float *G, *W, *U0;
+};
+struct BwdBuffers {
+  FwdBuffers f;
+  float *Tmat, *U, *dVt, *h, *dh;
+};
+
+FwdBuffers carve_fwd(const Problem& p, Carver& c) {
+  FwdBuffers b;
+  const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
+  b.chunk_offsets = c.take<int64_t>(p.N + 1);
+  b.error = c.take<int>(1);
+  b.G = c.take<float>(tokheads);
+  b.W = c.take<float>(tokheads * D);
+  b.U0 = c.take<float>(tokheads * D);
+  return b;
+}
+
+BwdBuffers carve_bwd(const Problem& p, Carver& c) {
+  BwdBuffers b;
+  b.f = carve_fwd(p, c);
+  const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
+  const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D;
+  b.Tmat = c.take<float>(tokheads * C);
+  b.U = c.take<float>(tokheads * D);
+  b.dVt = c.take<float>(tokheads * D);
+  b.h = c.take<float>(states);
+  b.dh = c.take<float>(states);
+  return b;
+}
+
+SeqLayout seq_layout(const Problem& p, const FwdBuffers& b) {
+  SeqLayout s;
+  s.cu_seqlens = p.cu_seqlens;
+  s.cu_is64 = p.cu_dtype == FLASHGDN_DTYPE_I64;
+  s.T = p.T;
+  s.N = p.N;
+  s.chunk_offsets = p.varlen() ? b.chunk_offsets : nullptr;
+  s.error = p.varlen() ? b.error : nullptr;
+  return s;
+}
+
+template <typename K>
+void set_smem(K kernel, size_t bytes) {
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             "cudaFuncSetAttribute");
+}
+
+// Makes `device` current for the scope of a call.
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
+    if (prev != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+  }
+};
+
+template <typename T>
+void poison(void* out, int64_t n, const int* error, cudaStream_t st) {
+  if (out == nullptr || n == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 1024));
+  poison_kernel<T><<<blocks, 256, 0, st>>>(static_cast<T*>(out), n, error);
+}
+
+void poison_dtype(void* out, flashgdn_dtype t, int64_t n, const int* error, cudaStream_t st) {
+  if (t == FLASHGDN_DTYPE_F32) poison<float>(out, n, error, st);
+  else if (t == FLASHGDN_DTYPE_BF16) poison<__nv_bfloat16>(out, n, error, st);
+  else poison<__half>(out, n, error, st);
+}
+
+void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, cudaStream_t st) {
+  if (!p.varlen()) return;
+  plan_kernel<<<1, kPlanThreads, 0, st>>>(s, p.TT, b.chunk_offsets, b.error);
+  check_cuda(cudaGetLastError(), "plan_kernel launch");
+}
+
+FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) {
+  FwdParams f{};
+  f.seqs = s;
+  f.Hqk = p.Hqk;
+  f.Hv = p.Hv;
+  f.scale = p.scale;
+  f.q = p.q;
+  f.k = p.k;
+  f.v = p.v;
+  f.g = p.g;
+  f.beta = p.beta;
+  f.g_dtype = p.g_dtype;
+  f.beta_dtype = p.beta_dtype;
+  f.h0 = p.h0;
+  f.G = b.G;
+  f.W = b.W;
+  f.U0 = b.U0;
+  return f;
+}
+
+// wy_kernel then state_fwd_kernel; `f` says which optional outputs are written.
+template <typename In>
+void launch_forward_passes(const Problem& p, const FwdParams& f, cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    set_smem(wy_kernel<In>, kWySmem);
+    set_smem(state_fwd_kernel<In>, kStateFwdSmem);
+  });
+  if (p.max_chunks() > 0) {
+    wy_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv)), NT,
+                    kWySmem, st>>>(f);
+    check_cuda(cudaGetLastError(), "wy_kernel launch");
+  }
+  if (p.N > 0) {
+    state_fwd_kernel<In><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BV),
+                           NT, kStateFwdSmem, st>>>(f);
+    check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
+  }
+}
+
+template <typename In>
+void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
+  Carver c{static_cast<char*>(ws)};
+  const FwdBuffers b = carve_fwd(p, c);
+  const SeqLayout s = seq_layout(p, b);
+  run_planner(p, s, b, st);
+  FwdParams f = fwd_params(p, s, b);
+  f.o = out.o;
+  f.ht = out.final_state;
+  launch_forward_passes<In>(p, f, st);
+  if (p.varlen()) {
+    poison_dtype(out.o, p.qkv_dtype, p.TT * p.Hv * D, b.error, st);
+    poison<float>(out.final_state, out.final_state ? p.N * p.Hv * D * D : 0, b.error, st);
+    check_cuda(cudaGetLastError(), "poison_kernel launch");
+  }
+}
+
+template <typename In>
+void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    set_smem(state_bwd_kernel<In>, kStateBwdSmem);
+    set_smem(grad_chunk_kernel<In>, kGradSmem);
+  });
+  Carver c{static_cast<char*>(ws)};
+  const BwdBuffers b = carve_bwd(p, c);
+  const SeqLayout s = seq_layout(p, b.f);
+  run_planner(p, s, b.f, st);
+  FwdParams f = fwd_params(p, s, b.f);
+  f.Tmat = b.Tmat;
+  f.h = b.h;
+  f.U = b.U;
+  launch_forward_passes<In>(p, f, st);
+
+  BwdParams g{};
+  g.seqs = s;
+  g.Hqk = p.Hqk;
+  g.Hv = p.Hv;
+  g.scale = p.scale;
+  g.q = p.q;
+  g.k = p.k;
+  g.v = p.v;
+  g.beta = p.beta;
+  g.d_o = io.d_o;
+  g.g_dtype = p.g_dtype;
+  g.beta_dtype = p.beta_dtype;
+  g.dht = io.d_final_state;
+  g.G = b.f.G;
+  g.Tmat = b.Tmat;
+  g.U = b.U;
+  g.h = b.h;
+  g.dh = b.dh;
+  g.dVt = b.dVt;
+  g.dh0 = io.dh0;
+  g.dq = io.dq;
+  g.dk = io.dk;
+  g.dv = io.dv;
+  g.dg = io.dg;
+  g.dbeta = io.dbeta;
+  if (p.N > 0) {
+    state_bwd_kernel<In><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BV),
+                           NT, kStateBwdSmem, st>>>(g);
+    check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
+  }
+  if (p.max_chunks() > 0) {
+    grad_chunk_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()),
+                                 static_cast<unsigned>(p.Hqk)),
+                            NT, kGradSmem, st>>>(g);
+    check_cuda(cudaGetLastError(), "grad_chunk_kernel launch");
+  }
+  if (p.varlen()) {
+    const int64_t qk = p.TT * p.Hqk * D, vv = p.TT * p.Hv * D, gg = p.TT * p.Hv;
+    poison_dtype(io.dq, p.qkv_dtype, qk, b.f.error, st);
+    poison_dtype(io.dk, p.qkv_dtype, qk, b.f.error, st);
+    poison_dtype(io.dv, p.qkv_dtype, vv, b.f.error, st);
+    poison_dtype(io.dg, p.g_dtype, gg, b.f.error, st);
+    poison_dtype(io.dbeta, p.beta_dtype, gg, b.f.error, st);
+    poison<float>(io.dh0, io.dh0 ? p.N * p.Hv * D * D : 0, b.f.error, st);
+    check_cuda(cudaGetLastError(), "poison_kernel launch");
+  }
+}
+
+}  // namespace
+
+size_t cuda_fwd_workspace_bytes(const Problem& p) {
+  Carver c{nullptr};
+  carve_fwd(p, c);
+  return c.used;
+}
+
+size_t cuda_bwd_workspace_bytes(const Problem& p) {
+  Carver c{nullptr};
+  carve_bwd(p, c);
+  return c.used;
+}
+
+void cuda_fwd(const Problem& p, const FwdOutputs& out, void* ws, void* stream) {
+  DeviceGuard guard(p.device_id);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (p.qkv_dtype == FLASHGDN_DTYPE_BF16) forward<__nv_bfloat16>(p, out, ws, st);
+  else forward<__half>(p, out, ws, st);
+}
+
+void cuda_bwd(const Problem& p, const BwdIO& io, void* ws, void* stream) {
+  DeviceGuard guard(p.device_id);
+  auto st = static_cast<cudaStream_t>(stream);
+  if (p.qkv_dtype == FLASHGDN_DTYPE_BF16) backward<__nv_bfloat16>(p, io, ws, st);
+  else backward<__half>(p, io, ws, st);
+}
+
+}  // namespace flashgdn

@@ -1,0 +1,261 @@
+// Validation of every argument of the forward and backward calls. Each failure
+// throws flashgdn::Error with a message that names the argument and what was
+// expected. cu_seqlens values are checked here only when they live on the host;
+// on the GPU they are checked by the planner kernel (no host-device sync).
+#include "problem.h"
+
+#include <cmath>
+#include <sstream>
+#include <vector>
+
+namespace flashgdn {
+
+const char* dtype_name(flashgdn_dtype d) {
+  switch (d) {
+    case FLASHGDN_DTYPE_F32: return "float32";
+    case FLASHGDN_DTYPE_F16: return "float16";
+    case FLASHGDN_DTYPE_BF16: return "bfloat16";
+    case FLASHGDN_DTYPE_I32: return "int32";
+    case FLASHGDN_DTYPE_I64: return "int64";
+    default: return "unsupported dtype";
+  }
+}
+
+namespace {
+
+std::string shape_str(const flashgdn_tensor& t) {
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
+  s << "]";
+  return s.str();
+}
+
+std::string shape_str(std::initializer_list<int64_t> dims) {
+  std::ostringstream s;
+  s << "[";
+  int i = 0;
+  for (int64_t d : dims) s << (i++ ? ", " : "") << d;
+  s << "]";
+  return s.str();
+}
+
+[[noreturn]] void fail(const std::string& msg) { throw Error(msg); }
+
+bool present(const flashgdn_tensor& t) { return t.data != nullptr; }
+
+void require_present(const flashgdn_tensor& t, const char* name) {
+  if (!present(t)) fail(std::string(name) + " is required but was not given");
+}
+
+void check_contiguous(const flashgdn_tensor& t, const char* name) {
+  int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expected)
+      fail(std::string(name) + " must be contiguous (row-major); got shape " + shape_str(t) +
+           " with a non-contiguous stride in dim " + std::to_string(i));
+    expected *= t.shape[i];
+  }
+}
+
+void check_shape(const flashgdn_tensor& t, const char* name, std::initializer_list<int64_t> dims,
+                 const char* meaning) {
+  bool ok = t.ndim == static_cast<int>(dims.size());
+  int i = 0;
+  for (int64_t d : dims) {
+    if (!ok) break;
+    ok = t.shape[i++] == d;
+  }
+  if (!ok)
+    fail(std::string(name) + " must have shape " + shape_str(dims) + " " + meaning + ", got " +
+         shape_str(t));
+}
+
+void check_device(const flashgdn_tensor& t, const char* name, const Problem& p) {
+  if (t.device != p.device || (t.device == FLASHGDN_DEVICE_CUDA && t.device_id != p.device_id))
+    fail(std::string(name) + " must be on the same device as q (" +
+         (p.device == FLASHGDN_DEVICE_CPU ? std::string("cpu")
+                                          : "cuda:" + std::to_string(p.device_id)) +
+         ")");
+}
+
+void check_dtype_in(const flashgdn_tensor& t, const char* name,
+                    std::initializer_list<flashgdn_dtype> allowed) {
+  for (auto d : allowed)
+    if (t.dtype == d) return;
+  std::string list;
+  for (auto d : allowed) list += std::string(list.empty() ? "" : " or ") + dtype_name(d);
+  fail(std::string(name) + " must have dtype " + list + ", got " + dtype_name(t.dtype));
+}
+
+// Like `ref` in shape and dtype (outputs and gradients that mirror an input).
+void check_like(const flashgdn_tensor& t, const char* name, const flashgdn_tensor& ref,
+                const char* ref_name, const Problem& p) {
+  require_present(t, name);
+  bool same = t.ndim == ref.ndim;
+  for (int i = 0; same && i < t.ndim; ++i) same = t.shape[i] == ref.shape[i];
+  if (!same)
+    fail(std::string(name) + " must have the shape of " + ref_name + " " + shape_str(ref) +
+         ", got " + shape_str(t));
+  if (t.dtype != ref.dtype)
+    fail(std::string(name) + " must have the dtype of " + ref_name + " (" + dtype_name(ref.dtype) +
+         "), got " + dtype_name(t.dtype));
+  check_device(t, name, p);
+  check_contiguous(t, name);
+}
+
+void check_state(const flashgdn_tensor& t, const char* name, const Problem& p) {
+  check_dtype_in(t, name, {FLASHGDN_DTYPE_F32});
+  check_shape(t, name, {p.N, p.Hv, kHeadDim, kHeadDim}, "(N sequences, H_v, K, V)");
+  check_device(t, name, p);
+  check_contiguous(t, name);
+}
+
+template <typename I>
+void check_cu_values(const I* cu, int64_t n1, int64_t total) {
+  if (cu[0] != 0) fail("cu_seqlens[0] must be 0, got " + std::to_string(cu[0]));
+  for (int64_t i = 1; i < n1; ++i)
+    if (cu[i] < cu[i - 1])
+      fail("cu_seqlens must be non-decreasing; cu_seqlens[" + std::to_string(i) + "] = " +
+           std::to_string(cu[i]) + " < cu_seqlens[" + std::to_string(i - 1) + "] = " +
+           std::to_string(cu[i - 1]));
+  if (cu[n1 - 1] != total)
+    fail("cu_seqlens[-1] must equal the number of tokens T = " + std::to_string(total) + ", got " +
+         std::to_string(cu[n1 - 1]));
+}
+
+// Checks the inputs shared by forward and backward and fills the Problem.
+Problem validate_inputs(const flashgdn_tensor& q, const flashgdn_tensor& k,
+                        const flashgdn_tensor& v, const flashgdn_tensor& g,
+                        const flashgdn_tensor& beta, const flashgdn_tensor& h0,
+                        const flashgdn_tensor& cu, float scale) {
+  Problem p;
+  require_present(q, "q");
+  require_present(k, "k");
+  require_present(v, "v");
+  require_present(g, "g");
+  require_present(beta, "beta");
+  if (q.device != FLASHGDN_DEVICE_CPU && q.device != FLASHGDN_DEVICE_CUDA)
+    fail("q must be on a CPU or CUDA device");
+  p.device = q.device;
+  p.device_id = q.device_id;
+#ifndef FLASHGDN_WITH_CUDA
+  if (p.device == FLASHGDN_DEVICE_CUDA)
+    fail("q is a CUDA tensor but this flashgdn build has no CUDA backend (built without nvcc)");
+#endif
+  if (q.ndim != 4)
+    fail("q must be 4-D [B, T, H_qk, K], got " + std::to_string(q.ndim) + "-D " + shape_str(q));
+  check_dtype_in(q, "q", {FLASHGDN_DTYPE_BF16, FLASHGDN_DTYPE_F16});
+  p.B = q.shape[0];
+  p.T = q.shape[1];
+  p.Hqk = q.shape[2];
+  p.TT = p.B * p.T;
+  p.qkv_dtype = q.dtype;
+  if (q.shape[3] != kHeadDim)
+    fail("q.shape[-1] (head dim K) must be 128, got " + std::to_string(q.shape[3]));
+  if (p.Hqk < 1) fail("q must have at least one head (H_qk >= 1)");
+  check_contiguous(q, "q");
+  check_like(k, "k", q, "q", p);
+  if (v.ndim != 4)
+    fail("v must be 4-D [B, T, H_v, V], got " + std::to_string(v.ndim) + "-D " + shape_str(v));
+  if (v.shape[3] != kHeadDim)
+    fail("v.shape[-1] (head dim V) must be 128, got " + std::to_string(v.shape[3]));
+  p.Hv = v.shape[2];
+  check_shape(v, "v", {p.B, p.T, p.Hv, kHeadDim}, "(B, T, H_v, V) with B, T of q");
+  if (v.dtype != q.dtype)
+    fail(std::string("v must have the dtype of q (") + dtype_name(q.dtype) + "), got " +
+         dtype_name(v.dtype));
+  check_device(v, "v", p);
+  check_contiguous(v, "v");
+  if (p.Hv < 1 || p.Hv % p.Hqk != 0)
+    fail("the number of value heads H_v = " + std::to_string(p.Hv) +
+         " must be a positive multiple of the number of q/k heads H_qk = " +
+         std::to_string(p.Hqk));
+  const auto gate_dtypes = {FLASHGDN_DTYPE_F32, FLASHGDN_DTYPE_BF16, FLASHGDN_DTYPE_F16};
+  check_dtype_in(g, "g", gate_dtypes);
+  check_shape(g, "g", {p.B, p.T, p.Hv}, "(B, T, H_v)");
+  check_device(g, "g", p);
+  check_contiguous(g, "g");
+  check_dtype_in(beta, "beta", gate_dtypes);
+  check_shape(beta, "beta", {p.B, p.T, p.Hv}, "(B, T, H_v)");
+  check_device(beta, "beta", p);
+  check_contiguous(beta, "beta");
+  p.g = g.data;
+  p.beta = beta.data;
+  p.g_dtype = g.dtype;
+  p.beta_dtype = beta.dtype;
+  p.q = q.data;
+  p.k = k.data;
+  p.v = v.data;
+
+  if (present(cu)) {
+    if (cu.ndim != 1 || cu.shape[0] < 2)
+      fail("cu_seqlens must be 1-D with N + 1 >= 2 entries, got shape " + shape_str(cu));
+    check_dtype_in(cu, "cu_seqlens", {FLASHGDN_DTYPE_I32, FLASHGDN_DTYPE_I64});
+    check_device(cu, "cu_seqlens", p);
+    check_contiguous(cu, "cu_seqlens");
+    if (p.B != 1)
+      fail("with cu_seqlens the batch size must be 1 (packed sequences), got B = " +
+           std::to_string(p.B));
+    if (cu.dtype == FLASHGDN_DTYPE_I32 && p.TT > INT32_MAX)
+      fail("cu_seqlens is int32 but T exceeds the int32 range; pass int64");
+    p.N = cu.shape[0] - 1;
+    p.cu_seqlens = cu.data;
+    p.cu_dtype = cu.dtype;
+    if (p.device == FLASHGDN_DEVICE_CPU) {
+      if (cu.dtype == FLASHGDN_DTYPE_I32)
+        check_cu_values(static_cast<const int32_t*>(cu.data), cu.shape[0], p.TT);
+      else
+        check_cu_values(static_cast<const int64_t*>(cu.data), cu.shape[0], p.TT);
+    }
+  } else {
+    p.N = p.B;
+  }
+  if (present(h0)) {
+    check_state(h0, "initial_state", p);
+    p.h0 = static_cast<const float*>(h0.data);
+  }
+  if (!std::isfinite(scale)) fail("scale must be finite");
+  p.scale = scale > 0.f ? scale : 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  return p;
+}
+
+}  // namespace
+
+Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out) {
+  Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale);
+  check_like(a.o, "o", a.v, "v", p);
+  out->o = a.o.data;
+  if (present(a.final_state)) {
+    check_state(a.final_state, "final_state", p);
+    out->final_state = static_cast<float*>(a.final_state.data);
+  }
+  return p;
+}
+
+Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
+  Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale);
+  check_like(a.d_o, "do", a.v, "v (do is the gradient of o)", p);
+  io->d_o = a.d_o.data;
+  if (present(a.d_final_state)) {
+    check_state(a.d_final_state, "dht", p);
+    io->d_final_state = static_cast<const float*>(a.d_final_state.data);
+  }
+  check_like(a.dq, "dq", a.q, "q", p);
+  check_like(a.dk, "dk", a.k, "k", p);
+  check_like(a.dv, "dv", a.v, "v", p);
+  check_like(a.dg, "dg", a.g, "g", p);
+  check_like(a.dbeta, "dbeta", a.beta, "beta", p);
+  io->dq = a.dq.data;
+  io->dk = a.dk.data;
+  io->dv = a.dv.data;
+  io->dg = a.dg.data;
+  io->dbeta = a.dbeta.data;
+  if (present(a.dh0)) {
+    check_state(a.dh0, "dh0", p);
+    io->dh0 = static_cast<float*>(a.dh0.data);
+  }
+  return p;
+}
+
+}  // namespace flashgdn

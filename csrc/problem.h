@@ -1,0 +1,61 @@
+// Problem description and validation: turns the C API's tensor descriptors into
+// one checked `Problem` (sizes, dtypes, pointers) that every backend consumes.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "flashgdn/flashgdn.h"
+
+namespace flashgdn {
+
+constexpr int kHeadDim = 128;  // K = V = 128
+constexpr int kChunk = 64;     // chunk length of the WY form
+
+// Raised for invalid arguments; the C API turns it into an error code + message.
+struct Error : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+struct Problem {
+  int64_t B = 0, T = 0;  // batch and padded length of the [B, T, ...] inputs
+  int64_t TT = 0;        // B * T flattened tokens
+  int64_t Hqk = 0, Hv = 0;
+  int64_t N = 0;         // number of sequences
+  float scale = 0.f;
+  flashgdn_dtype qkv_dtype = FLASHGDN_DTYPE_BF16;
+  flashgdn_dtype g_dtype = FLASHGDN_DTYPE_F32, beta_dtype = FLASHGDN_DTYPE_F32;
+  flashgdn_dtype cu_dtype = FLASHGDN_DTYPE_I32;
+  flashgdn_device device = FLASHGDN_DEVICE_CPU;
+  int device_id = 0;
+  const void *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr;
+  const float* h0 = nullptr;       // optional
+  const void* cu_seqlens = nullptr;  // optional (varlen)
+
+  bool varlen() const { return cu_seqlens != nullptr; }
+  int64_t group() const { return Hv / Hqk; }
+  // Upper bound on the number of 64-token chunks over all sequences (exact without varlen).
+  int64_t max_chunks() const {
+    return varlen() ? (TT + kChunk - 1) / kChunk + N : B * ((T + kChunk - 1) / kChunk);
+  }
+};
+
+struct FwdOutputs {
+  void* o = nullptr;
+  float* final_state = nullptr;  // optional
+};
+
+struct BwdIO {
+  const void* d_o = nullptr;
+  const float* d_final_state = nullptr;  // optional
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dg = nullptr, *dbeta = nullptr;
+  float* dh0 = nullptr;  // optional
+};
+
+Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out);
+Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io);
+
+const char* dtype_name(flashgdn_dtype d);
+
+}  // namespace flashgdn

@@ -1,0 +1,257 @@
+"""PyTorch front end: custom ops (autograd, fake/meta kernels, CUDA graphs, torch.compile).
+
+The native core (``flashgdn._C``) takes DLPack tensors and preallocated outputs; this
+module allocates outputs and the CUDA workspace with torch's allocator and passes the
+current stream, so each call is asynchronous and graph-capturable.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+_HEAD_DIM = 128
+_EMPTY_SHAPE = (0,)
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _workspace(nbytes: int, like: Tensor) -> Optional[Tensor]:
+    return torch.empty(nbytes, dtype=torch.uint8, device=like.device) if nbytes > 0 else None
+
+
+def _d(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Detached view for DLPack export (which refuses tensors that require grad)."""
+    return None if t is None else t.detach()
+
+
+def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> Tuple[int, ...]:
+    return (_num_seqs(q, cu_seqlens), v.shape[2], _HEAD_DIM, _HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------- forward op
+
+
+@torch.library.custom_op("flashgdn::chunk_gdn_fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    output_final_state: bool,
+) -> Tuple[Tensor, Tensor]:
+    o = torch.empty_like(v)
+    ht = (
+        torch.empty(_state_shape(q, v, cu_seqlens), dtype=torch.float32, device=q.device)
+        if output_final_state
+        else None
+    )
+    args = (_d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale, o, ht)
+    ws = _workspace(_C.fwd_workspace_size(*args), q)
+    _C.fwd(*args, ws, _stream(q))
+    if ht is None:
+        ht = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return o, ht
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+    o = torch.empty_like(v)
+    shape = _state_shape(q, v, cu_seqlens) if output_final_state else _EMPTY_SHAPE
+    return o, q.new_empty(shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------- backward op
+
+
+@torch.library.custom_op("flashgdn::chunk_gdn_bwd", mutates_args=())
+def _bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    do: Tensor,
+    dht: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    args = (
+        _d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale,
+        _d(do).contiguous(), None if dht is None else _d(dht).contiguous(),
+        dq, dk, dv, dg, dbeta, dh0,
+    )
+    ws = _workspace(_C.bwd_workspace_size(*args), q)
+    _C.bwd(*args, ws, _stream(q))
+    if dh0 is None:
+        dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+@_bwd_op.register_fake
+def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(
+        _EMPTY_SHAPE, dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale = scale
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    if not ctx.output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
+                                         do, dht)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------ public API
+
+
+def _require_tensor(name: str, x: object, optional: bool = False) -> None:
+    if x is None and optional:
+        return
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _resolve_scale(scale: Optional[float]) -> float:
+    if scale is None:
+        return _HEAD_DIM ** -0.5
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    return float(scale)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Gated DeltaNet over chunks of 64 tokens (forward; differentiable).
+
+    Per value head, with state S (K x V): S = exp(g_t) S; u = beta_t (v_t - S^T k_t);
+    S = S + k_t u^T; o_t = scale S^T q_t.
+
+    Args:
+        q, k: [B, T, H_qk, 128], bf16 or fp16.
+        v: [B, T, H_v, 128], dtype of q; H_v a multiple of H_qk (grouped heads).
+        g: [B, T, H_v] log-decay (<= 0), fp32/bf16/fp16.
+        beta: [B, T, H_v], fp32/bf16/fp16.
+        scale: defaults to 128 ** -0.5.
+        initial_state: [N, H_v, 128, 128] fp32, N = B (or number of sequences).
+        output_final_state: also return the final states [N, H_v, 128, 128] fp32.
+        cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (then B == 1).
+        use_qk_l2norm_in_kernel: l2-normalise q and k over the head dim first.
+
+    Returns:
+        (o [B, T, H_v, 128] in the dtype of v, final_state or None).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_tensor(name, x)
+    _require_tensor("initial_state", initial_state, optional=True)
+    _require_tensor("cu_seqlens", cu_seqlens, optional=True)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
+                    bool(output_final_state))
+    return o, (ht if output_final_state else None)
+
+
+def chunk_gated_delta_rule_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Forward only, no autograd graph: returns (o, final_state or None)."""
+    with torch.no_grad():
+        o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
+                        bool(output_final_state))
+    return o, (ht if output_final_state else None)
+
+
+def chunk_gated_delta_rule_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    do: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    dht: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Backward: gradients (dq, dk, dv, dg, dbeta, dh0 or None) given do (and dht)."""
+    with torch.no_grad():
+        dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, _resolve_scale(scale),
+                                             initial_state, cu_seqlens, do, dht)
+    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, total_tokens: int) -> None:
+    """Validates cu_seqlens values on the host (synchronises; for debugging, not the hot path).
+
+    The kernels check cu_seqlens on the device without a sync and write NaN to every output
+    when it is invalid; this helper raises a ValueError that says what is wrong.
+    """
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if cu.ndim != 1 or cu.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {tuple(cu.shape)}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
+    bad = torch.nonzero(cu[1:] < cu[:-1])
+    if bad.numel():
+        i = int(bad[0]) + 1
+        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i}] = {int(cu[i])} "
+                         f"< cu_seqlens[{i - 1}] = {int(cu[i - 1])}")
+    if int(cu[-1]) != total_tokens:
+        raise ValueError(f"cu_seqlens[-1] must equal the number of tokens T = {total_tokens}, "
+                         f"got {int(cu[-1])}")
