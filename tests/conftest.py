@@ -1,0 +1,121 @@
+"""Shared fixtures: input generation, the float64 reference, error metrics, devices.
+
+GPU tests run whenever torch sees a CUDA device and are skipped, loudly, only when
+none is present. A CUDA device with a flashgdn build that lacks the CUDA backend
+is a failure, not a skip.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import List, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashgdn
+from flashgdn.reference import recurrent_gated_delta_rule_ref
+
+HAS_GPU = torch.cuda.is_available()
+NO_GPU_REASON = "no CUDA device present: GPU test SKIPPED (run on a GPU machine to cover it)"
+
+
+def pytest_report_header(config):
+    if HAS_GPU:
+        return [f"flashgdn {flashgdn.__version__}: GPU {torch.cuda.get_device_name()} "
+                f"(CUDA backend built: {flashgdn.HAS_CUDA})"]
+    return ["!" * 78, "flashgdn: NO CUDA DEVICE -- every GPU test will be SKIPPED", "!" * 78]
+
+
+def pytest_configure(config):
+    if not HAS_GPU:
+        warnings.warn("flashgdn tests: no CUDA device, GPU tests are skipped", stacklevel=1)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                               pytest.mark.skipif(not HAS_GPU,
+                                                                  reason=NO_GPU_REASON)])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    if request.param == "cuda":
+        assert flashgdn.HAS_CUDA, "a CUDA device is present but flashgdn was built without CUDA"
+    return request.param
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    lens: List[int]            # sequence lengths
+    hqk: int
+    hv: int
+    varlen: bool = True        # packed with cu_seqlens (else B = len(lens), equal lengths)
+    h0: bool = True
+    gate: str = "normal"       # normal | zero_heads | all_zero | very_negative | mixed
+    dtype: torch.dtype = torch.bfloat16
+    gate_dtype: torch.dtype = torch.float32
+    cu_dtype: torch.dtype = torch.int32
+
+
+def make_inputs(case: Case, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(case.lens) if case.varlen else case.lens[0]
+    B = 1 if case.varlen else len(case.lens)
+    if not case.varlen:
+        assert all(n == T for n in case.lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = randn(B, T, case.hqk, 128)
+    k = F.normalize(randn(B, T, case.hqk, 128), dim=-1)
+    v = randn(B, T, case.hv, 128)
+    g = F.logsigmoid(randn(B, T, case.hv)) / 4
+    if case.gate in ("zero_heads", "mixed"):
+        g[..., ::4] = 0.0
+    if case.gate == "all_zero":
+        g.zero_()
+    if case.gate in ("very_negative", "mixed"):
+        g[..., 1::4] = -20.0 * torch.rand(B, T, len(range(1, case.hv, 4)), generator=gen) - 5.0
+    beta = torch.sigmoid(randn(B, T, case.hv))
+    N = len(case.lens)
+    h0 = randn(N, case.hv, 128, 128) * 0.1 if case.h0 else None
+    cu = None
+    if case.varlen:
+        cu = torch.tensor([0] + list(torch.tensor(case.lens).cumsum(0)), dtype=case.cu_dtype)
+    to = dict(device=device)
+    return dict(
+        q=q.to(case.dtype).to(**to), k=k.to(case.dtype).to(**to), v=v.to(case.dtype).to(**to),
+        g=g.to(case.gate_dtype).to(**to), beta=beta.to(case.gate_dtype).to(**to),
+        initial_state=None if h0 is None else h0.to(**to),
+        cu_seqlens=None if cu is None else cu.to(**to),
+    )
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    assert torch.isfinite(x).all(), "non-finite values in the result"
+    den = ref.norm().item()
+    return (x - ref).norm().item() / max(den, 1e-30)
+
+
+def reference(inp: dict, scale: Optional[float] = None):
+    return recurrent_gated_delta_rule_ref(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                          scale=scale, initial_state=inp["initial_state"],
+                                          cu_seqlens=inp["cu_seqlens"])
+
+
+CASES = [
+    Case("T1_single_token", [1], 1, 1, varlen=False),
+    Case("fixed_B2_T100_gva", [100, 100], 2, 4, varlen=False),
+    Case("varlen_1_63_64_65_1100", [1, 63, 64, 65, 1100], 1, 2),
+    Case("gva_2_8_mixed_gates", [130, 70], 2, 8, gate="mixed"),
+    Case("zero_gate_heads", [200], 1, 4, gate="zero_heads", h0=False),
+    Case("all_gates_zero", [129], 1, 2, gate="all_zero"),
+    Case("very_negative_gates", [150], 1, 2, gate="very_negative"),
+    Case("many_short_seqs", [1 + (7 * i) % 23 for i in range(40)], 1, 2, cu_dtype=torch.int64),
+    Case("fp16_bf16_gates", [97, 31], 2, 2, dtype=torch.float16, gate_dtype=torch.bfloat16),
+    Case("no_initial_state", [192], 2, 2, h0=False),
+]
