@@ -5,7 +5,6 @@
 #include "problem.h"
 
 #include <cmath>
-#include <sstream>
 #include <vector>
 
 namespace flashgdn {
@@ -23,21 +22,19 @@ const char* dtype_name(flashgdn_dtype d) {
 
 namespace {
 
-std::string shape_str(const flashgdn_tensor& t) {
-  std::ostringstream s;
-  s << "[";
-  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << "]";
-  return s.str();
+// Shapes are formatted with std::to_string only: iostreams inside an extension
+// module can crash when the host process carries another libstdc++ locale setup
+// (seen with torch on the device machine).
+std::string join_dims(const int64_t* dims, int n) {
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
 }
 
+std::string shape_str(const flashgdn_tensor& t) { return join_dims(t.shape, t.ndim); }
+
 std::string shape_str(std::initializer_list<int64_t> dims) {
-  std::ostringstream s;
-  s << "[";
-  int i = 0;
-  for (int64_t d : dims) s << (i++ ? ", " : "") << d;
-  s << "]";
-  return s.str();
+  return join_dims(dims.begin(), static_cast<int>(dims.size()));
 }
 
 [[noreturn]] void fail(const std::string& msg) { throw Error(msg); }
