@@ -41,7 +41,8 @@ BAD_CASES = [
      "initial_state must have shape"),
     ("h0_bf16", lambda a: {**a, "initial_state": a["initial_state"].bfloat16()},
      "initial_state must have dtype float32"),
-    ("cu_with_batch2", lambda a: {**a, "cu_seqlens": torch.tensor([0, 4, 8], dtype=torch.int32)},
+    ("cu_with_batch2", lambda a: {**a, "cu_seqlens": torch.tensor([0, 4, 8], dtype=torch.int32,
+                                                                device=a["q"].device)},
      "batch size must be 1"),
 ]
 
