@@ -61,10 +61,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
   float* bs = gam + C;           // [C]
 
   const int64_t state_off = (n * p.Hv + h) * D * D;
-  for (int e = threadIdx.x; e < D * BV; e += NT) {
-    const int r = e / BV, c = e % BV;
-    dSs[r * LDV + c] = p.dht ? p.dht[state_off + r * D + vb + c] : 0.f;
-  }
+  load_state_block(dSs, p.dht ? p.dht + state_off : nullptr, vb);
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
   const int64_t chunk0 = p.seqs.first_chunk(n);
   const int64_t nchunks = (len + C - 1) / C;
@@ -72,13 +69,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
     __syncthreads();
-    {
-      float* db = p.dh + ((chunk0 + ci) * p.Hv + h) * D * D;
-      for (int e = threadIdx.x; e < D * BV; e += NT) {
-        const int r = e / BV, c = e % BV;
-        db[r * D + vb + c] = dSs[r * LDV + c];
-      }
-    }
+    store_state_block(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, dSs, vb);
     load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
     load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
     load_rows(Ts, LDC, p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
@@ -96,18 +87,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
       eL[threadIdx.x] = __expf(Gs[C - 1] - Gs[threadIdx.x]);
       gam[threadIdx.x] = __expf(Gs[threadIdx.x]);
     }
-    {  // P = (Q K^T) . Dec
-      Tile<C, C, 4, 4> qk;
-      qk.zero();
-      qk.mma<false, true, D>(Qs, LDD, Ks, LDD);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = qk.row(i), s = qk.col(j);
-          Ps[r * LDC + s] = s <= r ? qk.a[i][j] * __expf(Gs[r] - Gs[s]) : 0.f;
-        }
-    }
+    decayed_qk(Ps, Qs, Ks, Gs);  // P = (Q K^T) . Dec
     __syncthreads();
     {  // dU = scale P^T dO + eL K dS
       Tile<C, BV, 2, 4> a, b;
@@ -156,11 +136,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
     }
   }
   __syncthreads();
-  if (p.dh0)
-    for (int e = threadIdx.x; e < D * BV; e += NT) {
-      const int r = e / BV, c = e % BV;
-      p.dh0[state_off + r * D + vb + c] = dSs[r * LDV + c];
-    }
+  if (p.dh0) store_state_block(p.dh0 + state_off, dSs, vb);
 }
 
 constexpr size_t kGradSmem =

@@ -159,5 +159,36 @@ struct Tile {
   __device__ __forceinline__ bool row_leader() const { return threadIdx.x % TX == 0; }
 };
 
+
+// Ps[r][s] = (Q K^T)[r, s] exp(G_r - G_s) for s <= r, else 0 (C x C, ld LDC).
+__device__ __forceinline__ void decayed_qk(float* Ps, const float* Qs, const float* Ks,
+                                           const float* Gs) {
+  Tile<C, C, 4, 4> qk;
+  qk.zero();
+  qk.mma<false, true, D>(Qs, LDD, Ks, LDD);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = qk.row(i), s = qk.col(j);
+      Ps[r * LDC + s] = s <= r ? qk.a[i][j] * __expf(Gs[r] - Gs[s]) : 0.f;
+    }
+}
+
+// A D x BV block (value columns vb..vb+BV) of a D x D state in global memory, to and
+// from shared memory (ld LDV). A null source reads as zeros.
+__device__ __forceinline__ void load_state_block(float* dst, const float* src, int vb) {
+  for (int e = threadIdx.x; e < D * BV; e += NT) {
+    const int r = e / BV, c = e % BV;
+    dst[r * LDV + c] = src ? src[r * D + vb + c] : 0.f;
+  }
+}
+__device__ __forceinline__ void store_state_block(float* dst, const float* src, int vb) {
+  for (int e = threadIdx.x; e < D * BV; e += NT) {
+    const int r = e / BV, c = e % BV;
+    dst[r * D + vb + c] = src[r * LDV + c];
+  }
+}
+
 }  // namespace cuda
 }  // namespace flashgdn

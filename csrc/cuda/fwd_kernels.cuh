@@ -148,23 +148,14 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   float* eL = Gs + C;           // [C]
 
   const int64_t state_off = (n * p.Hv + h) * D * D;
-  for (int e = threadIdx.x; e < D * BV; e += NT) {
-    const int r = e / BV, c = e % BV;
-    Ss[r * LDV + c] = p.h0 ? p.h0[state_off + r * D + vb + c] : 0.f;
-  }
+  load_state_block(Ss, p.h0 ? p.h0 + state_off : nullptr, vb);
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
   const int64_t chunk0 = p.seqs.first_chunk(n);
   for (int64_t c0 = 0; c0 < len; c0 += C) {
     const int64_t tok0 = start + c0;
     const int L = static_cast<int>(len - c0 < C ? len - c0 : C);
     __syncthreads();  // previous chunk done with every buffer
-    if (p.h) {
-      float* hb = p.h + ((chunk0 + c0 / C) * p.Hv + h) * D * D;
-      for (int e = threadIdx.x; e < D * BV; e += NT) {
-        const int r = e / BV, c = e % BV;
-        hb[r * D + vb + c] = Ss[r * LDV + c];
-      }
-    }
+    if (p.h) store_state_block(p.h + ((chunk0 + c0 / C) * p.Hv + h) * D * D, Ss, vb);
     load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
     load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
     load_rows(Ws, LDD, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
@@ -191,18 +182,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
           if (p.U && r < L) p.U[((tok0 + r) * p.Hv + h) * D + vb + c] = val;
         }
     }
-    {  // P = (Q K^T) . Dec
-      Tile<C, C, 4, 4> qk;
-      qk.zero();
-      qk.mma<false, true, D>(Qs, LDD, Ks, LDD);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = qk.row(i), s = qk.col(j);
-          Ps[r * LDC + s] = s <= r ? qk.a[i][j] * __expf(Gs[r] - Gs[s]) : 0.f;
-        }
-    }
+    decayed_qk(Ps, Qs, Ks, Gs);  // P = (Q K^T) . Dec
     __syncthreads();
     if (p.o) {  // O = scale (exp(G) Q S + P U)
       Tile<C, BV, 2, 4> o;
@@ -244,11 +224,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     }
   }
   __syncthreads();
-  if (p.ht)
-    for (int e = threadIdx.x; e < D * BV; e += NT) {
-      const int r = e / BV, c = e % BV;
-      p.ht[state_off + r * D + vb + c] = Ss[r * LDV + c];
-    }
+  if (p.ht) store_state_block(p.ht + state_off, Ss, vb);
 }
 
 }  // namespace cuda
