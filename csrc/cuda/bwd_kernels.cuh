@@ -2,12 +2,12 @@
 // recomputed first by wy_kernel (G, W, U0, T) and state_fwd_kernel (h: the
 // state entering every chunk, U); then:
 //
-// state_bwd_kernel  grid (N, H_v, V / 32), 256 threads, ~150 KB smem
-//   Reverse sequential pass for 32 value columns of one head, dS (128 x 32)
-//   in shared memory, starting from dht:
+// state_bwd_kernel<BW>  grid (N, H_v, 128 / BW), 256 threads, <= 150 KB smem
+//   Reverse sequential pass for BW value columns of one head, dS (128 x BW)
+//   in shared memory, starting from dht (P and T come from wy_kernel):
 //     dU  = scale P^T dO + diag(exp(G_last - G)) K dS,   dVt = T^T dU,
 //     dS <- exp(G_last) dS + (scale diag(exp G) Q)^T dO - (diag(beta exp G) K)^T dVt.
-//   reads  q, k, do, beta, G, T, dht    writes dh (dS leaving each chunk), dVt, dh0
+//   reads  q, k, do, beta, G, T, P, dht    writes dh (dS leaving each chunk), dVt, dh0
 //
 // grad_chunk_kernel grid (max_chunks, H_qk), 256 threads, ~212 KB smem
 //   All input gradients of one chunk for the value heads of one q/k head (so
@@ -30,6 +30,7 @@ struct BwdParams {
   const float* dht;   // [N, Hv, D, D] or null
   const float* G;     // [TT, Hv]
   const float* Tmat;  // [TT, Hv, C]
+  const float* Pmat;  // [TT, Hv, C] (Q K^T) . Dec
   const float* U;     // [TT, Hv, D]
   const float* h;     // [max_chunks, Hv, D, D]
   float* dh;          // [max_chunks, Hv, D, D]
@@ -38,30 +39,34 @@ struct BwdParams {
   void *dq, *dk, *dv, *dg, *dbeta;
 };
 
-constexpr size_t kStateBwdSmem =
-    sizeof(float) * (2 * C * LDD + 2 * C * LDC + 3 * C * LDV + D * LDV + 4 * C);
+template <int BW>
+constexpr size_t state_bwd_smem() {
+  return sizeof(float) * (2 * C * LDD + 2 * C * LDC + (3 * C + D) * (BW + 1) + 4 * C);
+}
 
-template <typename In>
+template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
   if (p.seqs.failed()) return;
+  using CB = ColBlock<BW>;
+  constexpr int LD = CB::LD, CN = CB::CN;
   const int64_t n = blockIdx.x, h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
-  const int vb = blockIdx.z * BV;
+  const int vb = blockIdx.z * BW;
   extern __shared__ float smem[];
   float* Qs = smem;              // [C][LDD]
   float* Ks = Qs + C * LDD;      // [C][LDD]
   float* Ts = Ks + C * LDD;      // [C][LDC]
   float* Ps = Ts + C * LDC;      // [C][LDC]
-  float* dOs = Ps + C * LDC;     // [C][LDV]
-  float* dUs = dOs + C * LDV;    // [C][LDV]
-  float* dVs = dUs + C * LDV;    // [C][LDV]
-  float* dSs = dVs + C * LDV;    // [D][LDV]
-  float* Gs = dSs + D * LDV;     // [C]
+  float* dOs = Ps + C * LDC;     // [C][LD]
+  float* dUs = dOs + C * LD;     // [C][LD]
+  float* dVs = dUs + C * LD;     // [C][LD]
+  float* dSs = dVs + C * LD;     // [D][LD]
+  float* Gs = dSs + D * LD;      // [C]
   float* eL = Gs + C;            // [C]
   float* gam = eL + C;           // [C]
   float* bs = gam + C;           // [C]
 
   const int64_t state_off = (n * p.Hv + h) * D * D;
-  load_state_block(dSs, p.dht ? p.dht + state_off : nullptr, vb);
+  load_state_block<BW>(dSs, p.dht ? p.dht + state_off : nullptr, vb);
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
   const int64_t chunk0 = p.seqs.first_chunk(n);
   const int64_t nchunks = (len + C - 1) / C;
@@ -69,12 +74,13 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
     __syncthreads();
-    store_state_block(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, dSs, vb);
+    store_state_block<BW>(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, dSs, vb);
     load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
     load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
     load_rows(Ts, LDC, p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
-    load_rows(dOs, LDV, static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L,
-              C, BV);
+    load_rows(Ps, LDC, p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
+    load_rows(dOs, LD, static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L,
+              C, BW);
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
       Gs[threadIdx.x] = p.G[(tok0 + r) * p.Hv + h];
@@ -87,56 +93,55 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
       eL[threadIdx.x] = __expf(Gs[C - 1] - Gs[threadIdx.x]);
       gam[threadIdx.x] = __expf(Gs[threadIdx.x]);
     }
-    decayed_qk(Ps, Qs, Ks, Gs);  // P = (Q K^T) . Dec
     __syncthreads();
     {  // dU = scale P^T dO + eL K dS
-      Tile<C, BV, 2, 4> a, b;
+      Tile<C, BW, 2, CN> a, b;
       a.zero();
-      a.mma<true, false, C>(Ps, LDC, dOs, LDV);
+      a.mma<true, false, C>(Ps, LDC, dOs, LD);
       b.zero();
-      b.mma<false, false, D>(Ks, LDD, dSs, LDV);
+      b.mma<false, false, D>(Ks, LDD, dSs, LD);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < CN; ++j) {
           const int r = a.row(i), c = a.col(j);
-          dUs[r * LDV + c] = p.scale * a.a[i][j] + eL[r] * b.a[i][j];
+          dUs[r * LD + c] = p.scale * a.a[i][j] + eL[r] * b.a[i][j];
         }
     }
     __syncthreads();
     {  // dVt = T^T dU
-      Tile<C, BV, 2, 4> t;
+      Tile<C, BW, 2, CN> t;
       t.zero();
-      t.mma<true, false, C>(Ts, LDC, dUs, LDV);
+      t.mma<true, false, C>(Ts, LDC, dUs, LD);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < CN; ++j) {
           const int r = t.row(i), c = t.col(j);
           if (r < L) p.dVt[((tok0 + r) * p.Hv + h) * D + vb + c] = t.a[i][j];
           // scaled for the state update below
-          dVs[r * LDV + c] = -bs[r] * gam[r] * t.a[i][j];
-          dOs[r * LDV + c] *= p.scale * gam[r];
+          dVs[r * LD + c] = -bs[r] * gam[r] * t.a[i][j];
+          dOs[r * LD + c] *= p.scale * gam[r];
         }
     }
     __syncthreads();
     {  // dS <- exp(G_last) dS + Q^T (scale gam dO) - K^T (beta gam dVt)
-      Tile<D, BV, 4, 4> st;
+      Tile<D, BW, 4, CN> st;
       st.zero();
-      st.mma<true, false, C>(Qs, LDD, dOs, LDV);
-      st.mma<true, false, C>(Ks, LDD, dVs, LDV);
+      st.mma<true, false, C>(Qs, LDD, dOs, LD);
+      st.mma<true, false, C>(Ks, LDD, dVs, LD);
       const float gl = __expf(Gs[C - 1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float& s = dSs[st.row(i) * LDV + st.col(j)];
+        for (int j = 0; j < CN; ++j) {
+          float& s = dSs[st.row(i) * LD + st.col(j)];
           s = gl * s + st.a[i][j];
         }
     }
   }
   __syncthreads();
-  if (p.dh0) store_state_block(p.dh0 + state_off, dSs, vb);
+  if (p.dh0) store_state_block<BW>(p.dh0 + state_off, dSs, vb);
 }
 
 constexpr size_t kGradSmem =

@@ -17,8 +17,15 @@ constexpr int C = 64;      // chunk length
 constexpr int NT = 256;    // threads per block of every kernel
 constexpr int LDD = D + 1; // padded leading dims of fp32 smem tiles (odd: no bank conflicts)
 constexpr int LDC = C + 1;
-constexpr int BV = 32;     // value columns per block of the sequential passes
+constexpr int BV = 32;     // value columns per quarter of a state in grad_chunk_kernel
 constexpr int LDV = BV + 1;
+// The sequential passes take 8, 16 or 32 value columns per block (template BW, smem
+// leading dim BW + 1), chosen by the launcher so that small head counts fill the GPU.
+template <int BW> struct ColBlock {
+  static_assert(BW == 8 || BW == 16 || BW == 32, "column block of 8, 16 or 32");
+  static constexpr int LD = BW + 1;
+  static constexpr int CN = BW / 8;  // columns per thread in the C x BW and D x BW tiles
+};
 
 // dtype codes shared with the host (flashgdn_dtype values)
 enum : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
@@ -175,18 +182,20 @@ __device__ __forceinline__ void decayed_qk(float* Ps, const float* Qs, const flo
     }
 }
 
-// A D x BV block (value columns vb..vb+BV) of a D x D state in global memory, to and
-// from shared memory (ld LDV). A null source reads as zeros.
+// A D x BW block (value columns vb..vb+BW) of a D x D state in global memory, to and
+// from shared memory (ld BW + 1). A null source reads as zeros.
+template <int BW>
 __device__ __forceinline__ void load_state_block(float* dst, const float* src, int vb) {
-  for (int e = threadIdx.x; e < D * BV; e += NT) {
-    const int r = e / BV, c = e % BV;
-    dst[r * LDV + c] = src ? src[r * D + vb + c] : 0.f;
+  for (int e = threadIdx.x; e < D * BW; e += NT) {
+    const int r = e / BW, c = e % BW;
+    dst[r * (BW + 1) + c] = src ? src[r * D + vb + c] : 0.f;
   }
 }
+template <int BW>
 __device__ __forceinline__ void store_state_block(float* dst, const float* src, int vb) {
-  for (int e = threadIdx.x; e < D * BV; e += NT) {
-    const int r = e / BV, c = e % BV;
-    dst[r * D + vb + c] = src[r * LDV + c];
+  for (int e = threadIdx.x; e < D * BW; e += NT) {
+    const int r = e / BW, c = e % BW;
+    dst[r * D + vb + c] = src[r * (BW + 1) + c];
   }
 }
 

@@ -1,19 +1,21 @@
 // Forward kernels of the chunked WY algorithm (docs/algorithm.md).
 //
-// wy_kernel      grid (max_chunks, H_v), 256 threads, ~100 KB smem
-//   One chunk of one value head: in-chunk cumulative gates G, the strictly lower
-//   A[r,s] = beta_r exp(G_r - G_s) k_r.k_s, T = (I + A)^-1 by forward
-//   substitution, W = T diag(beta exp(G)) K and U0 = T diag(beta) V.
-//   reads  k, v, g, beta          writes G, W, U0 (fp32 workspace), optionally T
+// wy_kernel      grid (max_chunks, H_v), 256 threads, ~150 KB smem
+//   Everything of one chunk of one value head that does not depend on the state:
+//   in-chunk cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r),
+//   T = (I + A)^-1 by forward substitution, W = T diag(beta exp G) K,
+//   U0 = T diag(beta) V, P = (Q K^T) . Dec, and for the output
+//   Q' = diag(exp G) Q - P W and O0 = P U0, so that O = scale (O0 + Q' S0).
+//   reads  q, k, v, g, beta
+//   writes G, W, U0 (fp32 workspace); Q', O0 when the output is wanted;
+//          T and P when the backward asks for them
 //
-// state_fwd_kernel  grid (N, H_v, V / 32), 256 threads, ~140 KB smem
-//   The sequential pass over the chunks of one sequence for 32 value columns of
-//   one head, state block S (128 x 32, fp32) kept in shared memory:
-//     U = U0 - W S,  O = scale (diag(exp G) Q S + (Q K^T . Dec) U),
-//     S <- exp(G_last) S + (diag(exp(G_last - G)) K)^T U.
-//   reads  q, k, W, U0, G, initial state
+// state_fwd_kernel<BW>  grid (N, H_v, 128 / BW), 256 threads, ~115 KB smem
+//   The sequential pass over the chunks of one sequence for BW value columns of one
+//   head, state block S (128 x BW, fp32) in shared memory; per chunk only
+//     U = U0 - W S,  O = scale (O0 + Q' S),  S <- exp(G_last) S + K^T diag(eL) U.
+//   reads  k, W, U0, G, Q', O0, initial state
 //   writes o, final state; optionally the state entering each chunk (h) and U
-//          (the backward's recomputation)
 #pragma once
 
 #include "common.cuh"
@@ -33,12 +35,15 @@ struct FwdParams {
   float* G;          // [TT, Hv]
   float* W;          // [TT, Hv, D]
   float* U0;         // [TT, Hv, D]
+  float* Qp;         // [TT, Hv, D] Q' (with o)
+  float* O0;         // [TT, Hv, D] (with o)
   float* Tmat;       // [TT, Hv, C] or null
+  float* Pmat;       // [TT, Hv, C] or null
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
 };
 
-constexpr size_t kWySmem = sizeof(float) * (2 * C * LDD + 2 * C * LDC + 2 * C);
+constexpr size_t kWySmem = sizeof(float) * (3 * C * LDD + 3 * C * LDC + 2 * C);
 
 template <typename In>
 __global__ void __launch_bounds__(NT, 1) wy_kernel(FwdParams p) {
@@ -46,18 +51,21 @@ __global__ void __launch_bounds__(NT, 1) wy_kernel(FwdParams p) {
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
   if (ck.L == 0) return;
   const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
+  const bool want_p = p.Qp != nullptr || p.Pmat != nullptr;
   extern __shared__ float smem[];
-  float* Ks = smem;             // [C][LDD]
-  float* Vs = Ks + C * LDD;     // [C][LDD]
-  float* As = Vs + C * LDD;     // [C][LDC]
+  float* Ks = smem;             // [C][LDD] K, then diag(beta exp G) K, then W
+  float* Vs = Ks + C * LDD;     // [C][LDD] V, then diag(beta) V, then U0
+  float* Qs = Vs + C * LDD;     // [C][LDD]
+  float* As = Qs + C * LDD;     // [C][LDC]
   float* Ts = As + C * LDC;     // [C][LDC]
-  float* bs = Ts + C * LDC;     // [C]
+  float* Ps = Ts + C * LDC;     // [C][LDC]
+  float* bs = Ps + C * LDC;     // [C]
   float* Gs = bs + C;           // [C]
 
-  load_rows(Ks, LDD, static_cast<const In*>(p.k) + (ck.tok0 * p.Hqk + hq) * D, p.Hqk * D, ck.L,
-            C, D);
-  load_rows(Vs, LDD, static_cast<const In*>(p.v) + (ck.tok0 * p.Hv + h) * D, p.Hv * D, ck.L, C,
-            D);
+  const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off = ck.tok0 * p.Hv + h;
+  load_rows(Ks, LDD, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, ck.L, C, D);
+  load_rows(Vs, LDD, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, ck.L, C, D);
+  if (want_p) load_rows(Qs, LDD, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, ck.L, C, D);
   if (threadIdx.x == 0) {
     float acc = 0.f;
     for (int r = 0; r < C; ++r) {
@@ -84,6 +92,7 @@ __global__ void __launch_bounds__(NT, 1) wy_kernel(FwdParams p) {
         As[r * LDC + s] = s < r ? bs[r] * __expf(Gs[r] - Gs[s]) * kk.a[i][j] : 0.f;
       }
   }
+  if (want_p) decayed_qk(Ps, Qs, Ks, Gs);
   __syncthreads();
 
   // T = (I + A)^-1, row by row: T[r, j] = delta_rj - sum_{j <= s < r} A[r, s] T[s, j].
@@ -99,132 +108,151 @@ __global__ void __launch_bounds__(NT, 1) wy_kernel(FwdParams p) {
       __syncthreads();
     }
   }
-  if (p.Tmat)
-    for (int e = threadIdx.x; e < ck.L * C; e += NT) {
-      const int r = e / C, c = e % C;
-      p.Tmat[((ck.tok0 + r) * p.Hv + h) * C + c] = Ts[r * LDC + c];
-    }
+  for (int e = threadIdx.x; e < ck.L * C; e += NT) {
+    const int r = e / C, c = e % C;
+    if (p.Tmat) p.Tmat[(row_off + r * p.Hv) * C + c] = Ts[r * LDC + c];
+    if (p.Pmat) p.Pmat[(row_off + r * p.Hv) * C + c] = Ps[r * LDC + c];
+  }
   for (int e = threadIdx.x; e < C * D; e += NT) {
     const int r = e / D, c = e % D;
     Ks[r * LDD + c] *= bs[r] * __expf(Gs[r]);
     Vs[r * LDD + c] *= bs[r];
   }
-  if (threadIdx.x < ck.L) p.G[(ck.tok0 + threadIdx.x) * p.Hv + h] = Gs[threadIdx.x];
+  if (threadIdx.x < ck.L) p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
   __syncthreads();
 
-  Tile<C, D, 4, 8> w;
+  Tile<C, D, 4, 8> w, u0;
   w.zero();
   w.mma<false, false, C>(Ts, LDC, Ks, LDD);
+  u0.zero();
+  u0.mma<false, false, C>(Ts, LDC, Vs, LDD);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      if (w.row(i) < ck.L) p.W[((ck.tok0 + w.row(i)) * p.Hv + h) * D + w.col(j)] = w.a[i][j];
+      if (w.row(i) < ck.L) {
+        const int64_t idx = (row_off + w.row(i) * p.Hv) * D + w.col(j);
+        p.W[idx] = w.a[i][j];
+        p.U0[idx] = u0.a[i][j];
+      }
+  if (p.Qp == nullptr) return;
+
+  __syncthreads();  // every thread done reading Ks, Vs
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      Ks[w.row(i) * LDD + w.col(j)] = w.a[i][j];
+      Vs[w.row(i) * LDD + w.col(j)] = u0.a[i][j];
+    }
+  __syncthreads();
+  // Q' = diag(exp G) Q - P W and O0 = P U0
   w.zero();
-  w.mma<false, false, C>(Ts, LDC, Vs, LDD);
+  w.mma<false, false, C>(Ps, LDC, Ks, LDD);
+  u0.zero();
+  u0.mma<false, false, C>(Ps, LDC, Vs, LDD);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (w.row(i) < ck.L) p.U0[((ck.tok0 + w.row(i)) * p.Hv + h) * D + w.col(j)] = w.a[i][j];
+    for (int j = 0; j < 8; ++j) {
+      const int r = w.row(i), c = w.col(j);
+      if (r < ck.L) {
+        const int64_t idx = (row_off + r * p.Hv) * D + c;
+        p.Qp[idx] = __expf(Gs[r]) * Qs[r * LDD + c] - w.a[i][j];
+        p.O0[idx] = u0.a[i][j];
+      }
+    }
 }
 
-constexpr size_t kStateFwdSmem =
-    sizeof(float) * (3 * C * LDD + D * LDV + C * LDV + C * LDC + 2 * C);
+template <int BW>
+constexpr size_t state_fwd_smem() {
+  return sizeof(float) * (3 * C * LDD + (D + C) * (BW + 1) + 2 * C);
+}
 
-template <typename In>
+template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
+  using CB = ColBlock<BW>;
+  constexpr int LD = CB::LD, CN = CB::CN;
   const int64_t n = blockIdx.x, h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
-  const int vb = blockIdx.z * BV;
+  const int vb = blockIdx.z * BW;
+  const bool out = p.o != nullptr;
   extern __shared__ float smem[];
-  float* Qs = smem;             // [C][LDD]
-  float* Ks = Qs + C * LDD;     // [C][LDD]
-  float* Ws = Ks + C * LDD;     // [C][LDD]
-  float* Ss = Ws + C * LDD;     // [D][LDV] state block
-  float* Us = Ss + D * LDV;     // [C][LDV]
-  float* Ps = Us + C * LDV;     // [C][LDC]
-  float* Gs = Ps + C * LDC;     // [C]
+  float* Ws = smem;             // [C][LDD]
+  float* Qp = Ws + C * LDD;     // [C][LDD] Q'
+  float* Ks = Qp + C * LDD;     // [C][LDD]
+  float* Ss = Ks + C * LDD;     // [D][LD] state block
+  float* Us = Ss + D * LD;      // [C][LD]
+  float* Gs = Us + C * LD;      // [C]
   float* eL = Gs + C;           // [C]
 
   const int64_t state_off = (n * p.Hv + h) * D * D;
-  load_state_block(Ss, p.h0 ? p.h0 + state_off : nullptr, vb);
+  load_state_block<BW>(Ss, p.h0 ? p.h0 + state_off : nullptr, vb);
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
   const int64_t chunk0 = p.seqs.first_chunk(n);
   for (int64_t c0 = 0; c0 < len; c0 += C) {
     const int64_t tok0 = start + c0;
     const int L = static_cast<int>(len - c0 < C ? len - c0 : C);
     __syncthreads();  // previous chunk done with every buffer
-    if (p.h) store_state_block(p.h + ((chunk0 + c0 / C) * p.Hv + h) * D * D, Ss, vb);
-    load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    if (p.h) store_state_block<BW>(p.h + ((chunk0 + c0 / C) * p.Hv + h) * D * D, Ss, vb);
     load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
     load_rows(Ws, LDD, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
-    load_rows(Us, LDV, p.U0 + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L, C, BV);
+    if (out) load_rows(Qp, LDD, p.Qp + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
       Gs[threadIdx.x] = p.G[(tok0 + r) * p.Hv + h];
     }
     __syncthreads();
     if (threadIdx.x < C) eL[threadIdx.x] = __expf(Gs[C - 1] - Gs[threadIdx.x]);
-
-    {  // U = U0 - W S
-      Tile<C, BV, 2, 4> u;
+    {  // U = U0 - W S, and O = scale (O0 + Q' S)
+      Tile<C, BW, 2, CN> u;
       u.zero();
-      u.mma<false, false, D>(Ws, LDD, Ss, LDV);
-      __syncthreads();
+      u.mma<false, false, D>(Ws, LDD, Ss, LD);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < CN; ++j) {
           const int r = u.row(i), c = u.col(j);
-          const float val = Us[r * LDV + c] - u.a[i][j];
-          Us[r * LDV + c] = val;
-          if (p.U && r < L) p.U[((tok0 + r) * p.Hv + h) * D + vb + c] = val;
+          const int64_t idx = ((tok0 + r) * p.Hv + h) * D + vb + c;
+          const float val = r < L ? p.U0[idx] - u.a[i][j] : 0.f;
+          Us[r * LD + c] = val;
+          if (p.U && r < L) p.U[idx] = val;
         }
-    }
-    decayed_qk(Ps, Qs, Ks, Gs);  // P = (Q K^T) . Dec
-    __syncthreads();
-    if (p.o) {  // O = scale (exp(G) Q S + P U)
-      Tile<C, BV, 2, 4> o;
-      o.zero();
-      o.mma<false, false, D>(Qs, LDD, Ss, LDV);
+      if (out) {
+        u.zero();
+        u.mma<false, false, D>(Qp, LDD, Ss, LD);
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) o.a[i][j] *= __expf(Gs[o.row(i)]);
-      o.mma<false, false, C>(Ps, LDC, Us, LDV);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = o.row(i), c = o.col(j);
-          if (r < L)
-            static_cast<In*>(p.o)[((tok0 + r) * p.Hv + h) * D + vb + c] =
-                from_f<In>(p.scale * o.a[i][j]);
-        }
+          for (int j = 0; j < CN; ++j) {
+            const int r = u.row(i), c = u.col(j);
+            const int64_t idx = ((tok0 + r) * p.Hv + h) * D + vb + c;
+            if (r < L) static_cast<In*>(p.o)[idx] = from_f<In>(p.scale * (p.O0[idx] + u.a[i][j]));
+          }
+      }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < C * BV; e += NT) {
-      const int r = e / BV, c = e % BV;
-      Us[r * LDV + c] *= eL[r];
+    for (int e = threadIdx.x; e < C * BW; e += NT) {
+      const int r = e / BW, c = e % BW;
+      Us[r * LD + c] *= eL[r];
     }
     __syncthreads();
     {  // S <- exp(G_last) S + K^T (eL U)
-      Tile<D, BV, 4, 4> st;
+      Tile<D, BW, 4, CN> st;
       st.zero();
-      st.mma<true, false, C>(Ks, LDD, Us, LDV);
+      st.mma<true, false, C>(Ks, LDD, Us, LD);
       const float gl = __expf(Gs[C - 1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float& s = Ss[st.row(i) * LDV + st.col(j)];
+        for (int j = 0; j < CN; ++j) {
+          float& s = Ss[st.row(i) * LD + st.col(j)];
           s = gl * s + st.a[i][j];
         }
     }
   }
   __syncthreads();
-  if (p.ht) store_state_block(p.ht + state_off, Ss, vb);
+  if (p.ht) store_state_block<BW>(p.ht + state_off, Ss, vb);
 }
 
 }  // namespace cuda

@@ -39,14 +39,15 @@ struct Carver {
 struct FwdBuffers {
   int64_t* chunk_offsets;
   int* error;
-  float *G, *W, *U0;
+  float *G, *W, *U0, *Qp, *O0;
 };
 struct BwdBuffers {
   FwdBuffers f;
-  float *Tmat, *U, *dVt, *h, *dh;
+  float *Tmat, *Pmat, *U, *dVt, *h, *dh;
 };
 
-FwdBuffers carve_fwd(const Problem& p, Carver& c) {
+// The forward also needs Q' and O0 (with_output); the backward's recomputation does not.
+FwdBuffers carve_fwd(const Problem& p, Carver& c, bool with_output) {
   FwdBuffers b;
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
@@ -54,15 +55,18 @@ FwdBuffers carve_fwd(const Problem& p, Carver& c) {
   b.G = c.take<float>(tokheads);
   b.W = c.take<float>(tokheads * D);
   b.U0 = c.take<float>(tokheads * D);
+  b.Qp = with_output ? c.take<float>(tokheads * D) : nullptr;
+  b.O0 = with_output ? c.take<float>(tokheads * D) : nullptr;
   return b;
 }
 
 BwdBuffers carve_bwd(const Problem& p, Carver& c) {
   BwdBuffers b;
-  b.f = carve_fwd(p, c);
+  b.f = carve_fwd(p, c, false);
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D;
   b.Tmat = c.take<float>(tokheads * C);
+  b.Pmat = c.take<float>(tokheads * C);
   b.U = c.take<float>(tokheads * D);
   b.dVt = c.take<float>(tokheads * D);
   b.h = c.take<float>(states);
@@ -140,36 +144,68 @@ FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) 
   return f;
 }
 
+// Value columns per block of the sequential passes: the widest block (least
+// duplicated work) that still gives every SM a block.
+int column_block(const Problem& p, int sms) {
+  const int64_t pairs = p.N * p.Hv;
+  if (pairs * (D / 32) >= sms) return 32;
+  if (pairs * (D / 16) >= sms) return 16;
+  return 8;
+}
+
+int sm_count(int device) {
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  return sms;
+}
+
+template <typename In, int BW>
+void launch_state_fwd(const Problem& p, const FwdParams& f, cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(state_fwd_kernel<In, BW>, state_fwd_smem<BW>()); });
+  state_fwd_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
+                             NT, state_fwd_smem<BW>(), st>>>(f);
+  check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
+}
+
+template <typename In, int BW>
+void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(state_bwd_kernel<In, BW>, state_bwd_smem<BW>()); });
+  state_bwd_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
+                             NT, state_bwd_smem<BW>(), st>>>(g);
+  check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
+}
+
 // wy_kernel then state_fwd_kernel; `f` says which optional outputs are written.
 template <typename In>
-void launch_forward_passes(const Problem& p, const FwdParams& f, cudaStream_t st) {
+void launch_forward_passes(const Problem& p, const FwdParams& f, int bw, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] {
-    set_smem(wy_kernel<In>, kWySmem);
-    set_smem(state_fwd_kernel<In>, kStateFwdSmem);
-  });
+  std::call_once(once, [] { set_smem(wy_kernel<In>, kWySmem); });
   if (p.max_chunks() > 0) {
     wy_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv)), NT,
                     kWySmem, st>>>(f);
     check_cuda(cudaGetLastError(), "wy_kernel launch");
   }
-  if (p.N > 0) {
-    state_fwd_kernel<In><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BV),
-                           NT, kStateFwdSmem, st>>>(f);
-    check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
-  }
+  if (p.N == 0) return;
+  if (bw == 32) launch_state_fwd<In, 32>(p, f, st);
+  else if (bw == 16) launch_state_fwd<In, 16>(p, f, st);
+  else launch_state_fwd<In, 8>(p, f, st);
 }
 
 template <typename In>
 void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
   Carver c{static_cast<char*>(ws)};
-  const FwdBuffers b = carve_fwd(p, c);
+  const FwdBuffers b = carve_fwd(p, c, true);
   const SeqLayout s = seq_layout(p, b);
   run_planner(p, s, b, st);
   FwdParams f = fwd_params(p, s, b);
   f.o = out.o;
   f.ht = out.final_state;
-  launch_forward_passes<In>(p, f, st);
+  f.Qp = b.Qp;
+  f.O0 = b.O0;
+  launch_forward_passes<In>(p, f, column_block(p, sm_count(p.device_id)), st);
   if (p.varlen()) {
     poison_dtype(out.o, p.qkv_dtype, p.TT * p.Hv * D, b.error, st);
     poison<float>(out.final_state, out.final_state ? p.N * p.Hv * D * D : 0, b.error, st);
@@ -180,19 +216,18 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
 template <typename In>
 void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] {
-    set_smem(state_bwd_kernel<In>, kStateBwdSmem);
-    set_smem(grad_chunk_kernel<In>, kGradSmem);
-  });
+  std::call_once(once, [] { set_smem(grad_chunk_kernel<In>, kGradSmem); });
+  const int bw = column_block(p, sm_count(p.device_id));
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, c);
   const SeqLayout s = seq_layout(p, b.f);
   run_planner(p, s, b.f, st);
   FwdParams f = fwd_params(p, s, b.f);
   f.Tmat = b.Tmat;
+  f.Pmat = b.Pmat;
   f.h = b.h;
   f.U = b.U;
-  launch_forward_passes<In>(p, f, st);
+  launch_forward_passes<In>(p, f, bw, st);
 
   BwdParams g{};
   g.seqs = s;
@@ -209,6 +244,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dht = io.d_final_state;
   g.G = b.f.G;
   g.Tmat = b.Tmat;
+  g.Pmat = b.Pmat;
   g.U = b.U;
   g.h = b.h;
   g.dh = b.dh;
@@ -220,9 +256,9 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   if (p.N > 0) {
-    state_bwd_kernel<In><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BV),
-                           NT, kStateBwdSmem, st>>>(g);
-    check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
+    if (bw == 32) launch_state_bwd<In, 32>(p, g, st);
+    else if (bw == 16) launch_state_bwd<In, 16>(p, g, st);
+    else launch_state_bwd<In, 8>(p, g, st);
   }
   if (p.max_chunks() > 0) {
     grad_chunk_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()),
@@ -246,7 +282,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
 
 size_t cuda_fwd_workspace_bytes(const Problem& p) {
   Carver c{nullptr};
-  carve_fwd(p, c);
+  carve_fwd(p, c, true);
   return c.used;
 }
 
