@@ -92,13 +92,15 @@ ROWS = [("fwd", 2, 8, [32768]), ("fwd", 4, 16, [16384]), ("fwd", 16, 32, [8192] 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rows", default=None, help="comma-separated row indices (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, flashgdn "
           f"{flashgdn.__version__}, FLA {'ok' if fla_gdn else FLA_ERROR}")
     print("| mode | h_qk/h_v | sequences | flashgdn ms | FLA ms | FLA / flashgdn | note |")
     print("|---|---|---|---|---|---|---|")
-    for mode, hqk, hv, lens in ROWS:
+    picked = ROWS if args.rows is None else [ROWS[int(i)] for i in args.rows.split(",")]
+    for mode, hqk, hv, lens in picked:
         ours, fla, note = row(mode, hqk, hv, lens, args.reps)
         seqs = "+".join(str(n) for n in lens) if len(set(lens)) > 1 else f"{lens[0]}x{len(lens)}"
         print(f"| {mode} | {hqk}/{hv} | {seqs} | {ours:.3f} | {fla:.3f} | {fla / ours:.2f} | {note} |",

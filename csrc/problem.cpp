@@ -101,6 +101,14 @@ void check_like(const flashgdn_tensor& t, const char* name, const flashgdn_tenso
   check_contiguous(t, name);
 }
 
+// The CUDA kernels read q, k, v and do rows with 16-byte loads.
+void check_aligned(const flashgdn_tensor& t, const char* name, const Problem& p) {
+  if (p.device == FLASHGDN_DEVICE_CUDA && reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    fail(std::string(name) +
+         " must start at a 16-byte aligned address on CUDA (a view with an odd storage "
+         "offset was given; pass a copy)");
+}
+
 void check_state(const flashgdn_tensor& t, const char* name, const Problem& p) {
   check_dtype_in(t, name, {FLASHGDN_DTYPE_F32});
   check_shape(t, name, {p.N, p.Hv, kHeadDim, kHeadDim}, "(N sequences, H_v, K, V)");
@@ -181,6 +189,9 @@ Problem validate_inputs(const flashgdn_tensor& q, const flashgdn_tensor& k,
   p.beta = beta.data;
   p.g_dtype = g.dtype;
   p.beta_dtype = beta.dtype;
+  check_aligned(q, "q", p);
+  check_aligned(k, "k", p);
+  check_aligned(v, "v", p);
   p.q = q.data;
   p.k = k.data;
   p.v = v.data;
@@ -233,6 +244,7 @@ Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out) {
 Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
   Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale);
   check_like(a.d_o, "do", a.v, "v (do is the gradient of o)", p);
+  check_aligned(a.d_o, "do", p);
   io->d_o = a.d_o.data;
   if (present(a.d_final_state)) {
     check_state(a.d_final_state, "dht", p);

@@ -134,3 +134,15 @@ def test_backward_gradient_checks():
         flashgdn.chunk_gated_delta_rule_bwd(a["q"], a["k"], a["v"], a["g"], a["beta"], o,
                                             initial_state=a["initial_state"],
                                             dht=torch.zeros(1, 4, 128, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_misaligned_view_is_rejected():
+    a = base("cuda")
+    n = a["q"].numel()
+    storage = torch.empty(n + 8, dtype=a["q"].dtype, device="cuda")
+    q = storage[1:1 + n].view(a["q"].shape)
+    q.copy_(a["q"])
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
+        call(**{**a, "q": q})

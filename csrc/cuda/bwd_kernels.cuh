@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
     __syncthreads();
     store_state_block<BW>(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, dSs, vb);
-    load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
-    load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    load_chunk(Qs, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    load_chunk(Ks, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     load_rows(Ts, LDC, p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
     load_rows(Ps, LDC, p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
     load_rows(dOs, LD, static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L,
@@ -174,17 +174,17 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
   float* red = lastrow + 2 * C;  // [NT]
   static_assert(C * LDC <= D * LDV, "E must fit in the X buffer");
 
-  load_rows(Qs, LDD, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
-  load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+  load_chunk(Qs, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+  load_chunk(Ks, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
 
   Tile<C, D, 4, 8> dQ, dK;
   dQ.zero();
   dK.zero();
   for (int64_t h = hq * group; h < (hq + 1) * group; ++h) {
     __syncthreads();
-    load_rows(dOs, LDD, static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
-    load_rows(Us, LDD, p.U + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
-    load_rows(dVs, LDD, p.dVt + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
+    load_chunk(dOs, static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    load_chunk(Us, p.U + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    load_chunk(dVs, p.dVt + (tok0 * p.Hv + h) * D, p.Hv * D, L);
     if (threadIdx.x < C) {
       const int r = threadIdx.x;
       Gs[r] = p.G[(tok0 + (r < L ? r : L - 1)) * p.Hv + h];

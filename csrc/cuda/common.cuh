@@ -118,6 +118,56 @@ __device__ __forceinline__ void load_rows(float* dst, int ldd, const T* src, int
   }
 }
 
+// dst[r][c] (ld LDD) = src[r * row_stride + c] for a full C x D chunk (zero rows r >= L),
+// with 16-byte loads: every load of a thread is issued before the first shared store.
+// Needs src and row_stride 16-byte aligned (checked by validation / the workspace carver).
+__device__ __forceinline__ void unpack8(float* out, uint4 v, const __nv_bfloat16*) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void unpack8(float* out, uint4 v, const __half*) {
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void unpack8(float* out, uint4 v, const float*) {  // 4 floats
+  const float4 f = *reinterpret_cast<const float4*>(&v);
+  out[0] = f.x;
+  out[1] = f.y;
+  out[2] = f.z;
+  out[3] = f.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void load_chunk(float* dst, const T* src, int64_t row_stride, int L) {
+  constexpr int kPer = 16 / sizeof(T);         // elements per 16-byte load
+  constexpr int kVecRow = D / kPer;            // loads per row
+  constexpr int kIters = C * kVecRow / NT;     // loads per thread
+  uint4 v[kIters];
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int e = threadIdx.x + i * NT, r = e / kVecRow, c = (e % kVecRow) * kPer;
+    v[i] = r < L ? *reinterpret_cast<const uint4*>(src + r * row_stride + c) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int e = threadIdx.x + i * NT, r = e / kVecRow, c = (e % kVecRow) * kPer;
+    float f[8];
+    unpack8(f, v[i], src);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) dst[r * LDD + c + j] = f[j];
+  }
+}
+
 // An M x N fp32 result distributed over the block: thread t owns rows
 // t / TX + i * TY (i < RM) and columns t % TX + j * TX (j < CN).
 template <int M, int N, int RM, int CN>

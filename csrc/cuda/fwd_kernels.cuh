@@ -63,9 +63,9 @@ __global__ void __launch_bounds__(NT, 1) wy_kernel(FwdParams p) {
   float* Gs = bs + C;           // [C]
 
   const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off = ck.tok0 * p.Hv + h;
-  load_rows(Ks, LDD, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, ck.L, C, D);
-  load_rows(Vs, LDD, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, ck.L, C, D);
-  if (want_p) load_rows(Qs, LDD, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, ck.L, C, D);
+  load_chunk(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, ck.L);
+  load_chunk(Vs, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, ck.L);
+  if (want_p) load_chunk(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, ck.L);
   if (threadIdx.x == 0) {
     float acc = 0.f;
     for (int r = 0; r < C; ++r) {
@@ -195,9 +195,9 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     const int L = static_cast<int>(len - c0 < C ? len - c0 : C);
     __syncthreads();  // previous chunk done with every buffer
     if (p.h) store_state_block<BW>(p.h + ((chunk0 + c0 / C) * p.Hv + h) * D * D, Ss, vb);
-    load_rows(Ks, LDD, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
-    load_rows(Ws, LDD, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
-    if (out) load_rows(Qp, LDD, p.Qp + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
+    load_chunk(Ks, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    load_chunk(Ws, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    if (out) load_chunk(Qp, p.Qp + (tok0 * p.Hv + h) * D, p.Hv * D, L);
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
       Gs[threadIdx.x] = p.G[(tok0 + r) * p.Hv + h];
