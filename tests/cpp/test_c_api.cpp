@@ -1,0 +1,172 @@
+// GoogleTest for the C API (include/flashgdn/flashgdn.h) on the CPU backend: argument
+// validation through error codes and messages, and a small forward against a
+// double-precision token-by-token recurrence written here.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashgdn/flashgdn.h"
+
+namespace {
+
+constexpr int D = 128;
+
+flashgdn_tensor describe(void* data, flashgdn_dtype dtype, std::initializer_list<int64_t> shape) {
+  flashgdn_tensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.device = FLASHGDN_DEVICE_CPU;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int i = 0;
+  for (int64_t s : shape) t.shape[i++] = s;
+  int64_t stride = 1;
+  for (int j = t.ndim - 1; j >= 0; --j) {
+    t.strides[j] = stride;
+    stride *= t.shape[j];
+  }
+  return t;
+}
+
+uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+float from_bf16(uint16_t b) {
+  const uint32_t x = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+// One sequence of T tokens, one q/k head, two value heads (grouped).
+struct Inputs {
+  int T = 70, Hqk = 1, Hv = 2;
+  std::vector<uint16_t> q, k, v, o;
+  std::vector<float> g, beta, h0, ht;
+  explicit Inputs(unsigned seed) {
+    std::mt19937 gen(seed);
+    std::normal_distribution<float> n01;
+    auto fill = [&](std::vector<uint16_t>& x, size_t count, bool normalise) {
+      x.resize(count);
+      for (size_t r = 0; r < count / D; ++r) {
+        float row[D], norm = 0.f;
+        for (float& e : row) norm += (e = n01(gen)) * e;
+        for (int c = 0; c < D; ++c) x[r * D + c] = to_bf16(normalise ? row[c] / std::sqrt(norm) : row[c]);
+      }
+    };
+    fill(q, size_t(T) * Hqk * D, false);
+    fill(k, size_t(T) * Hqk * D, true);
+    fill(v, size_t(T) * Hv * D, false);
+    o.assign(size_t(T) * Hv * D, 0);
+    for (int i = 0; i < T * Hv; ++i) {
+      g.push_back(i % Hv == 0 ? 0.f : -std::log1p(std::exp(-n01(gen))) / 4.f);  // head 0: g == 0
+      beta.push_back(1.f / (1.f + std::exp(-n01(gen))));
+    }
+    for (int i = 0; i < Hv * D * D; ++i) h0.push_back(0.1f * n01(gen));
+    ht.assign(h0.size(), 0.f);
+  }
+  flashgdn_fwd_args args() {
+    flashgdn_fwd_args a{};
+    a.q = describe(q.data(), FLASHGDN_DTYPE_BF16, {1, T, Hqk, D});
+    a.k = describe(k.data(), FLASHGDN_DTYPE_BF16, {1, T, Hqk, D});
+    a.v = describe(v.data(), FLASHGDN_DTYPE_BF16, {1, T, Hv, D});
+    a.g = describe(g.data(), FLASHGDN_DTYPE_F32, {1, T, Hv});
+    a.beta = describe(beta.data(), FLASHGDN_DTYPE_F32, {1, T, Hv});
+    a.initial_state = describe(h0.data(), FLASHGDN_DTYPE_F32, {1, Hv, D, D});
+    a.o = describe(o.data(), FLASHGDN_DTYPE_BF16, {1, T, Hv, D});
+    a.final_state = describe(ht.data(), FLASHGDN_DTYPE_F32, {1, Hv, D, D});
+    return a;
+  }
+};
+
+TEST(CApi, ForwardMatchesDoubleRecurrence) {
+  Inputs in(1);
+  auto a = in.args();
+  size_t ws = 123;
+  ASSERT_EQ(flashgdn_fwd_workspace_size(&a, &ws), 0) << flashgdn_last_error();
+  EXPECT_EQ(ws, 0u);  // the CPU backend needs no workspace
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+
+  const double scale = 1.0 / std::sqrt(double(D));
+  double err_o = 0, ref_o = 0, err_s = 0, ref_s = 0;
+  for (int h = 0; h < in.Hv; ++h) {
+    std::vector<double> S(in.h0.begin() + h * D * D, in.h0.begin() + (h + 1) * D * D);
+    for (int t = 0; t < in.T; ++t) {
+      const double decay = std::exp(double(in.g[t * in.Hv + h])), b = in.beta[t * in.Hv + h];
+      const uint16_t* kt = &in.k[size_t(t) * D];
+      const uint16_t* qt = &in.q[size_t(t) * D];
+      const uint16_t* vt = &in.v[(size_t(t) * in.Hv + h) * D];
+      for (double& s : S) s *= decay;
+      for (int c = 0; c < D; ++c) {
+        double pred = 0;
+        for (int r = 0; r < D; ++r) pred += S[r * D + c] * from_bf16(kt[r]);
+        const double u = b * (from_bf16(vt[c]) - pred);
+        for (int r = 0; r < D; ++r) S[r * D + c] += from_bf16(kt[r]) * u;
+      }
+      for (int c = 0; c < D; ++c) {
+        double o = 0;
+        for (int r = 0; r < D; ++r) o += S[r * D + c] * from_bf16(qt[r]);
+        o *= scale;
+        const double got = from_bf16(in.o[(size_t(t) * in.Hv + h) * D + c]);
+        err_o += (got - o) * (got - o);
+        ref_o += o * o;
+      }
+    }
+    for (int i = 0; i < D * D; ++i) {
+      const double got = in.ht[h * D * D + i];
+      err_s += (got - S[i]) * (got - S[i]);
+      ref_s += S[i] * S[i];
+    }
+  }
+  EXPECT_LT(std::sqrt(err_o / ref_o), 4.3e-3);  // bf16 output rounding dominates
+  EXPECT_LT(std::sqrt(err_s / ref_s), 1e-5);    // fp32 state
+}
+
+TEST(CApi, RejectsBadShapesWithNamedArgument) {
+  Inputs in(2);
+  auto a = in.args();
+  a.q.ndim = 3;
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error()).find("q must be 4-D"), std::string::npos);
+
+  a = in.args();
+  a.v.shape[3] = 64;
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error()).find("v.shape[-1] (head dim V) must be 128"),
+            std::string::npos);
+
+  a = in.args();
+  a.g.dtype = FLASHGDN_DTYPE_I32;
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error()).find("g must have dtype"), std::string::npos);
+
+  a = in.args();
+  a.o.data = nullptr;
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error()).find("o is required"), std::string::npos);
+}
+
+TEST(CApi, RejectsCuSeqlensOutOfRange) {
+  Inputs in(3);
+  auto a = in.args();
+  a.initial_state = flashgdn_tensor{};
+  a.final_state = flashgdn_tensor{};
+  int32_t cu[3] = {0, 30, in.T + 5};
+  a.cu_seqlens = describe(cu, FLASHGDN_DTYPE_I32, {3});
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error()).find("cu_seqlens[-1] must equal"), std::string::npos);
+  cu[2] = in.T;
+  EXPECT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  EXPECT_STREQ(flashgdn_last_error(), "");
+}
+
+}  // namespace
