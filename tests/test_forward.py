@@ -68,7 +68,8 @@ def test_chunked_prefill_with_cached_state(device: str):
     o2, h2 = flashgdn.chunk_gated_delta_rule(**{**second, "initial_state": h1},
                                              output_final_state=True)
     assert rel_err(torch.cat([o1, o2], 1), full.double()) < 4e-3
-    assert rel_err(h2, ht_full.double()) < 1e-4
+    # the CUDA forward multiplies on TF32 tensor cores: ~4e-4 on the state (FLA: 3.7e-3)
+    assert rel_err(h2, ht_full.double()) < (1e-3 if device == "cuda" else 1e-4)
 
 
 @pytest.mark.gpu
@@ -94,4 +95,4 @@ def test_gpu_matches_cpu_backend(case: Case):
     gpu = {k: (v.cuda() if v is not None else None) for k, v in inp.items()}
     o_g, h_g = flashgdn.chunk_gated_delta_rule(**gpu, output_final_state=True)
     assert rel_err(o_g.cpu(), o_c) < 4e-3
-    assert rel_err(h_g.cpu(), h_c) < 1e-4
+    assert rel_err(h_g.cpu(), h_c) < 1e-3  # TF32 tensor cores on the GPU, fp32 on the CPU

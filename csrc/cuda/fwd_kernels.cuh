@@ -1,27 +1,42 @@
-// Forward kernels of the chunked WY algorithm (docs/algorithm.md).
+// Forward kernels of the chunked WY algorithm (docs/algorithm.md), on TF32 tensor cores
+// (mma.cuh: fp32 accumulation; bf16/fp16 inputs are exact tf32 operands).
 //
-// wy_kernel      grid (max_chunks, H_v), 256 threads, ~150 KB smem
+// wy_kernel      grid (max_chunks, H_v), 256 threads, ~108 KB smem (2 blocks per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
-//   in-chunk cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r),
-//   T = (I + A)^-1 by forward substitution, W = T diag(beta exp G) K,
-//   U0 = T diag(beta) V, P = (Q K^T) . Dec, and for the output
-//   Q' = diag(exp G) Q - P W and O0 = P U0, so that O = scale (O0 + Q' S0).
+//   cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r), T = (I + A)^-1
+//   by forward substitution, W = T diag(beta exp G) K, U0 = T diag(beta) V,
+//   P = (Q K^T) . Dec (Dec[r,s] = exp(G_r - G_s), s <= r), and the chunk's warm-up bound
+//   Lb = sum_r g_r + log max(1, |1 - beta_r |k_r|^2|) (log of a bound on how much the
+//   chunk's transition can keep of an earlier state; used by the context-parallel pass).
 //   reads  q, k, v, g, beta
-//   writes G, W, U0 (fp32 workspace); Q', O0 when the output is wanted;
-//          T and P when the backward asks for them
+//   writes G, W, U0, P (tf32-rounded fp32 workspace), Lb; T when the backward asks
 //
-// state_fwd_kernel<BW>  grid (N, H_v, 128 / BW), 256 threads, ~115 KB smem
-//   The sequential pass over the chunks of one sequence for BW value columns of one
-//   head, state block S (128 x BW, fp32) in shared memory; per chunk only
-//     U = U0 - W S,  O = scale (O0 + Q' S),  S <- exp(G_last) S + K^T diag(eL) U.
-//   reads  k, W, U0, G, Q', O0, initial state
-//   writes o, final state; optionally the state entering each chunk (h) and U
+// state_fwd_kernel<BW>  grid (128 / BW, H_v, segments), 256 threads, ~208 KB smem (BW 32)
+//   The sequential pass over the chunks of one segment of one sequence for BW value
+//   columns of one head. The state block S (128 x BW, fp32) stays in the accumulator
+//   registers of the 8 warps across chunks; a tf32 copy of S^T in shared memory feeds
+//   the products. The next chunk's W, K, Q, P, G are copied by cp.async while the current
+//   one computes. Per chunk:
+//     U = U0 - W S,  O = scale (diag(exp G) Q S + P U),  S <- exp(G_last) S + K^T diag(eL) U.
+//   Context parallelism (launch.cu plans the segments): a segment that does not start the
+//   sequence starts either from a warm-up of a few chunks from a zero state, when the
+//   product of the warm-up chunks' bounds exp(sum Lb) is below exp(kLogEps), or else from
+//   the exact state its predecessor segment publishes (flag + state in the workspace).
+//   reads  k, q, W, U0, P, G, Lb, initial state
+//   writes o, final state; chain states and flags between segments
 #pragma once
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace flashgdn {
 namespace cuda {
+
+constexpr int LDH = 136;  // 16-bit [64][128] tiles
+constexpr int LDW = 136;  // fp32 [.][128] tiles read with paired loads
+constexpr int LDA = 72;   // fp32 [.][64] tiles
+constexpr float kLogEps = -16.f;  // warm-up accepted when the bound is below e^-16 ~ 1.1e-7
+constexpr int kWarmupMax = 16;    // most chunks of warm-up a segment may use
 
 struct FwdParams {
   SeqLayout seqs;
@@ -35,224 +50,481 @@ struct FwdParams {
   float* G;          // [TT, Hv]
   float* W;          // [TT, Hv, D]
   float* U0;         // [TT, Hv, D]
-  float* Qp;         // [TT, Hv, D] Q' (with o)
-  float* O0;         // [TT, Hv, D] (with o)
   float* Tmat;       // [TT, Hv, C] or null
-  float* Pmat;       // [TT, Hv, C] or null
+  float* Pmat;       // [TT, Hv, C]
+  float* Lb;         // [max_chunks, Hv] or null
+  // backward recomputation (state_rec_kernel)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
+  // segments of the context-parallel forward
+  int64_t seg_chunks;           // chunks per segment
+  int64_t segs_per_seq;         // fixed-length inputs: segments of every sequence
+  const int64_t* seg_offsets;   // varlen: [N + 1] first segment of each sequence
+  int* flags;                   // [segments, Hv, D / BW] chain flags (zeroed per call)
+  float* chain;                 // [segments, Hv, D, D] states leaving each segment
 };
 
-constexpr size_t kWySmem = sizeof(float) * (3 * C * LDD + 3 * C * LDC + 2 * C);
+// ---------------------------------------------------------------------------------------
+// wy_kernel
+
+constexpr size_t kWySmem = sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * (3 * C * LDA + 4 * C);
 
 template <typename In>
-__global__ void __launch_bounds__(NT, 1) wy_kernel(FwdParams p) {
+__global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
   if (ck.L == 0) return;
+  const int L = ck.L;
   const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
-  const bool want_p = p.Qp != nullptr || p.Pmat != nullptr;
-  extern __shared__ float smem[];
-  float* Ks = smem;             // [C][LDD] K, then diag(beta exp G) K, then W
-  float* Vs = Ks + C * LDD;     // [C][LDD] V, then diag(beta) V, then U0
-  float* Qs = Vs + C * LDD;     // [C][LDD]
-  float* As = Qs + C * LDD;     // [C][LDC]
-  float* Ts = As + C * LDC;     // [C][LDC]
-  float* Ps = Ts + C * LDC;     // [C][LDC]
-  float* bs = Ps + C * LDC;     // [C]
-  float* Gs = bs + C;           // [C]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH]
+  In* Vs = Ks + C * LDH;
+  In* Qs = Vs + C * LDH;
+  float* As = reinterpret_cast<float*>(Qs + C * LDH);  // [C][LDA] A, then T diag(beta e^G)
+  float* Ts = As + C * LDA;                            // [C][LDA] T
+  float* Tv = Ts + C * LDA;                            // [C][LDA] T diag(beta)
+  float* bs = Tv + C * LDA;                            // [C]
+  float* Gs = bs + C;                                  // [C]
+  float* kn = Gs + C;                                  // [C] |k_r|^2
+  float* red = kn + C;                                 // [C]
 
   const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off = ck.tok0 * p.Hv + h;
-  load_chunk(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, ck.L);
-  load_chunk(Vs, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, ck.L);
-  if (want_p) load_chunk(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, ck.L);
-  if (threadIdx.x == 0) {
-    float acc = 0.f;
-    for (int r = 0; r < C; ++r) {
-      if (r < ck.L) {
-        acc += load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h);
-        bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h);
-      } else {
-        bs[r] = 0.f;
-      }
-      Gs[r] = acc;
+  const In* kg = static_cast<const In*>(p.k) + qk_off;
+  cp_async_tile(Ks, LDH, kg, p.Hqk * D, L, C, D);
+  cp_async_tile(Vs, LDH, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, L, C, D);
+  cp_async_tile(Qs, LDH, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L, C, D);
+  cp_async_commit();
+  const int warp = threadIdx.x >> 5, lane = lane_id();
+  if (warp < 2) {  // cumulative gates: inclusive scan over the 64 rows (two warps)
+    const int r = threadIdx.x;
+    float gv = 0.f;
+    if (r < L) {
+      gv = load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h);
+      bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h);
+    } else {
+      bs[r] = 0.f;
     }
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, gv, o);
+      if (lane >= o) gv += y;
+    }
+    Gs[r] = gv;  // warp 1 still lacks warp 0's total
   }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (warp == 1) Gs[threadIdx.x] += Gs[31];
   __syncthreads();
 
-  {  // A = beta_r exp(G_r - G_s) (K K^T)_rs for s < r
-    Tile<C, C, 4, 4> kk;
-    kk.zero();
-    kk.mma<false, true, D>(Ks, LDD, Ks, LDD);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
+  // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
+  {
+    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+    float kk[4][4] = {}, qk[4][4] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      uint32_t ak[4], aq[4];
+      frag_a(ak, Ks, LDH, m0, k0);
+      frag_a(aq, Qs, LDH, m0, k0);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int r = kk.row(i), s = kk.col(j);
-        As[r * LDC + s] = s < r ? bs[r] * __expf(Gs[r] - Gs[s]) * kk.a[i][j] : 0.f;
+        uint32_t b[2];
+        frag_b(b, Ks, LDH, n0 + 8 * j, k0);
+        mma_tf32(kk[j], ak, b);
+        mma_tf32(qk[j], aq, b);
       }
-  }
-  if (want_p) decayed_qk(Ps, Qs, Ks, Gs);
-  __syncthreads();
-
-  // T = (I + A)^-1, row by row: T[r, j] = delta_rj - sum_{j <= s < r} A[r, s] T[s, j].
-  // Four threads per column j split the sum.
-  {
-    const int j = threadIdx.x / 4, part = threadIdx.x % 4;
-    for (int r = 0; r < C; ++r) {
-      float sum = 0.f;
-      for (int s = j + part; s < r; s += 4) sum += As[r * LDC + s] * Ts[s * LDC + j];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (part == 0) Ts[r * LDC + j] = (j == r ? 1.f : 0.f) - (j < r ? sum : 0.f);
-      __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + acc_row(e), s = n0 + 8 * j + acc_col(e);
+        float pv[2];
+#pragma unroll
+        for (int d = 0; d < 2; ++d) {
+          const int sc = s + d;
+          const float dec = sc <= r ? __expf(Gs[r] - Gs[sc]) : 0.f;
+          As[r * LDA + sc] = sc < r ? bs[r] * dec * kk[j][e + d] : 0.f;
+          pv[d] = round_tf32(qk[j][e + d] * dec);
+          if (sc == r) kn[r] = kk[j][e + d];
+        }
+        if (r < L)
+          *reinterpret_cast<float2*>(p.Pmat + (row_off + r * p.Hv) * C + s) =
+              make_float2(pv[0], pv[1]);
+      }
     }
   }
-  for (int e = threadIdx.x; e < ck.L * C; e += NT) {
-    const int r = e / C, c = e % C;
-    if (p.Tmat) p.Tmat[(row_off + r * p.Hv) * C + c] = Ts[r * LDC + c];
-    if (p.Pmat) p.Pmat[(row_off + r * p.Hv) * C + c] = Ps[r * LDC + c];
+  __syncthreads();
+  if (p.Lb != nullptr && warp == 0) {  // warm-up bound of the chunk
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = lane + 32 * i;
+      if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) p.Lb[blockIdx.x * p.Hv + h] = Gs[L - 1] + acc;
   }
-  for (int e = threadIdx.x; e < C * D; e += NT) {
-    const int r = e / D, c = e % D;
-    Ks[r * LDD + c] *= bs[r] * __expf(Gs[r]);
-    Vs[r * LDD + c] *= bs[r];
+
+  // T = (I + A)^-1 by forward substitution, T[r, j] = delta_rj - sum_{s < r} A[r, s] T[s, j]:
+  // one column per thread (two warps), the column in registers, the loops fully unrolled;
+  // every thread reads the same A row at the same time (broadcast float4 loads).
+  if (threadIdx.x < C) {
+    const int j = threadIdx.x;
+    float t[C];
+#pragma unroll
+    for (int r = 0; r < C; ++r) t[r] = 0.f;
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      float acc = r == j ? 1.f : 0.f;
+#pragma unroll
+      for (int s = 0; s < r; s += 4) {  // A[r, s'] = 0 for s' >= r, t[s'] still 0 there
+        const float4 a = *reinterpret_cast<const float4*>(As + r * LDA + s);
+        acc -= a.x * t[s];
+        acc -= a.y * t[s + 1];
+        acc -= a.z * t[s + 2];
+        acc -= a.w * t[s + 3];
+      }
+      t[r] = acc;
+    }
+#pragma unroll
+    for (int r = 0; r < C; ++r) Ts[r * LDA + j] = t[r];
   }
-  if (threadIdx.x < ck.L) p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
+  __syncthreads();
+  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
+  for (int e = threadIdx.x; e < C * C; e += NT) {
+    const int r = e / C, s = e % C;
+    const float t = Ts[r * LDA + s];
+    As[r * LDA + s] = round_tf32(t * bs[s] * __expf(Gs[s]));
+    Tv[r * LDA + s] = round_tf32(t * bs[s]);
+    if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
+  }
+  if (threadIdx.x < L) p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
   __syncthreads();
 
-  Tile<C, D, 4, 8> w, u0;
-  w.zero();
-  w.mma<false, false, C>(Ts, LDC, Ks, LDD);
-  u0.zero();
-  u0.mma<false, false, C>(Ts, LDC, Vs, LDD);
+  // W = As K and U0 = Tv V: warp w owns rows 16 (w % 4) .. +16, columns 64 (w / 4) .. +64.
+  // T is lower triangular, so the k steps stop at the warp's last row.
+  {
+    const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
+    float w[8][4] = {}, u[8][4] = {};
+    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+      uint32_t aw[4], au[4];
+      frag_a(aw, As, LDA, m0, k0);
+      frag_a(au, Tv, LDA, m0, k0);
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bk[2], bv[2];
+        frag_b_trans(bk, Ks, LDH, n0 + 8 * j, k0);
+        frag_b_trans(bv, Vs, LDH, n0 + 8 * j, k0);
+        mma_tf32(w[j], aw, bk);
+        mma_tf32(u[j], au, bv);
+      }
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      if (w.row(i) < ck.L) {
-        const int64_t idx = (row_off + w.row(i) * p.Hv) * D + w.col(j);
-        p.W[idx] = w.a[i][j];
-        p.U0[idx] = u0.a[i][j];
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + acc_row(e), c = n0 + 8 * j + acc_col(e);
+        if (r < L) {
+          const int64_t idx = (row_off + r * p.Hv) * D + c;
+          *reinterpret_cast<float2*>(p.W + idx) =
+              make_float2(round_tf32(w[j][e]), round_tf32(w[j][e + 1]));
+          *reinterpret_cast<float2*>(p.U0 + idx) =
+              make_float2(round_tf32(u[j][e]), round_tf32(u[j][e + 1]));
+        }
       }
-  if (p.Qp == nullptr) return;
-
-  __syncthreads();  // every thread done reading Ks, Vs
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      Ks[w.row(i) * LDD + w.col(j)] = w.a[i][j];
-      Vs[w.row(i) * LDD + w.col(j)] = u0.a[i][j];
-    }
-  __syncthreads();
-  // Q' = diag(exp G) Q - P W and O0 = P U0
-  w.zero();
-  w.mma<false, false, C>(Ps, LDC, Ks, LDD);
-  u0.zero();
-  u0.mma<false, false, C>(Ps, LDC, Vs, LDD);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int r = w.row(i), c = w.col(j);
-      if (r < ck.L) {
-        const int64_t idx = (row_off + r * p.Hv) * D + c;
-        p.Qp[idx] = __expf(Gs[r]) * Qs[r * LDD + c] - w.a[i][j];
-        p.O0[idx] = u0.a[i][j];
-      }
-    }
+  }
 }
 
-template <int BW>
-constexpr size_t state_fwd_smem() {
-  return sizeof(float) * (3 * C * LDD + (D + C) * (BW + 1) + 2 * C);
+// ---------------------------------------------------------------------------------------
+// state_fwd_kernel
+
+template <typename In, int BW>
+struct StateFwdSmem {
+  static constexpr size_t kStage =
+      sizeof(float) * (C * LDW + C * LDA + C) + sizeof(In) * 2 * C * LDH;
+  static constexpr size_t kBytes = 2 * kStage + sizeof(float) * (BW * LDW + 2 * BW * LDA);
+};
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
+  static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
+  constexpr int NJ = BW / 16;  // n tiles per warp of the 64 x BW products
+  constexpr int NS = BW / 8;   // n tiles per warp of the 128 x BW state update
+  constexpr int CBN = D / BW;
   if (p.seqs.failed()) return;
-  using CB = ColBlock<BW>;
-  constexpr int LD = CB::LD, CN = CB::CN;
-  const int64_t n = blockIdx.x, h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
-  const int vb = blockIdx.z * BW;
-  const bool out = p.o != nullptr;
-  extern __shared__ float smem[];
-  float* Ws = smem;             // [C][LDD]
-  float* Qp = Ws + C * LDD;     // [C][LDD] Q'
-  float* Ks = Qp + C * LDD;     // [C][LDD]
-  float* Ss = Ks + C * LDD;     // [D][LD] state block
-  float* Us = Ss + D * LD;      // [C][LD]
-  float* Gs = Us + C * LD;      // [C]
-  float* eL = Gs + C;           // [C]
 
-  const int64_t state_off = (n * p.Hv + h) * D * D;
-  load_state_block<BW>(Ss, p.h0 ? p.h0 + state_off : nullptr, vb);
+  // ---- which segment of which sequence
+  const int cb = blockIdx.x, vb = cb * BW;
+  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
+  int64_t n, j;
+  if (p.seg_offsets != nullptr) {
+    if (z >= p.seg_offsets[p.seqs.N]) return;
+    int64_t lo = 0, hi = p.seqs.N - 1;  // last n with seg_offsets[n] <= z
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (p.seg_offsets[mid] <= z) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+    j = z - p.seg_offsets[n];
+  } else {
+    n = z / p.segs_per_seq;
+    j = z % p.segs_per_seq;
+    if (n >= p.seqs.N) return;
+  }
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
-  const int64_t chunk0 = p.seqs.first_chunk(n);
-  for (int64_t c0 = 0; c0 < len; c0 += C) {
-    const int64_t tok0 = start + c0;
-    const int L = static_cast<int>(len - c0 < C ? len - c0 : C);
-    __syncthreads();  // previous chunk done with every buffer
-    if (p.h) store_state_block<BW>(p.h + ((chunk0 + c0 / C) * p.Hv + h) * D * D, Ss, vb);
-    load_chunk(Ks, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-    load_chunk(Ws, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
-    if (out) load_chunk(Qp, p.Qp + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+  const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
+  const int64_t c_begin = j * p.seg_chunks;
+  const int64_t c_end = c_begin + p.seg_chunks < nch ? c_begin + p.seg_chunks : nch;
+  if (j > 0 && c_begin >= nch) return;
+
+  // ---- where the state comes from: h0 at chunk 0, a warm-up, or the predecessor
+  int64_t c_first = 0;  // first chunk processed (outputs from c_begin on)
+  bool chained = false;
+  if (j > 0) {
+    float bound = 0.f;
+    int64_t c = c_begin;
+    while (c > 0 && c_begin - c < kWarmupMax && bound > kLogEps) {
+      --c;
+      bound += p.Lb[(chunk0 + c) * p.Hv + h];
+    }
+    if (bound <= kLogEps) c_first = c;       // warm-up from zero at chunk c (c = 0: from h0)
+    else if (c == 0) c_first = 0;            // exact recomputation from h0
+    else chained = true, c_first = c_begin;  // the predecessor's exact state
+  }
+  const bool from_h0 = !chained && c_first == 0;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* stage_base = reinterpret_cast<float*>(smem_raw);
+  auto Wst = [&](int s) { return reinterpret_cast<float*>(smem_raw + s * StateFwdSmem<In, BW>::kStage); };
+  auto Pst = [&](int s) { return Wst(s) + C * LDW; };
+  auto Gst = [&](int s) { return Pst(s) + C * LDA; };
+  auto Kst = [&](int s) { return reinterpret_cast<In*>(Gst(s) + C); };
+  auto Qst = [&](int s) { return Kst(s) + C * LDH; };
+  float* Ss = reinterpret_cast<float*>(smem_raw + 2 * StateFwdSmem<In, BW>::kStage);  // [BW][LDW] S^T
+  float* Us = Ss + BW * LDW;  // [BW][LDA] U^T
+  float* Ue = Us + BW * LDA;  // [BW][LDA] (diag(eL) U)^T
+  (void)stage_base;
+
+  const int warp = threadIdx.x >> 5;
+  const In* kbase = static_cast<const In*>(p.k);
+  const In* qbase = static_cast<const In*>(p.q);
+  const bool want_o = p.o != nullptr;
+
+  auto issue = [&](int64_t ci, int s) {
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_tile(Wst(s), LDW, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
+    cp_async_tile(Kst(s), LDH, kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    if (want_o && ci >= c_begin) {
+      cp_async_tile(Qst(s), LDH, qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+      cp_async_tile(Pst(s), LDA, p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
+    }
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
-      Gs[threadIdx.x] = p.G[(tok0 + r) * p.Hv + h];
+      cp_async4(Gst(s) + threadIdx.x, p.G + (tok0 + r) * p.Hv + h);
     }
-    __syncthreads();
-    if (threadIdx.x < C) eL[threadIdx.x] = __expf(Gs[C - 1] - Gs[threadIdx.x]);
-    {  // U = U0 - W S, and O = scale (O0 + Q' S)
-      Tile<C, BW, 2, CN> u;
-      u.zero();
-      u.mma<false, false, D>(Ws, LDD, Ss, LD);
+    cp_async_commit();
+  };
+  // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
+  const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
+  auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) {
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+    for (int jj = 0; jj < NJ; ++jj)
 #pragma unroll
-        for (int j = 0; j < CN; ++j) {
-          const int r = u.row(i), c = u.col(j);
-          const int64_t idx = ((tok0 + r) * p.Hv + h) * D + vb + c;
-          const float val = r < L ? p.U0[idx] - u.a[i][j] : 0.f;
-          Us[r * LD + c] = val;
-          if (p.U && r < L) p.U[idx] = val;
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
+        float2 v = make_float2(0.f, 0.f);
+        if (r < L) v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c);
+        u[jj][e] = v.x;
+        u[jj][e + 1] = v.y;
+      }
+  };
+
+  // ---- initial state: registers (rows 16 warp + (g, g + 8), columns 8 jn + (2t, 2t + 1))
+  float sacc[NS][4];
+  {
+    const float* src = nullptr;
+    int64_t ld = D;
+    int col0 = vb;
+    if (chained) {
+      const int* flag = p.flags + (z - 1) * p.Hv * CBN + h * CBN + cb;
+      if (threadIdx.x == 0)
+        while (ld_acquire(flag) == 0) __nanosleep(200);
+      __syncthreads();
+      src = p.chain + ((z - 1) * p.Hv + h) * D * D;
+    } else if (from_h0 && p.h0 != nullptr) {
+      src = p.h0 + (n * p.Hv + h) * D * D;
+    }
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+        float2 v = make_float2(0.f, 0.f);
+        if (src) v = __ldcg(reinterpret_cast<const float2*>(src + i * ld + col0 + c));
+        sacc[jn][e] = v.x;
+        sacc[jn][e + 1] = v.y;
+      }
+  }
+  auto write_state_smem = [&]() {
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+        Ss[c * LDW + i] = round_tf32(sacc[jn][e]);
+      }
+  };
+  write_state_smem();
+
+  float u0[NJ][4], u0n[NJ][4];
+  if (c_first < c_end) {
+    issue(c_first, 0);
+    load_u0(u0, c_first);
+  }
+  for (int64_t ci = c_first; ci < c_end; ++ci) {
+    const int s = static_cast<int>((ci - c_first) & 1);
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_wait<0>();
+    __syncthreads();  // stage s landed; Ss, Us, Ue of the previous chunk complete
+    if (ci + 1 < c_end) {
+      issue(ci + 1, s ^ 1);
+      load_u0(u0n, ci + 1);
+    }
+    const bool out = want_o && ci >= c_begin;
+    const float* W = Wst(s);
+    const float* G = Gst(s);
+    const float gl = G[C - 1];
+
+    // U = U0 - W S and QS = Q S
+    float ua[NJ][4] = {}, qa[NJ][4] = {};
+    if (out) {
+      const In* Q = Qst(s);
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        uint32_t aw[4], aq[4];
+        frag_a(aw, W, LDW, m0, k0);
+        frag_a(aq, Q, LDH, m0, k0);
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          uint32_t b[2];
+          frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
+          mma_tf32(ua[jj], aw, b);
+          mma_tf32(qa[jj], aq, b);
         }
-      if (out) {
-        u.zero();
-        u.mma<false, false, D>(Qp, LDD, Ss, LD);
+      }
+    } else {
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        uint32_t aw[4];
+        frag_a(aw, W, LDW, m0, k0);
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < CN; ++j) {
-            const int r = u.row(i), c = u.col(j);
-            const int64_t idx = ((tok0 + r) * p.Hv + h) * D + vb + c;
-            if (r < L) static_cast<In*>(p.o)[idx] = from_f<In>(p.scale * (p.O0[idx] + u.a[i][j]));
-          }
+        for (int jj = 0; jj < NJ; ++jj) {
+          uint32_t b[2];
+          frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
+          mma_tf32(ua[jj], aw, b);
+        }
       }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < C * BW; e += NT) {
-      const int r = e / BW, c = e % BW;
-      Us[r * LD + c] *= eL[r];
-    }
-    __syncthreads();
-    {  // S <- exp(G_last) S + K^T (eL U)
-      Tile<D, BW, 4, CN> st;
-      st.zero();
-      st.mma<true, false, C>(Ks, LDD, Us, LD);
-      const float gl = __expf(Gs[C - 1]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+    for (int jj = 0; jj < NJ; ++jj)
 #pragma unroll
-        for (int j = 0; j < CN; ++j) {
-          float& s = Ss[st.row(i) * LD + st.col(j)];
-          s = gl * s + st.a[i][j];
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
+        const float u = u0[jj][e] - ua[jj][e];
+        Us[c * LDA + r] = round_tf32(u);
+        Ue[c * LDA + r] = round_tf32(u * __expf(gl - G[r]));
+        qa[jj][e] *= __expf(G[r]);
+      }
+    __syncthreads();  // U complete
+
+    if (out) {  // O = diag(e^G) Q S + P U; P is lower triangular
+      const float* P = Pst(s);
+      for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+        uint32_t ap[4];
+        frag_a(ap, P, LDA, m0, k0);
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          uint32_t b[2];
+          frag_b(b, Us, LDA, n0 + 8 * jj, k0);
+          mma_tf32(qa[jj], ap, b);
+        }
+      }
+      In* o = static_cast<In*>(p.o);
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
+          if (r < L) {
+            In pair[2] = {from_f<In>(p.scale * qa[jj][e]), from_f<In>(p.scale * qa[jj][e + 1])};
+            *reinterpret_cast<uint32_t*>(o + ((tok0 + r) * p.Hv + h) * D + c) =
+                *reinterpret_cast<const uint32_t*>(pair);
+          }
         }
     }
+    {  // S <- exp(G_last) S + K^T Ue^T
+      const float eg = __expf(gl);
+#pragma unroll
+      for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
+      const In* K = Kst(s);
+#pragma unroll
+      for (int k0 = 0; k0 < C; k0 += 8) {
+        uint32_t ak[4];
+        frag_a_trans(ak, K, LDH, 16 * warp, k0);
+#pragma unroll
+        for (int jn = 0; jn < NS; ++jn) {
+          uint32_t b[2];
+          frag_b(b, Ue, LDA, 8 * jn, k0);
+          mma_tf32(sacc[jn], ak, b);
+        }
+      }
+      write_state_smem();
+    }
+    if (ci + 1 < c_end) {
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) u0[jj][e] = u0n[jj][e];
+    }
   }
-  __syncthreads();
-  if (p.ht) store_state_block<BW>(p.ht + state_off, Ss, vb);
+
+  // ---- the state leaving the segment
+  float* dst = nullptr;
+  if (c_end >= nch) {
+    if (p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
+  } else {
+    dst = p.chain + (z * p.Hv + h) * D * D;
+  }
+  if (dst) {
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
+        __stcg(reinterpret_cast<float2*>(dst + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
+      }
+  }
+  if (c_end < nch) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release(p.flags + z * p.Hv * CBN + h * CBN + cb, 1);
+  }
 }
 
 }  // namespace cuda

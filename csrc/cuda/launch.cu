@@ -3,10 +3,13 @@
 // on the caller's stream; nothing here waits for the device.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
 #include "../backends.h"
+#include "../planner.h"
 #include "bwd_kernels.cuh"
 #include "fwd_kernels.cuh"
 #include "planner.cuh"
@@ -38,35 +41,53 @@ struct Carver {
 
 struct FwdBuffers {
   int64_t* chunk_offsets;
+  int64_t* seg_offsets;  // varlen with context parallelism
   int* error;
-  float *G, *W, *U0, *Qp, *O0;
+  float *G, *W, *U0, *P, *Lb;
+  int* flags;    // context parallelism: chain flags
+  float* chain;  // context parallelism: states leaving each segment
 };
 struct BwdBuffers {
   FwdBuffers f;
-  float *Tmat, *Pmat, *U, *dVt, *h, *dh;
+  float *Tmat, *U, *dVt, *h, *dh;
 };
 
-// The forward also needs Q' and O0 (with_output); the backward's recomputation does not.
-FwdBuffers carve_fwd(const Problem& p, Carver& c, bool with_output) {
-  FwdBuffers b;
+// The forward's segment plan (context parallelism) and column block.
+struct FwdPlan {
+  int bw = 32;
+  SegmentPlan seg;
+};
+
+FwdBuffers carve_common(const Problem& p, Carver& c) {
+  FwdBuffers b{};
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
   b.W = c.take<float>(tokheads * D);
   b.U0 = c.take<float>(tokheads * D);
-  b.Qp = with_output ? c.take<float>(tokheads * D) : nullptr;
-  b.O0 = with_output ? c.take<float>(tokheads * D) : nullptr;
+  b.P = c.take<float>(tokheads * C);
+  return b;
+}
+
+FwdBuffers carve_fwd(const Problem& p, const FwdPlan& plan, Carver& c) {
+  FwdBuffers b = carve_common(p, c);
+  b.Lb = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv));
+  b.seg_offsets = p.varlen() ? c.take<int64_t>(p.N + 1) : nullptr;
+  if (plan.seg.split) {
+    const size_t segheads = static_cast<size_t>(plan.seg.max_segments * p.Hv);
+    b.flags = c.take<int>(segheads * (D / plan.bw));
+    b.chain = c.take<float>(segheads * D * D);
+  }
   return b;
 }
 
 BwdBuffers carve_bwd(const Problem& p, Carver& c) {
   BwdBuffers b;
-  b.f = carve_fwd(p, c, false);
+  b.f = carve_common(p, c);
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D;
   b.Tmat = c.take<float>(tokheads * C);
-  b.Pmat = c.take<float>(tokheads * C);
   b.U = c.take<float>(tokheads * D);
   b.dVt = c.take<float>(tokheads * D);
   b.h = c.take<float>(states);
@@ -118,9 +139,11 @@ void poison_dtype(void* out, flashgdn_dtype t, int64_t n, const int* error, cuda
   else poison<__half>(out, n, error, st);
 }
 
-void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, cudaStream_t st) {
+void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, int64_t seg_chunks,
+                 cudaStream_t st) {
   if (!p.varlen()) return;
-  plan_kernel<<<1, kPlanThreads, 0, st>>>(s, p.TT, b.chunk_offsets, b.error);
+  plan_kernel<<<1, kPlanThreads, 0, st>>>(s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets,
+                                          b.error);
   check_cuda(cudaGetLastError(), "plan_kernel launch");
 }
 
@@ -141,6 +164,8 @@ FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) 
   f.G = b.G;
   f.W = b.W;
   f.U0 = b.U0;
+  f.Pmat = b.P;
+  f.Lb = b.Lb;
   return f;
 }
 
@@ -154,19 +179,61 @@ int column_block(const Problem& p, int sms) {
 }
 
 int sm_count(int device) {
+  static int cache[64] = {};
+  if (device >= 0 && device < 64 && cache[device] > 0) return cache[device];
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
              "cudaDeviceGetAttribute");
+  if (device >= 0 && device < 64) cache[device] = sms;
   return sms;
 }
 
+// Column block of the forward's state pass (FLASHGDN_FWD_BW = 16 | 32 overrides) and
+// the segment plan (csrc/planner.h; FLASHGDN_CP / FLASHGDN_CP_SEG override).
+FwdPlan plan_forward(const Problem& p) {
+  FwdPlan f;
+  if (const char* v = std::getenv("FLASHGDN_FWD_BW")) f.bw = std::atoi(v) == 16 ? 16 : 32;
+  SegmentQuery q;
+  q.N = p.N;
+  q.total_chunks = p.max_chunks();
+  q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
+  q.Hv = p.Hv;
+  q.col_blocks = D / f.bw;
+  q.sms = sm_count(p.device_id);
+  q.mode = cp_mode_from_env();
+  q.forced_seg_chunks = cp_seg_chunks_from_env();
+  f.seg = plan_segments(q);
+  return f;
+}
+
 template <typename In, int BW>
-void launch_state_fwd(const Problem& p, const FwdParams& f, cudaStream_t st) {
+void launch_state_rec(const Problem& p, const FwdParams& f, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(state_fwd_kernel<In, BW>, state_fwd_smem<BW>()); });
-  state_fwd_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
-                             NT, state_fwd_smem<BW>(), st>>>(f);
+  std::call_once(once, [] { set_smem(state_rec_kernel<In, BW>, state_rec_smem<BW>()); });
+  state_rec_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
+                             NT, state_rec_smem<BW>(), st>>>(f);
+  check_cuda(cudaGetLastError(), "state_rec_kernel launch");
+}
+
+template <typename In, int BW>
+void launch_state_fwd(const FwdPlan& plan, const Problem& p, const FwdParams& f, cudaStream_t st) {
+  constexpr size_t smem = StateFwdSmem<In, BW>::kBytes;
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(state_fwd_kernel<In, BW>, smem); });
+  state_fwd_kernel<In, BW><<<dim3(D / BW, static_cast<unsigned>(p.Hv),
+                                  static_cast<unsigned>(plan.seg.max_segments)),
+                             NT, smem, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
+}
+
+template <typename In>
+void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(wy_kernel<In>, kWySmem); });
+  if (p.max_chunks() == 0) return;
+  wy_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv)), NT,
+                  kWySmem, st>>>(f);
+  check_cuda(cudaGetLastError(), "wy_kernel launch");
 }
 
 template <typename In, int BW>
@@ -178,34 +245,31 @@ void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
   check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
 }
 
-// wy_kernel then state_fwd_kernel; `f` says which optional outputs are written.
-template <typename In>
-void launch_forward_passes(const Problem& p, const FwdParams& f, int bw, cudaStream_t st) {
-  static std::once_flag once;
-  std::call_once(once, [] { set_smem(wy_kernel<In>, kWySmem); });
-  if (p.max_chunks() > 0) {
-    wy_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv)), NT,
-                    kWySmem, st>>>(f);
-    check_cuda(cudaGetLastError(), "wy_kernel launch");
-  }
-  if (p.N == 0) return;
-  if (bw == 32) launch_state_fwd<In, 32>(p, f, st);
-  else if (bw == 16) launch_state_fwd<In, 16>(p, f, st);
-  else launch_state_fwd<In, 8>(p, f, st);
-}
-
 template <typename In>
 void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
+  const FwdPlan plan = plan_forward(p);
   Carver c{static_cast<char*>(ws)};
-  const FwdBuffers b = carve_fwd(p, c, true);
+  const FwdBuffers b = carve_fwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b);
-  run_planner(p, s, b, st);
+  run_planner(p, s, b, plan.seg.seg_chunks, st);
   FwdParams f = fwd_params(p, s, b);
   f.o = out.o;
   f.ht = out.final_state;
-  f.Qp = b.Qp;
-  f.O0 = b.O0;
-  launch_forward_passes<In>(p, f, column_block(p, sm_count(p.device_id)), st);
+  f.seg_chunks = plan.seg.seg_chunks;
+  const int64_t nch = (p.T + C - 1) / C;
+  f.segs_per_seq = p.varlen() ? 0 : std::max<int64_t>(1, (nch + f.seg_chunks - 1) / f.seg_chunks);
+  f.seg_offsets = b.seg_offsets;
+  f.flags = b.flags;
+  f.chain = b.chain;
+  if (b.flags) {
+    const size_t bytes = static_cast<size_t>(plan.seg.max_segments * p.Hv) * (D / plan.bw) * sizeof(int);
+    check_cuda(cudaMemsetAsync(b.flags, 0, bytes, st), "cudaMemsetAsync");
+  }
+  launch_wy<In>(p, f, st);
+  if (p.N > 0) {
+    if (plan.bw == 16) launch_state_fwd<In, 16>(plan, p, f, st);
+    else launch_state_fwd<In, 32>(plan, p, f, st);
+  }
   if (p.varlen()) {
     poison_dtype(out.o, p.qkv_dtype, p.TT * p.Hv * D, b.error, st);
     poison<float>(out.final_state, out.final_state ? p.N * p.Hv * D * D : 0, b.error, st);
@@ -221,13 +285,17 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, c);
   const SeqLayout s = seq_layout(p, b.f);
-  run_planner(p, s, b.f, st);
+  run_planner(p, s, b.f, 1, st);
   FwdParams f = fwd_params(p, s, b.f);
   f.Tmat = b.Tmat;
-  f.Pmat = b.Pmat;
   f.h = b.h;
   f.U = b.U;
-  launch_forward_passes<In>(p, f, bw, st);
+  launch_wy<In>(p, f, st);
+  if (p.N > 0) {
+    if (bw == 32) launch_state_rec<In, 32>(p, f, st);
+    else if (bw == 16) launch_state_rec<In, 16>(p, f, st);
+    else launch_state_rec<In, 8>(p, f, st);
+  }
 
   BwdParams g{};
   g.seqs = s;
@@ -244,7 +312,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dht = io.d_final_state;
   g.G = b.f.G;
   g.Tmat = b.Tmat;
-  g.Pmat = b.Pmat;
+  g.Pmat = b.f.P;
   g.U = b.U;
   g.h = b.h;
   g.dh = b.dh;
@@ -282,7 +350,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
 
 size_t cuda_fwd_workspace_bytes(const Problem& p) {
   Carver c{nullptr};
-  carve_fwd(p, c, true);
+  carve_fwd(p, plan_forward(p), c);
   return c.used;
 }
 

@@ -1,0 +1,155 @@
+// Warp-level tensor-core helpers of the forward kernels: TF32 mma.sync (m16n8k8,
+// fp32 accumulate), fragment loads from shared memory, cp.async copies.
+//
+// Fragment convention ("paired k"): inside one 8-wide k step, a thread (g = lane / 4,
+// t = lane % 4) holds the k elements 2t and 2t + 1 of its rows (A) or column (B) as the
+// tf32 k slots t and t + 4. The product is the same because A and B use the same
+// permutation of k. The pair is contiguous in memory when a tile is stored k-contiguous
+// (A as [row][k], B as [col][k]), so a fragment is one 64-bit (fp32) or 32-bit (bf16/fp16)
+// shared load per row, and bf16/fp16 values become exact tf32 operands by widening.
+// fp32 tiles read with paired loads use a leading dimension = 8 (mod 32) words; 16-bit
+// tiles use 136 elements per 128-wide row (68 words = 4 mod 32). Both are conflict free.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace flashgdn {
+namespace cuda {
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+// fp32 -> tf32 with round-to-nearest (the tensor core would otherwise truncate).
+__device__ __forceinline__ float round_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+
+// d += a b, m16n8k8, tf32 inputs, fp32 accumulators
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two 16-bit values packed in one register -> two exact tf32 operands (first, second).
+__device__ __forceinline__ void widen2(uint32_t v, uint32_t& first, uint32_t& second,
+                                       const __nv_bfloat16*) {
+  first = v << 16;
+  second = v & 0xffff0000u;
+}
+__device__ __forceinline__ void widen2(uint32_t v, uint32_t& first, uint32_t& second,
+                                       const __half*) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+  first = __float_as_uint(f.x);
+  second = __float_as_uint(f.y);
+}
+
+// A fragment (16 rows from row0, k step at k0) of a k-contiguous fp32 tile [row][k].
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const float* s, int ld, int row0,
+                                       int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const float2 x = *reinterpret_cast<const float2*>(s + (row0 + g) * ld + k0 + 2 * t);
+  const float2 y = *reinterpret_cast<const float2*>(s + (row0 + g + 8) * ld + k0 + 2 * t);
+  a[0] = __float_as_uint(x.x);
+  a[2] = __float_as_uint(x.y);
+  a[1] = __float_as_uint(y.x);
+  a[3] = __float_as_uint(y.y);
+}
+// Same from a 16-bit tile [row][k].
+template <typename T>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const T* s, int ld, int row0, int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const uint32_t x = *reinterpret_cast<const uint32_t*>(s + (row0 + g) * ld + k0 + 2 * t);
+  const uint32_t y = *reinterpret_cast<const uint32_t*>(s + (row0 + g + 8) * ld + k0 + 2 * t);
+  widen2(x, a[0], a[2], s);
+  widen2(y, a[1], a[3], s);
+}
+// B fragment (8 columns from col0, k step at k0) of a k-contiguous fp32 tile [col][k].
+__device__ __forceinline__ void frag_b(uint32_t (&b)[2], const float* s, int ld, int col0,
+                                       int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const float2 x = *reinterpret_cast<const float2*>(s + (col0 + g) * ld + k0 + 2 * t);
+  b[0] = __float_as_uint(x.x);
+  b[1] = __float_as_uint(x.y);
+}
+template <typename T>
+__device__ __forceinline__ void frag_b(uint32_t (&b)[2], const T* s, int ld, int col0, int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const uint32_t x = *reinterpret_cast<const uint32_t*>(s + (col0 + g) * ld + k0 + 2 * t);
+  widen2(x, b[0], b[1], s);
+}
+
+// Fragments of the transpose of a 16-bit tile stored [k][i] (i contiguous): ldmatrix.trans
+// yields the paired-k layout directly. A fragment of A(i, k) = X[k][i] for rows i0..i0+15,
+// k0..k0+7; ld in elements (row stride 16 mod 128 bytes: conflict free for ld = 136).
+template <typename T>
+__device__ __forceinline__ void frag_a_trans(uint32_t (&a)[4], const T* s, int ld, int i0,
+                                             int k0) {
+  const int l = lane_id();
+  // matrices: 0 = (k0..k0+7, i0..i0+7), 1 = (k0..k0+7, i0+8..i0+15)
+  const T* p = s + (k0 + (l & 7)) * ld + i0 + ((l >> 3) & 1) * 8;
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t r0, r1;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(addr));
+  widen2(r0, a[0], a[2], s);
+  widen2(r1, a[1], a[3], s);
+}
+// B fragment of B(k, n) = X[k][n] (n contiguous, 16-bit) for columns n0..n0+7, k0..k0+7.
+template <typename T>
+__device__ __forceinline__ void frag_b_trans(uint32_t (&b)[2], const T* s, int ld, int n0,
+                                             int k0) {
+  const int l = lane_id();
+  const T* p = s + (k0 + (l & 7)) * ld + n0;
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t r0;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n"
+               : "=r"(r0)
+               : "r"(addr));
+  widen2(r0, b[0], b[1], s);
+}
+
+// Accumulator element e (0..3) of an m16n8 tile: row g (+8 for e >= 2), column 2t (+1 odd e).
+__device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 2 ? 8 : 0); }
+__device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
+
+// cp.async: 16 bytes (zero-filled when !valid) and 4 bytes.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Copies `rows` x `cols` elements (row r < L from src + r * stride, else zeros) into a
+// shared tile with leading dimension ld, 16 bytes per cp.async, spread over the block.
+template <typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int64_t stride,
+                                              int L, int rows, int cols) {
+  constexpr int kPer = 16 / sizeof(T);
+  const int per_row = cols / kPer;
+  for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
+    const int r = e / per_row, c = (e % per_row) * kPer;
+    const bool valid = r < L;
+    cp_async16(dst + r * ld + c, valid ? src + r * stride + c : src, valid);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flashgdn
