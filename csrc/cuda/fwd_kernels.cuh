@@ -62,6 +62,7 @@ struct FwdParams {
   const int64_t* seg_offsets;   // varlen: [N + 1] first segment of each sequence
   int* flags;                   // [segments, Hv, D / BW] chain flags (zeroed per call)
   float* chain;                 // [segments, Hv, D, D] states leaving each segment
+  int debug;                    // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
 };
 
 // ---------------------------------------------------------------------------------------
@@ -318,9 +319,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   const int warp = threadIdx.x >> 5;
   const In* kbase = static_cast<const In*>(p.k);
   const In* qbase = static_cast<const In*>(p.q);
-  const bool want_o = p.o != nullptr;
+  const bool want_o = p.o != nullptr && !(p.debug & 1);
 
   auto issue = [&](int64_t ci, int s) {
+    if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
     cp_async_tile(Wst(s), LDW, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
@@ -389,12 +391,14 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   };
   write_state_smem();
 
-  float u0[NJ][4], u0n[NJ][4];
+  // U0 registers alternate between two sets (the loop is unrolled by two), so a chunk's
+  // U0 loads are issued one whole step before their use and nothing waits on them.
+  float u0a[NJ][4], u0b[NJ][4];
   if (c_first < c_end) {
     issue(c_first, 0);
-    load_u0(u0, c_first);
+    load_u0(u0a, c_first);
   }
-  for (int64_t ci = c_first; ci < c_end; ++ci) {
+  auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -402,7 +406,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     __syncthreads();  // stage s landed; Ss, Us, Ue of the previous chunk complete
     if (ci + 1 < c_end) {
       issue(ci + 1, s ^ 1);
-      load_u0(u0n, ci + 1);
+      load_u0(u0n, ci + 1);  // used one step later: no wait here
     }
     const bool out = want_o && ci >= c_begin;
     const float* W = Wst(s);
@@ -496,12 +500,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       }
       write_state_smem();
     }
-    if (ci + 1 < c_end) {
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) u0[jj][e] = u0n[jj][e];
-    }
+  };
+  for (int64_t ci = c_first; ci < c_end; ci += 2) {
+    step(ci, u0a, u0b);
+    if (ci + 1 < c_end) step(ci + 1, u0b, u0a);
   }
 
   // ---- the state leaving the segment

@@ -192,6 +192,10 @@ int sm_count(int device) {
 // the segment plan (csrc/planner.h; FLASHGDN_CP / FLASHGDN_CP_SEG override).
 FwdPlan plan_forward(const Problem& p) {
   FwdPlan f;
+  const int sms = sm_count(p.device_id);
+  // 16 columns shorten the sequential step; 32 halve the operand traffic once the
+  // (sequence, head) pairs fill the SMs anyway.
+  f.bw = p.N * p.Hv * (D / 16) <= sms ? 16 : 32;
   if (const char* v = std::getenv("FLASHGDN_FWD_BW")) f.bw = std::atoi(v) == 16 ? 16 : 32;
   SegmentQuery q;
   q.N = p.N;
@@ -199,7 +203,7 @@ FwdPlan plan_forward(const Problem& p) {
   q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
   q.Hv = p.Hv;
   q.col_blocks = D / f.bw;
-  q.sms = sm_count(p.device_id);
+  q.sms = sms;
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   f.seg = plan_segments(q);
@@ -259,6 +263,7 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
   const int64_t nch = (p.T + C - 1) / C;
   f.segs_per_seq = p.varlen() ? 0 : std::max<int64_t>(1, (nch + f.seg_chunks - 1) / f.seg_chunks);
   f.seg_offsets = b.seg_offsets;
+  if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
   f.flags = b.flags;
   f.chain = b.chain;
   if (b.flags) {
