@@ -11,6 +11,9 @@ namespace flashgdn {
 // CPU backend (cpu_backend.cpp): same chunked algorithm, fp32 arithmetic, threads.
 void cpu_fwd(const Problem& p, const FwdOutputs& out);
 void cpu_bwd(const Problem& p, const BwdIO& io);
+void cpu_decode(const DecodeProblem& p);
+void cpu_gating_fwd(const GatingProblem& p);
+void cpu_gating_bwd(const GatingProblem& p);
 
 #ifdef FLASHGDN_WITH_CUDA
 // CUDA backend (cuda/launch.cu): kernels for SM90, asynchronous on `stream`.
@@ -18,6 +21,12 @@ size_t cuda_fwd_workspace_bytes(const Problem& p);
 size_t cuda_bwd_workspace_bytes(const Problem& p);
 void cuda_fwd(const Problem& p, const FwdOutputs& out, void* workspace, void* stream);
 void cuda_bwd(const Problem& p, const BwdIO& io, void* workspace, void* stream);
+// Decode (cuda/decode.cu): one recurrent step kernel over a state pool; no workspace.
+void cuda_decode(const DecodeProblem& p, void* stream);
+// Gate (cuda/gate.cu): elementwise forward; backward with a deterministic per-head sum.
+void cuda_gating_fwd(const GatingProblem& p, void* stream);
+size_t cuda_gating_bwd_workspace_bytes(const GatingProblem& p);
+void cuda_gating_bwd(const GatingProblem& p, void* workspace, void* stream);
 #endif
 
 }  // namespace flashgdn

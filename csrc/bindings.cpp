@@ -22,6 +22,7 @@ flashgdn_dtype to_dtype(nb::dlpack::dtype t) {
   if (t.lanes != 1) return FLASHGDN_DTYPE_OTHER;
   if (t.code == static_cast<uint8_t>(code::Float) && t.bits == 32) return FLASHGDN_DTYPE_F32;
   if (t.code == static_cast<uint8_t>(code::Float) && t.bits == 16) return FLASHGDN_DTYPE_F16;
+  if (t.code == static_cast<uint8_t>(code::Float) && t.bits == 64) return FLASHGDN_DTYPE_F64;
   if (t.code == static_cast<uint8_t>(code::Bfloat) && t.bits == 16) return FLASHGDN_DTYPE_BF16;
   if (t.code == static_cast<uint8_t>(code::Int) && t.bits == 32) return FLASHGDN_DTYPE_I32;
   if (t.code == static_cast<uint8_t>(code::Int) && t.bits == 64) return FLASHGDN_DTYPE_I64;
@@ -100,6 +101,25 @@ flashgdn_bwd_args bwd_args(const OptArray& q, const OptArray& k, const OptArray&
   return a;
 }
 
+flashgdn_gating_bwd_args gating_bwd_args(const OptArray& a, const OptArray& A_log,
+                                         const OptArray& dt_bias, const OptArray& b,
+                                         const OptArray& dg, const OptArray& dbeta,
+                                         const OptArray& da, const OptArray& dA_log,
+                                         const OptArray& ddt_bias, const OptArray& db) {
+  flashgdn_gating_bwd_args r{};
+  r.a = to_tensor(a, "a");
+  r.A_log = to_tensor(A_log, "A_log");
+  r.dt_bias = to_tensor(dt_bias, "dt_bias");
+  r.b = to_tensor(b, "b");
+  r.dg = to_tensor(dg, "dg");
+  r.dbeta = to_tensor(dbeta, "dbeta");
+  r.da = to_tensor(da, "da");
+  r.dA_log = to_tensor(dA_log, "dA_log");
+  r.ddt_bias = to_tensor(ddt_bias, "ddt_bias");
+  r.db = to_tensor(db, "db");
+  return r;
+}
+
 template <typename Args>
 void set_workspace(Args& a, const OptArray& ws, uintptr_t stream) {
   if (ws) {
@@ -112,7 +132,9 @@ void set_workspace(Args& a, const OptArray& ws, uintptr_t stream) {
 }  // namespace
 
 NB_MODULE(_C, m) {
-  m.doc() = "flashgdn native core: chunked Gated DeltaNet forward/backward (CPU and CUDA)";
+  m.doc() =
+      "flashgdn native core: chunked Gated DeltaNet forward/backward, decode over a state "
+      "pool, fused gate (CPU and CUDA)";
   m.def("version", [] { return std::string(flashgdn_version()); });
   m.def("has_cuda", [] {
 #ifdef FLASHGDN_WITH_CUDA
@@ -179,4 +201,73 @@ NB_MODULE(_C, m) {
       none("dv"), none("dg"), none("dbeta"), none("dh0"), none("workspace"),
       nb::arg("stream") = 0,
       "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.");
+
+  m.def(
+      "decode",
+      [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray state_pool,
+         OptArray state_indices, float scale, bool use_qk_l2norm, OptArray o, uintptr_t stream) {
+        flashgdn_decode_args a{};
+        a.q = to_tensor(q, "q");
+        a.k = to_tensor(k, "k");
+        a.v = to_tensor(v, "v");
+        a.g = to_tensor(g, "g");
+        a.beta = to_tensor(beta, "beta");
+        a.state_pool = to_tensor(state_pool, "state_pool");
+        a.state_indices = to_tensor(state_indices, "state_indices");
+        a.scale = scale;
+        a.use_qk_l2norm = use_qk_l2norm ? 1 : 0;
+        a.o = to_tensor(o, "o");
+        a.stream = reinterpret_cast<void*>(stream);
+        check(flashgdn_decode(&a));
+      },
+      none("q"), none("k"), none("v"), none("g"), none("beta"), none("state_pool"),
+      none("state_indices"), nb::arg("scale"), nb::arg("use_qk_l2norm"), none("o"),
+      nb::arg("stream") = 0,
+      "Recurrent GDN step for T <= 64 tokens per sequence into preallocated o, updating the "
+      "state_pool slots given by state_indices in place; asynchronous on CUDA.");
+
+  m.def(
+      "gating_fwd",
+      [](OptArray a, OptArray A_log, OptArray dt_bias, OptArray b, OptArray g, OptArray beta,
+         uintptr_t stream) {
+        flashgdn_gating_fwd_args r{};
+        r.a = to_tensor(a, "a");
+        r.A_log = to_tensor(A_log, "A_log");
+        r.dt_bias = to_tensor(dt_bias, "dt_bias");
+        r.b = to_tensor(b, "b");
+        r.g = to_tensor(g, "g");
+        r.beta = to_tensor(beta, "beta");
+        r.stream = reinterpret_cast<void*>(stream);
+        check(flashgdn_gating_fwd(&r));
+      },
+      none("a"), none("A_log"), none("dt_bias"), none("b"), none("g"), none("beta"),
+      nb::arg("stream") = 0,
+      "g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) into preallocated g, beta.");
+
+  m.def(
+      "gating_bwd_workspace_size",
+      [](OptArray a, OptArray A_log, OptArray dt_bias, OptArray b, OptArray dg, OptArray dbeta,
+         OptArray da, OptArray dA_log, OptArray ddt_bias, OptArray db) {
+        auto r = gating_bwd_args(a, A_log, dt_bias, b, dg, dbeta, da, dA_log, ddt_bias, db);
+        size_t bytes = 0;
+        check(flashgdn_gating_bwd_workspace_size(&r, &bytes));
+        return bytes;
+      },
+      none("a"), none("A_log"), none("dt_bias"), none("b"), none("dg"), none("dbeta"),
+      none("da"), none("dA_log"), none("ddt_bias"), none("db"),
+      "Bytes of workspace the gate backward needs (0 on the CPU). Validates the arguments.");
+
+  m.def(
+      "gating_bwd",
+      [](OptArray a, OptArray A_log, OptArray dt_bias, OptArray b, OptArray dg, OptArray dbeta,
+         OptArray da, OptArray dA_log, OptArray ddt_bias, OptArray db, OptArray ws,
+         uintptr_t stream) {
+        auto r = gating_bwd_args(a, A_log, dt_bias, b, dg, dbeta, da, dA_log, ddt_bias, db);
+        set_workspace(r, ws, stream);
+        check(flashgdn_gating_bwd(&r));
+      },
+      none("a"), none("A_log"), none("dt_bias"), none("b"), none("dg"), none("dbeta"),
+      none("da"), none("dA_log"), none("ddt_bias"), none("db"), none("workspace"),
+      nb::arg("stream") = 0,
+      "Gate backward into preallocated da, dA_log, ddt_bias, db; asynchronous on CUDA.");
 }

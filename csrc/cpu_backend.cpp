@@ -240,7 +240,114 @@ void parallel_for(int64_t n, F&& f) {
   for (auto& t : pool) t.join();
 }
 
+// Gate tensors may be float64; the gate computes in double precision, like the CUDA
+// kernels (cuda/gate.cu), and rounds once to each output's dtype.
+double load_gate(const void* p, flashgdn_dtype t, int64_t i) {
+  return t == FLASHGDN_DTYPE_F64 ? static_cast<const double*>(p)[i]
+                                 : static_cast<double>(load(p, t, i));
+}
+
+void store_gate(void* p, flashgdn_dtype t, int64_t i, double x) {
+  if (t == FLASHGDN_DTYPE_F64) static_cast<double*>(p)[i] = x;
+  else store(p, t, i, static_cast<float>(x));
+}
+
+int64_t slot_of(const DecodeProblem& p, int64_t b) {
+  return p.idx_dtype == FLASHGDN_DTYPE_I32 ? static_cast<const int32_t*>(p.indices)[b]
+                                           : static_cast<const int64_t*>(p.indices)[b];
+}
+
+// softplus(x) = log(1 + e^x) = max(x, 0) + log1p(e^-|x|): no overflow for large x.
+double softplus(double x) { return std::max(x, 0.0) + std::log1p(std::exp(-std::abs(x))); }
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
 }  // namespace
+
+void cpu_decode(const DecodeProblem& p) {
+  parallel_for(p.B * p.Hv, [&](int64_t task) {
+    const int64_t b = task / p.Hv, h = task % p.Hv, hq = h / p.group();
+    const int64_t slot = slot_of(p, b);
+    if (slot < 0) {  // skipped sequence: zero output, no state
+      for (int64_t t = 0; t < p.T; ++t)
+        for (int c = 0; c < D; ++c)
+          store(p.o, p.qkv_dtype, ((b * p.T + t) * p.Hv + h) * D + c, 0.f);
+      return;
+    }
+    float* S = p.pool + (slot * p.Hv + h) * D * D;  // [K, V], updated in place
+    float q[D], k[D], sa[D], sb[D];
+    for (int64_t t = 0; t < p.T; ++t) {
+      const int64_t tok = b * p.T + t;
+      float qq = 0.f, kk = 0.f;
+      for (int c = 0; c < D; ++c) {
+        q[c] = load(p.q, p.qkv_dtype, (tok * p.Hqk + hq) * D + c);
+        k[c] = load(p.k, p.qkv_dtype, (tok * p.Hqk + hq) * D + c);
+        qq += q[c] * q[c];
+        kk += k[c] * k[c];
+      }
+      if (p.l2norm) {
+        const float rq = 1.f / std::sqrt(qq + 1e-6f), rk = 1.f / std::sqrt(kk + 1e-6f);
+        for (int c = 0; c < D; ++c) {
+          q[c] *= rq;
+          k[c] *= rk;
+        }
+      }
+      float qk = 0.f;
+      for (int c = 0; c < D; ++c) qk += q[c] * k[c];
+      const float eg = std::exp(load(p.g, p.g_dtype, tok * p.Hv + h));
+      const float beta = load(p.beta, p.beta_dtype, tok * p.Hv + h);
+      // sa = S^T k, sb = S^T q of the state before this token's decay.
+      std::fill(sa, sa + D, 0.f);
+      std::fill(sb, sb + D, 0.f);
+      for (int i = 0; i < D; ++i)
+        for (int j = 0; j < D; ++j) {
+          sa[j] += S[i * D + j] * k[i];
+          sb[j] += S[i * D + j] * q[i];
+        }
+      // u = beta (v - eg S^T k); o = scale (eg S^T q + (q . k) u); S = eg S + k u^T.
+      float u[D];
+      for (int j = 0; j < D; ++j) {
+        const float v = load(p.v, p.qkv_dtype, (tok * p.Hv + h) * D + j);
+        u[j] = beta * (v - eg * sa[j]);
+        store(p.o, p.qkv_dtype, (tok * p.Hv + h) * D + j, p.scale * (eg * sb[j] + qk * u[j]));
+      }
+      for (int i = 0; i < D; ++i)
+        for (int j = 0; j < D; ++j) S[i * D + j] = eg * S[i * D + j] + k[i] * u[j];
+    }
+  });
+}
+
+void cpu_gating_fwd(const GatingProblem& p) {
+  for (int64_t i = 0; i < p.n; ++i) {
+    const int64_t h = i % p.H;
+    const double x = load_gate(p.a, p.a_dtype, i) + load_gate(p.dt_bias, p.dt_dtype, h);
+    const double decay = std::exp(load_gate(p.A_log, p.A_dtype, h));
+    store_gate(p.g, p.g_dtype, i, -decay * softplus(x));
+    store_gate(p.beta, p.beta_dtype, i, sigmoid(load_gate(p.b, p.b_dtype, i)));
+  }
+}
+
+// da = -dg exp(A_log) sigmoid(a + dt_bias), dA_log = sum dg g, ddt_bias = sum da,
+// db = dbeta beta (1 - beta); the per-head sums accumulate in order.
+void cpu_gating_bwd(const GatingProblem& p) {
+  std::vector<double> sA(p.H, 0.0), sdt(p.H, 0.0);
+  for (int64_t i = 0; i < p.n; ++i) {
+    const int64_t h = i % p.H;
+    const double x = load_gate(p.a, p.a_dtype, i) + load_gate(p.dt_bias, p.dt_dtype, h);
+    const double decay = std::exp(load_gate(p.A_log, p.A_dtype, h));
+    const double dg = load_gate(p.dg, p.dg_dtype, i);
+    const double da = -dg * decay * sigmoid(x);
+    store_gate(p.da, p.a_dtype, i, da);
+    sA[h] += -dg * decay * softplus(x);
+    sdt[h] += da;
+    const double bt = sigmoid(load_gate(p.b, p.b_dtype, i));
+    store_gate(p.db, p.b_dtype, i, load_gate(p.dbeta, p.dbeta_dtype, i) * bt * (1.0 - bt));
+  }
+  for (int64_t h = 0; h < p.H; ++h) {
+    store_gate(p.dA_log, p.A_dtype, h, sA[h]);
+    store_gate(p.ddt_bias, p.dt_dtype, h, sdt[h]);
+  }
+}
 
 void cpu_fwd(const Problem& p, const FwdOutputs& out) {
   const auto seqs = sequences(p);

@@ -85,6 +85,51 @@ int flashgdn_bwd(const flashgdn_bwd_args* args) {
   });
 }
 
+int flashgdn_decode(const flashgdn_decode_args* args) {
+  return guarded([&] {
+    const auto p = flashgdn::validate_decode(*args);
+    if (p.B == 0) return;
+    if (p.device == FLASHGDN_DEVICE_CPU) return flashgdn::cpu_decode(p);
+#ifdef FLASHGDN_WITH_CUDA
+    flashgdn::cuda_decode(p, args->stream);
+#endif
+  });
+}
+
+int flashgdn_gating_fwd(const flashgdn_gating_fwd_args* args) {
+  return guarded([&] {
+    const auto p = flashgdn::validate_gating_fwd(*args);
+    if (p.n == 0) return;
+    if (p.device == FLASHGDN_DEVICE_CPU) return flashgdn::cpu_gating_fwd(p);
+#ifdef FLASHGDN_WITH_CUDA
+    flashgdn::cuda_gating_fwd(p, args->stream);
+#endif
+  });
+}
+
+int flashgdn_gating_bwd_workspace_size(const flashgdn_gating_bwd_args* args, size_t* bytes) {
+  return guarded([&] {
+    const auto p = flashgdn::validate_gating_bwd(*args);
+    *bytes = 0;
+#ifdef FLASHGDN_WITH_CUDA
+    if (p.device == FLASHGDN_DEVICE_CUDA) *bytes = flashgdn::cuda_gating_bwd_workspace_bytes(p);
+#endif
+    (void)p;
+  });
+}
+
+int flashgdn_gating_bwd(const flashgdn_gating_bwd_args* args) {
+  return guarded([&] {
+    const auto p = flashgdn::validate_gating_bwd(*args);
+    if (p.device == FLASHGDN_DEVICE_CPU) return flashgdn::cpu_gating_bwd(p);
+#ifdef FLASHGDN_WITH_CUDA
+    check_workspace(flashgdn::cuda_gating_bwd_workspace_bytes(p), args->workspace_bytes,
+                    args->workspace);
+    flashgdn::cuda_gating_bwd(p, args->workspace, args->stream);
+#endif
+  });
+}
+
 const char* flashgdn_last_error(void) { return g_last_error.c_str(); }
 
 const char* flashgdn_version(void) { return FLASHGDN_VERSION; }

@@ -4,6 +4,7 @@
 // on the GPU they are checked by the planner kernel (no host-device sync).
 #include "problem.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -16,6 +17,7 @@ const char* dtype_name(flashgdn_dtype d) {
     case FLASHGDN_DTYPE_BF16: return "bfloat16";
     case FLASHGDN_DTYPE_I32: return "int32";
     case FLASHGDN_DTYPE_I64: return "int64";
+    case FLASHGDN_DTYPE_F64: return "float64";
     default: return "unsupported dtype";
   }
 }
@@ -46,6 +48,8 @@ void require_present(const flashgdn_tensor& t, const char* name) {
 }
 
 void check_contiguous(const flashgdn_tensor& t, const char* name) {
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] == 0) return;  // no elements: any strides (e.g. expanded) are fine
   int64_t expected = 1;
   for (int i = t.ndim - 1; i >= 0; --i) {
     if (t.shape[i] != 1 && t.strides[i] != expected)
@@ -68,9 +72,15 @@ void check_shape(const flashgdn_tensor& t, const char* name, std::initializer_li
          shape_str(t));
 }
 
-void check_device(const flashgdn_tensor& t, const char* name, const Problem& p) {
+// The tensor every other one must share a device with: q, or a for the gate.
+const char* device_ref(const Problem&) { return "q"; }
+const char* device_ref(const DecodeProblem&) { return "q"; }
+const char* device_ref(const GatingProblem&) { return "a"; }
+
+template <typename P>
+void check_device(const flashgdn_tensor& t, const char* name, const P& p) {
   if (t.device != p.device || (t.device == FLASHGDN_DEVICE_CUDA && t.device_id != p.device_id))
-    fail(std::string(name) + " must be on the same device as q (" +
+    fail(std::string(name) + " must be on the same device as " + device_ref(p) + " (" +
          (p.device == FLASHGDN_DEVICE_CPU ? std::string("cpu")
                                           : "cuda:" + std::to_string(p.device_id)) +
          ")");
@@ -86,8 +96,9 @@ void check_dtype_in(const flashgdn_tensor& t, const char* name,
 }
 
 // Like `ref` in shape and dtype (outputs and gradients that mirror an input).
+template <typename P>
 void check_like(const flashgdn_tensor& t, const char* name, const flashgdn_tensor& ref,
-                const char* ref_name, const Problem& p) {
+                const char* ref_name, const P& p) {
   require_present(t, name);
   bool same = t.ndim == ref.ndim;
   for (int i = 0; same && i < t.ndim; ++i) same = t.shape[i] == ref.shape[i];
@@ -264,6 +275,185 @@ Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
     check_state(a.dh0, "dh0", p);
     io->dh0 = static_cast<float*>(a.dh0.data);
   }
+  return p;
+}
+
+// ------------------------------------------------------------------------------ decode
+
+namespace {
+
+template <typename I>
+void check_slot_values(const I* idx, int64_t B, int64_t num_slots) {
+  std::vector<int64_t> seen;  // slots in use, sorted at the end
+  seen.reserve(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = static_cast<int64_t>(idx[b]);
+    if (s < 0) continue;
+    if (s >= num_slots)
+      fail("state_indices[" + std::to_string(b) + "] = " + std::to_string(s) +
+           " is out of range for a state_pool of " + std::to_string(num_slots) +
+           " slots (negative slots skip a sequence)");
+    seen.push_back(s);
+  }
+  std::sort(seen.begin(), seen.end());
+  for (size_t i = 1; i < seen.size(); ++i)
+    if (seen[i] == seen[i - 1])
+      fail("state_indices uses slot " + std::to_string(seen[i]) +
+           " for more than one sequence (each non-negative slot may appear once)");
+}
+
+}  // namespace
+
+DecodeProblem validate_decode(const flashgdn_decode_args& a) {
+  const flashgdn_tensor none{};
+  const Problem c = validate_inputs(a.q, a.k, a.v, a.g, a.beta, none, none, a.scale);
+  DecodeProblem p;
+  p.B = c.B;
+  p.T = c.T;
+  p.Hqk = c.Hqk;
+  p.Hv = c.Hv;
+  p.scale = c.scale;
+  p.l2norm = a.use_qk_l2norm != 0;
+  p.qkv_dtype = c.qkv_dtype;
+  p.g_dtype = c.g_dtype;
+  p.beta_dtype = c.beta_dtype;
+  p.device = c.device;
+  p.device_id = c.device_id;
+  p.q = c.q;
+  p.k = c.k;
+  p.v = c.v;
+  p.g = c.g;
+  p.beta = c.beta;
+  if (p.T < 1 || p.T > kMaxDecodeTokens)
+    fail("q.shape[1] (tokens per sequence T) must be between 1 and " +
+         std::to_string(kMaxDecodeTokens) + " for decode, got " + std::to_string(p.T) +
+         " (use chunk_gated_delta_rule for longer sequences)");
+
+  const flashgdn_tensor& pool = a.state_pool;
+  require_present(pool, "state_pool");
+  check_dtype_in(pool, "state_pool", {FLASHGDN_DTYPE_F32});
+  if (pool.ndim != 4)
+    fail("state_pool must be 4-D [num_slots, H_v, K, V], got " + std::to_string(pool.ndim) +
+         "-D " + shape_str(pool));
+  check_shape(pool, "state_pool", {pool.shape[0], p.Hv, kHeadDim, kHeadDim},
+              "(num_slots, H_v, K, V) with H_v of v");
+  check_device(pool, "state_pool", p);
+  check_contiguous(pool, "state_pool");
+  p.num_slots = pool.shape[0];
+  p.pool = static_cast<float*>(pool.data);
+
+  const flashgdn_tensor& idx = a.state_indices;
+  require_present(idx, "state_indices");
+  check_dtype_in(idx, "state_indices", {FLASHGDN_DTYPE_I32, FLASHGDN_DTYPE_I64});
+  check_shape(idx, "state_indices", {p.B}, "(B, one slot per sequence)");
+  check_device(idx, "state_indices", p);
+  check_contiguous(idx, "state_indices");
+  p.indices = idx.data;
+  p.idx_dtype = idx.dtype;
+
+  check_like(a.o, "o", a.v, "v", p);
+  p.o = a.o.data;
+
+  if (p.device == FLASHGDN_DEVICE_CPU) {
+    if (p.idx_dtype == FLASHGDN_DTYPE_I32)
+      check_slot_values(static_cast<const int32_t*>(p.indices), p.B, p.num_slots);
+    else
+      check_slot_values(static_cast<const int64_t*>(p.indices), p.B, p.num_slots);
+  }
+  return p;
+}
+
+// ------------------------------------------------------------------------------ gating
+
+namespace {
+
+const auto kGateDtypes = {FLASHGDN_DTYPE_F32, FLASHGDN_DTYPE_BF16, FLASHGDN_DTYPE_F16,
+                          FLASHGDN_DTYPE_F64};
+
+// A gate tensor: given dtype set, the shape of `ref`, device of a, contiguous.
+void check_gate_like(const flashgdn_tensor& t, const char* name, const flashgdn_tensor& ref,
+                     const char* ref_name, const GatingProblem& p) {
+  require_present(t, name);
+  check_dtype_in(t, name, kGateDtypes);
+  bool same = t.ndim == ref.ndim;
+  for (int i = 0; same && i < t.ndim; ++i) same = t.shape[i] == ref.shape[i];
+  if (!same)
+    fail(std::string(name) + " must have the shape of " + ref_name + " " + shape_str(ref) +
+         ", got " + shape_str(t));
+  check_device(t, name, p);
+  check_contiguous(t, name);
+}
+
+GatingProblem validate_gating_inputs(const flashgdn_tensor& a, const flashgdn_tensor& A_log,
+                                     const flashgdn_tensor& dt_bias, const flashgdn_tensor& b) {
+  GatingProblem p;
+  require_present(a, "a");
+  if (a.device != FLASHGDN_DEVICE_CPU && a.device != FLASHGDN_DEVICE_CUDA)
+    fail("a must be on a CPU or CUDA device");
+  p.device = a.device;
+  p.device_id = a.device_id;
+#ifndef FLASHGDN_WITH_CUDA
+  if (p.device == FLASHGDN_DEVICE_CUDA)
+    fail("a is a CUDA tensor but this flashgdn build has no CUDA backend (built without nvcc)");
+#endif
+  check_dtype_in(a, "a", kGateDtypes);
+  if (a.ndim < 1)
+    fail("a must have at least one dimension [..., H_v], got a 0-D tensor");
+  check_contiguous(a, "a");
+  p.H = a.shape[a.ndim - 1];
+  p.n = 1;
+  for (int i = 0; i < a.ndim; ++i) p.n *= a.shape[i];
+  require_present(A_log, "A_log");
+  check_dtype_in(A_log, "A_log", kGateDtypes);
+  check_shape(A_log, "A_log", {p.H}, "(H_v, the last dim of a)");
+  check_device(A_log, "A_log", p);
+  check_contiguous(A_log, "A_log");
+  require_present(dt_bias, "dt_bias");
+  check_dtype_in(dt_bias, "dt_bias", kGateDtypes);
+  check_shape(dt_bias, "dt_bias", {p.H}, "(H_v, the last dim of a)");
+  check_device(dt_bias, "dt_bias", p);
+  check_contiguous(dt_bias, "dt_bias");
+  check_gate_like(b, "b", a, "a", p);
+  p.a = a.data;
+  p.A_log = A_log.data;
+  p.dt_bias = dt_bias.data;
+  p.b = b.data;
+  p.a_dtype = a.dtype;
+  p.A_dtype = A_log.dtype;
+  p.dt_dtype = dt_bias.dtype;
+  p.b_dtype = b.dtype;
+  return p;
+}
+
+}  // namespace
+
+GatingProblem validate_gating_fwd(const flashgdn_gating_fwd_args& a) {
+  GatingProblem p = validate_gating_inputs(a.a, a.A_log, a.dt_bias, a.b);
+  check_gate_like(a.g, "g", a.a, "a", p);
+  check_gate_like(a.beta, "beta", a.a, "a", p);
+  p.g = a.g.data;
+  p.beta = a.beta.data;
+  p.g_dtype = a.g.dtype;
+  p.beta_dtype = a.beta.dtype;
+  return p;
+}
+
+GatingProblem validate_gating_bwd(const flashgdn_gating_bwd_args& a) {
+  GatingProblem p = validate_gating_inputs(a.a, a.A_log, a.dt_bias, a.b);
+  check_gate_like(a.dg, "dg", a.a, "a", p);
+  check_gate_like(a.dbeta, "dbeta", a.a, "a", p);
+  check_like(a.da, "da", a.a, "a", p);
+  check_like(a.dA_log, "dA_log", a.A_log, "A_log", p);
+  check_like(a.ddt_bias, "ddt_bias", a.dt_bias, "dt_bias", p);
+  check_like(a.db, "db", a.b, "b", p);
+  p.dg = a.dg.data;
+  p.dbeta = a.dbeta.data;
+  p.dg_dtype = a.dg.dtype;
+  p.dbeta_dtype = a.dbeta.dtype;
+  p.da = a.da.data;
+  p.dA_log = a.dA_log.data;
+  p.ddt_bias = a.ddt_bias.data;
+  p.db = a.db.data;
   return p;
 }
 

@@ -12,6 +12,7 @@ namespace flashgdn {
 
 constexpr int kHeadDim = 128;  // K = V = 128
 constexpr int kChunk = 64;     // chunk length of the WY form
+constexpr int kMaxDecodeTokens = 64;  // tokens per sequence of one decode call
 
 // Raised for invalid arguments; the C API turns it into an error code + message.
 struct Error : std::invalid_argument {
@@ -53,8 +54,44 @@ struct BwdIO {
   float* dh0 = nullptr;  // optional
 };
 
+// Decode (flashgdn_decode): B sequences of T tokens each, states in a slot pool.
+struct DecodeProblem {
+  int64_t B = 0, T = 0, Hqk = 0, Hv = 0;
+  int64_t num_slots = 0;
+  float scale = 0.f;
+  bool l2norm = false;
+  flashgdn_dtype qkv_dtype = FLASHGDN_DTYPE_BF16;
+  flashgdn_dtype g_dtype = FLASHGDN_DTYPE_F32, beta_dtype = FLASHGDN_DTYPE_F32;
+  flashgdn_dtype idx_dtype = FLASHGDN_DTYPE_I32;
+  flashgdn_device device = FLASHGDN_DEVICE_CPU;
+  int device_id = 0;
+  const void *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr;
+  const void* indices = nullptr;
+  float* pool = nullptr;  // in/out
+  void* o = nullptr;
+  int64_t group() const { return Hv / Hqk; }
+};
+
+// Gate (flashgdn_gating_*): n = numel(a) positions, H value heads (last dim of a).
+struct GatingProblem {
+  int64_t n = 0, H = 0;
+  flashgdn_device device = FLASHGDN_DEVICE_CPU;
+  int device_id = 0;
+  const void *a = nullptr, *A_log = nullptr, *dt_bias = nullptr, *b = nullptr;
+  flashgdn_dtype a_dtype{}, A_dtype{}, dt_dtype{}, b_dtype{};
+  // forward outputs / backward inputs and outputs (by dtype)
+  void *g = nullptr, *beta = nullptr;
+  flashgdn_dtype g_dtype{}, beta_dtype{};
+  const void *dg = nullptr, *dbeta = nullptr;
+  flashgdn_dtype dg_dtype{}, dbeta_dtype{};
+  void *da = nullptr, *dA_log = nullptr, *ddt_bias = nullptr, *db = nullptr;
+};
+
 Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out);
 Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io);
+DecodeProblem validate_decode(const flashgdn_decode_args& a);
+GatingProblem validate_gating_fwd(const flashgdn_gating_fwd_args& a);
+GatingProblem validate_gating_bwd(const flashgdn_gating_bwd_args& a);
 
 const char* dtype_name(flashgdn_dtype d);
 

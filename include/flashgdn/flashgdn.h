@@ -1,5 +1,6 @@
 /*
- * flashgdn C API: chunked Gated DeltaNet (GDN) forward and backward.
+ * flashgdn C API: chunked Gated DeltaNet (GDN) forward and backward, the fused
+ * recurrent decode step over a state pool, and the fused gate (gdn_gating).
  *
  * For C/C++ callers (inference engines) that hold raw device or host pointers.
  * Every tensor is described by a flashgdn_tensor (pointer, dtype, device, shape,
@@ -36,6 +37,7 @@ typedef enum {
   FLASHGDN_DTYPE_BF16 = 2,
   FLASHGDN_DTYPE_I32 = 3,
   FLASHGDN_DTYPE_I64 = 4,
+  FLASHGDN_DTYPE_F64 = 5, /* only flashgdn_gating_* accept it */
   FLASHGDN_DTYPE_OTHER = 99
 } flashgdn_dtype;
 
@@ -83,10 +85,65 @@ typedef struct {
   void* stream;
 } flashgdn_bwd_args;
 
+/*
+ * Decode: the token-by-token recurrence for T = 1..64 tokens per sequence (decode,
+ * speculative verification), reading and updating states of a state pool in place.
+ *   q, k            [B, T, H_qk, K]   bf16 or fp16
+ *   v, o            [B, T, H_v, V]    dtype of q
+ *   g, beta         [B, T, H_v]       fp32, bf16 or fp16
+ *   state_pool      [num_slots, H_v, K, V] fp32, read and written in place
+ *   state_indices   [B] int32 or int64: the slot of each sequence; a negative slot
+ *                   skips the sequence (its o is zero, no state is touched).
+ * Slot values are read on the device (no host sync). On the CPU an out-of-range slot
+ * (>= num_slots) or a slot used twice is an error; on CUDA an out-of-range slot makes
+ * that sequence's o NaN and leaves the pool untouched, and a repeated slot is undefined.
+ * use_qk_l2norm != 0 l2-normalises q and k (x / sqrt(|x|^2 + 1e-6)) in fp32 first.
+ * No workspace; CUDA calls are asynchronous on `stream` and CUDA-graph capturable.
+ */
+typedef struct {
+  flashgdn_tensor q, k, v, g, beta;
+  flashgdn_tensor state_pool;    /* in/out */
+  flashgdn_tensor state_indices;
+  float scale;                   /* <= 0: use K^-0.5 */
+  int32_t use_qk_l2norm;
+  flashgdn_tensor o;             /* output */
+  void* stream;
+} flashgdn_decode_args;
+
+/*
+ * Gate (Qwen3-Next): g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b).
+ *   a, b            [..., H_v] (1 to 4 dims, same shape)   fp32, bf16, fp16 or fp64
+ *   A_log, dt_bias  [H_v]                                  same dtype choice
+ *   g, beta         shape of a, each fp32, bf16, fp16 or fp64 (outputs)
+ * Computed in double precision, rounded once to each output's dtype;
+ * softplus(x) = max(x, 0) + log1p(exp(-|x|)) (no overflow for large x).
+ * Backward, from dg and dbeta (shape of a, any of those dtypes): da, db like a and b;
+ * dA_log, ddt_bias like A_log and dt_bias, summed over all leading positions in a fixed
+ * order (deterministic); CUDA calls need the workspace flashgdn_gating_bwd_workspace_size says.
+ */
+typedef struct {
+  flashgdn_tensor a, A_log, dt_bias, b;
+  flashgdn_tensor g, beta;       /* outputs */
+  void* stream;
+} flashgdn_gating_fwd_args;
+
+typedef struct {
+  flashgdn_tensor a, A_log, dt_bias, b;
+  flashgdn_tensor dg, dbeta;     /* gradients of g and beta */
+  flashgdn_tensor da, dA_log, ddt_bias, db; /* outputs */
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+} flashgdn_gating_bwd_args;
+
 int flashgdn_fwd_workspace_size(const flashgdn_fwd_args* args, size_t* bytes);
 int flashgdn_fwd(const flashgdn_fwd_args* args);
 int flashgdn_bwd_workspace_size(const flashgdn_bwd_args* args, size_t* bytes);
 int flashgdn_bwd(const flashgdn_bwd_args* args);
+int flashgdn_decode(const flashgdn_decode_args* args);
+int flashgdn_gating_fwd(const flashgdn_gating_fwd_args* args);
+int flashgdn_gating_bwd_workspace_size(const flashgdn_gating_bwd_args* args, size_t* bytes);
+int flashgdn_gating_bwd(const flashgdn_gating_bwd_args* args);
 const char* flashgdn_last_error(void);
 const char* flashgdn_version(void);
 
