@@ -134,6 +134,90 @@ def _backward(ctx, do, dht):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ------------------------------------------------------------------------------ decode op
+
+
+@torch.library.custom_op("flashgdn::fused_recurrent_gdn_update", mutates_args=("state_pool",))
+def _decode_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+) -> Tensor:
+    o = torch.empty_like(v)
+    _C.decode(_d(q), _d(k), _d(v), _d(g), _d(beta), _d(state_pool), state_indices, scale,
+              use_qk_l2norm_in_kernel, o, _stream(q))
+    return o
+
+
+@_decode_op.register_fake
+def _decode_fake(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel):
+    return torch.empty_like(v)
+
+
+# ------------------------------------------------------------------------------- gate ops
+
+
+def _gate_out_dtype(*xs: Tensor) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+@torch.library.custom_op("flashgdn::gdn_gating_fwd", mutates_args=())
+def _gating_fwd_op(a: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
+    dt = _gate_out_dtype(a, A_log, dt_bias, b)
+    g = torch.empty(a.shape, dtype=dt, device=a.device)
+    beta = torch.empty(a.shape, dtype=dt, device=a.device)
+    _C.gating_fwd(_d(a), _d(A_log), _d(dt_bias), _d(b), g, beta, _stream(a))
+    return g, beta
+
+
+@_gating_fwd_op.register_fake
+def _gating_fwd_fake(a, A_log, dt_bias, b):
+    dt = _gate_out_dtype(a, A_log, dt_bias, b)
+    return a.new_empty(a.shape, dtype=dt), a.new_empty(a.shape, dtype=dt)
+
+
+@torch.library.custom_op("flashgdn::gdn_gating_bwd", mutates_args=())
+def _gating_bwd_op(
+    a: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor, dg: Tensor, dbeta: Tensor
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    da, dA_log = torch.empty_like(a), torch.empty_like(A_log)
+    ddt_bias, db = torch.empty_like(dt_bias), torch.empty_like(b)
+    args = (_d(a), _d(A_log), _d(dt_bias), _d(b), _d(dg).contiguous(), _d(dbeta).contiguous(),
+            da, dA_log, ddt_bias, db)
+    ws = _workspace(_C.gating_bwd_workspace_size(*args), a)
+    _C.gating_bwd(*args, ws, _stream(a))
+    return da, dA_log, ddt_bias, db
+
+
+@_gating_bwd_op.register_fake
+def _gating_bwd_fake(a, A_log, dt_bias, b, dg, dbeta):
+    return (torch.empty_like(a), torch.empty_like(A_log), torch.empty_like(dt_bias),
+            torch.empty_like(b))
+
+
+def _gating_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gating_backward(ctx, dg, dbeta):
+    a, A_log, dt_bias, b = ctx.saved_tensors
+    dt = _gate_out_dtype(a, A_log, dt_bias, b)
+    if dg is None:
+        dg = torch.zeros(a.shape, dtype=dt, device=a.device)
+    if dbeta is None:
+        dbeta = torch.zeros(a.shape, dtype=dt, device=a.device)
+    return _gating_bwd_op(a, A_log, dt_bias, b, dg, dbeta)
+
+
+_gating_fwd_op.register_autograd(_gating_backward, setup_context=_gating_setup_context)
+
+
 # ------------------------------------------------------------------------------ public API
 
 
@@ -197,6 +281,96 @@ def chunk_gated_delta_rule(
     o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
                     bool(output_final_state))
     return o, (ht if output_final_state else None)
+
+
+def chunk_gated_delta_rule_from_raw(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """chunk_gated_delta_rule from a Qwen3-Next layer's raw gate inputs (differentiable).
+
+    Computes ``g, beta = gdn_gating(a, A_log, dt_bias, b)`` (fp32), i.e.
+    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), then runs
+    :func:`chunk_gated_delta_rule`. Gradients flow to a, b, A_log and dt_bias.
+
+    Args:
+        a, b: [B, T, H_v] gate and beta logits (fp32, bf16 or fp16).
+        A_log, dt_bias: [H_v] per-head parameters (fp32, bf16 or fp16).
+        Everything else as for :func:`chunk_gated_delta_rule`.
+    """
+    g, beta = gdn_gating(a, A_log, dt_bias, b)
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def gdn_gating(a: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Qwen3-Next gate: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``.
+
+    One elementwise kernel (CPU or CUDA), differentiable: gradients for a, A_log, dt_bias
+    and b (the per-head sums for A_log and dt_bias are deterministic).
+
+    Args:
+        a, b: [..., H_v] (same shape), fp32, bf16, fp16 or fp64.
+        A_log, dt_bias: [H_v], fp32, bf16, fp16 or fp64.
+
+    Returns:
+        (g, beta), each of the shape of a, float32 (float64 when an input is float64).
+    """
+    for name, x in (("a", a), ("A_log", A_log), ("dt_bias", dt_bias), ("b", b)):
+        _require_tensor(name, x)
+    return _gating_fwd_op(a, A_log, dt_bias, b)
+
+
+def fused_recurrent_gated_delta_rule_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    scale: Optional[float] = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tensor:
+    """Decode: the recurrence for a few tokens per sequence, states updated in place.
+
+    Sequence b reads its state from ``state_pool[state_indices[b]]``, runs its T tokens
+    token by token (same operator as :func:`chunk_gated_delta_rule`) and writes the state
+    back there. A negative slot skips the sequence: its output is zero and no state is
+    touched (padding of CUDA-graph batches). Slots are read on the device: no host sync,
+    CUDA-graph capturable. Inference only (no autograd).
+
+    Args:
+        q, k: [B, T, H_qk, 128], bf16 or fp16; T from 1 to 64 (e.g. 1 for decode, a few
+            for speculative verification).
+        v: [B, T, H_v, 128], dtype of q; H_v a multiple of H_qk.
+        g, beta: [B, T, H_v], fp32/bf16/fp16.
+        state_pool: [num_slots, H_v, 128, 128] fp32, updated in place.
+        state_indices: [B] int32/int64 slot per sequence (negative: skip). Slots must be
+            distinct; an out-of-range slot raises on the CPU and gives NaN output (pool
+            untouched) on CUDA.
+        scale: defaults to 128 ** -0.5.
+        use_qk_l2norm_in_kernel: l2-normalise q and k over the head dim first (in fp32).
+
+    Returns:
+        o: [B, T, H_v, 128] in the dtype of v.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                    ("state_pool", state_pool), ("state_indices", state_indices)):
+        _require_tensor(name, x)
+    return _decode_op(q, k, v, g, beta, state_pool, state_indices, _resolve_scale(scale),
+                      bool(use_qk_l2norm_in_kernel))
 
 
 def chunk_gated_delta_rule_fwd(
