@@ -332,9 +332,24 @@ def test_chunk_from_raw_gpu_large():
         return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
 
     ref_leaves = {n: inp[n].double().clone().requires_grad_() for n in RAW_NAMES}
-    ro, rh = ref_from_raw({**ref_leaves, "q": l2(ref_leaves["q"]), "k": l2(ref_leaves["k"])},
-                          inp["cu_seqlens"])
+    qn, kn = l2(ref_leaves["q"]), l2(ref_leaves["k"])
+    ro, rh = ref_from_raw({**ref_leaves, "q": qn, "k": kn}, inp["cu_seqlens"])
     assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < 3.7e-3
-    refs = torch.autograd.grad(ro.square().sum() + rh.square().sum(), list(ref_leaves.values()))
-    for n, x, r in zip(RAW_NAMES, ours, refs):
-        assert rel_err(x, r) < GRAD_TOL, f"d{n} {rel_err(x, r):.3e}"
+    ref_loss = ro.square().sum() + rh.square().sum()
+    *refs, dqn, dkn = torch.autograd.grad(ref_loss, list(ref_leaves.values()) + [qn, kn],
+                                           retain_graph=True)
+    # The gradient reaching the raw q/k is (I - x x^T) dx / |raw|: for this loss (|o|^2 + |ht|^2)
+    # dk_normalised is nearly parallel to k at some tokens (the last of each sequence), and the
+    # projection cancels most of it. The kernel hands dq/dk of the normalised inputs back in
+    # the inputs' dtype (bf16, as FLA does), so bf16 rounding of the exact dk_normalised alone
+    # gives an error floor; it is measured here and ours must stay within it (+ GRAD_TOL).
+    floors = {}
+    for n, xn, dxn in (("q", qn, dqn), ("k", kn, dkn)):
+        rounded = dxn.to(inp[n].dtype).double()
+        floors[n] = rel_err(torch.autograd.grad(xn, ref_leaves[n], rounded, retain_graph=True)[0],
+                            refs[RAW_NAMES.index(n)])
+    errs = {n: rel_err(x, r) for n, x, r in zip(RAW_NAMES, ours, refs)}
+    print("from_raw large: " + " ".join(f"d{n} {e:.2e}" for n, e in errs.items())
+          + " | bf16 floors " + " ".join(f"d{n} {e:.2e}" for n, e in floors.items()))
+    for n, e in errs.items():
+        assert e < GRAD_TOL + 2 * floors.get(n, 0.0), f"d{n} {e:.3e} (floor {floors.get(n, 0):.3e})"

@@ -105,15 +105,23 @@ def _model(name: str):
 def use_chunk_gdn(mod, root: torch.nn.Module, fn: Callable):
     """Runs every GatedDeltaNet layer of ``root`` with ``fn`` as its chunked GDN kernel."""
     saved_global = mod.torch_chunk_gated_delta_rule
+    # The one-token decode step goes through transformers' recurrent function, which the hub
+    # wrapper replaces by FLA's Triton kernel when fla is importable (Triton cannot run on CPU
+    # tensors, and the reference must be the torch path): pin it to the plain torch function.
+    saved_rec = getattr(mod, "torch_recurrent_gated_delta_rule", None)
     saved_attrs = [(m, m.chunk_gated_delta_rule) for m in root.modules()
                    if "chunk_gated_delta_rule" in vars(m)]  # transformers 4.x
     mod.torch_chunk_gated_delta_rule = fn                  # transformers 5.x
+    if saved_rec is not None:
+        mod.torch_recurrent_gated_delta_rule = inspect.unwrap(saved_rec)
     for m, _ in saved_attrs:
         m.chunk_gated_delta_rule = fn
     try:
         yield
     finally:
         mod.torch_chunk_gated_delta_rule = saved_global
+        if saved_rec is not None:
+            mod.torch_recurrent_gated_delta_rule = saved_rec
         for m, f in saved_attrs:
             m.chunk_gated_delta_rule = f
 
