@@ -2,6 +2,7 @@
 #include "planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -10,18 +11,25 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-SegmentPlan unsplit(const SegmentQuery& q) {
+int64_t longest_chunks(const SegmentQuery& q) {
+  // varlen: the host does not know the lengths; the total bounds the longest
+  return q.fixed_chunks >= 0 ? q.fixed_chunks : q.total_chunks;
+}
+
+SegmentPlan unsplit(const SegmentQuery& q, int col_block) {
   SegmentPlan p;
   // one segment per sequence: longer than any sequence can be
-  p.seg_chunks = std::max<int64_t>(1, q.fixed_chunks >= 0 ? q.fixed_chunks : q.total_chunks);
+  p.seg_chunks = std::max<int64_t>(1, longest_chunks(q));
   p.max_segments = q.N;
   p.split = false;
+  p.col_block = col_block;
   return p;
 }
 
-SegmentPlan with_length(const SegmentQuery& q, int64_t seg) {
+SegmentPlan with_length(const SegmentQuery& q, int64_t seg, int col_block) {
   SegmentPlan p;
   p.seg_chunks = std::max<int64_t>(1, seg);
+  p.col_block = col_block;
   if (q.fixed_chunks >= 0) {
     p.max_segments = q.N * std::max<int64_t>(1, ceil_div(q.fixed_chunks, p.seg_chunks));
     p.split = q.fixed_chunks > p.seg_chunks;
@@ -33,31 +41,63 @@ SegmentPlan with_length(const SegmentQuery& q, int64_t seg) {
   return p;
 }
 
+// The cost model's estimate for plan p (csrc/planner.h), lengths as the host sees them.
+double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCost& c) {
+  LoadStats s;
+  s.longest = static_cast<double>(longest_chunks(q));
+  s.total = static_cast<double>(q.total_chunks);
+  s.segs = static_cast<double>(p.max_segments);
+  s.max_segs_per_seq = std::max(1.0, std::ceil(s.longest / static_cast<double>(p.seg_chunks)));
+  return estimate_state_pass_us(c, s, static_cast<double>(q.Hv), q.sms, p.col_block,
+                                p.split ? static_cast<double>(p.seg_chunks) : 0.0);
+}
+
 }  // namespace
 
-SegmentPlan plan_segments(const SegmentQuery& q) {
-  if (q.N <= 0 || q.Hv <= 0 || q.mode == CpMode::Off) return unsplit(q);
-  const int64_t longest = q.fixed_chunks >= 0 ? q.fixed_chunks : q.total_chunks;
+SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
+  const int forced_bw = q.forced_col_block == 16 || q.forced_col_block == 32 ? q.forced_col_block : 0;
+  if (q.N <= 0 || q.Hv <= 0 || q.mode == CpMode::Off) {
+    // unsplit: 16 columns when the (sequence, head) pairs leave SMs idle at 32
+    const int bw = forced_bw ? forced_bw : (q.N * q.Hv * 8 <= q.sms ? 16 : 32);
+    SegmentPlan u = unsplit(q, bw);
+    u.est_us = q.N > 0 && q.Hv > 0 ? estimate_us(q, u, cost) : 0.0;
+    return u;
+  }
+  const int64_t longest = longest_chunks(q);
   if (q.mode == CpMode::On) {
     const int64_t seg = q.forced_seg_chunks > 0 ? q.forced_seg_chunks : ceil_div(longest, 4);
-    return with_length(q, seg);
+    SegmentPlan s = with_length(q, seg, forced_bw ? forced_bw : 32);
+    s.est_us = estimate_us(q, s, cost);
+    return s;
   }
-  // Auto: split only when the (sequence, head, column block) blocks leave SMs idle,
-  // into as many segments as one wave of blocks can hold.
-  const int64_t per_segment = q.Hv * q.col_blocks;
-  const int64_t slots = q.sms / per_segment;  // segments that fit in one wave
-  if (q.N * per_segment >= q.sms || slots <= q.N) return unsplit(q);
-  int64_t seg;
-  if (q.fixed_chunks >= 0) {
-    const int64_t per_seq = slots / q.N;
-    if (per_seq < 2) return unsplit(q);
-    seg = ceil_div(q.fixed_chunks, per_seq);
-  } else {
-    seg = ceil_div(q.total_chunks, slots - q.N);
+  // Auto: the cheapest of the unsplit plans and the splits into segments of 32, 64, 128, ...
+  // chunks, for each column block; a split must save at least min_gain.
+  SegmentPlan best_unsplit, best_split;
+  best_unsplit.est_us = best_split.est_us = 1e300;
+  for (int bw : {16, 32}) {
+    if (forced_bw && bw != forced_bw) continue;
+    SegmentPlan u = unsplit(q, bw);
+    u.est_us = estimate_us(q, u, cost);
+    if (u.est_us < best_unsplit.est_us) best_unsplit = u;
+    for (int64_t seg = kMinSegChunks; seg < longest; seg *= 2) {
+      SegmentPlan s = with_length(q, seg, bw);
+      if (!s.split) continue;
+      s.est_us = estimate_us(q, s, cost);
+      if (s.est_us < best_split.est_us) best_split = s;
+    }
   }
-  if (seg < kMinSegChunks) seg = kMinSegChunks;
-  if (longest <= seg) return unsplit(q);
-  return with_length(q, seg);
+  if (best_split.split && best_split.est_us < (1.0 - cost.min_gain) * best_unsplit.est_us) {
+    if (q.fixed_chunks < 0 && q.N > 1) {
+      // varlen: the estimate took the total as the longest sequence; size the grids for the
+      // shortest segments and let the device choose from the actual lengths
+      SegmentPlan d = with_length(q, kMinSegChunks, best_split.col_block);
+      d.est_us = best_split.est_us;
+      d.device_choice = true;
+      return d;
+    }
+    return best_split;
+  }
+  return best_unsplit;
 }
 
 CpMode cp_mode_from_env() {
@@ -73,6 +113,13 @@ int64_t cp_seg_chunks_from_env() {
   if (v == nullptr || *v == '\0') return 0;
   const long long x = std::atoll(v);
   return x > 0 ? static_cast<int64_t>(x) : 0;
+}
+
+int col_block_from_env() {
+  const char* v = std::getenv("FLASHGDN_FWD_BW");
+  if (v == nullptr || *v == '\0') return 0;
+  const int x = std::atoi(v);
+  return x == 16 || x == 32 ? x : 0;
 }
 
 }  // namespace flashgdn

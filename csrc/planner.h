@@ -1,10 +1,17 @@
-// Context-parallel planner: decides, per call and on the host, how the sequential
-// state pass of the forward is split into segments. It only uses sizes the host
-// knows without looking at device memory (N, the token count, H_v, the SM count), so
-// planning never waits for the GPU and a captured CUDA graph stays valid. How long
-// each sequence actually is (cu_seqlens) is applied on the device (plan_kernel),
-// and whether a segment starts from a warm-up or from its predecessor's exact state
-// is decided on the device from the gates (state_fwd_kernel).
+// Context-parallel planner: decides, per call and on the host, the column block of the
+// forward's state pass and how its sequences are split into segments. It only uses sizes
+// the host knows without looking at device memory (N, the token count, H_v, the SM
+// count), so planning never waits for the GPU and a captured CUDA graph stays valid. How
+// long each sequence actually is (cu_seqlens) is applied on the device (plan_kernel), and
+// whether a segment starts from a warm-up or from its exact entering state is decided on
+// the device from the gates (segment_start in csrc/cuda/fwd_kernels.cuh).
+//
+// Auto mode picks the cheapest plan under a small cost model of the state pass
+// (ForwardCost): a plan's time is, per launch, the larger of its critical path (the
+// longest chain of chunk steps one block runs) and its total block-steps spread over the
+// SMs. Splitting shortens the critical path at the price of warm-up chunks and, for heads
+// whose gates do not forget within a warm-up, a summary pass over the segment (its
+// transition and local state) and a sequential combine over the segments.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +24,12 @@ struct SegmentPlan {
   int64_t seg_chunks = 1;    // chunks per segment
   int64_t max_segments = 0;  // upper bound on the segments of all sequences (grid size)
   bool split = false;        // whether any sequence can be split
+  int col_block = 32;        // value columns per block of the state pass (16 or 32)
+  double est_us = 0.0;       // the cost model's estimate of the state pass
+  // varlen Auto: the host does not know the lengths, so when a split may pay off it sizes
+  // the grids for segments of seg_chunks (the shortest candidate) and the device
+  // (plan_kernel) picks the segment length, or none, from the actual lengths.
+  bool device_choice = false;
 };
 
 struct SegmentQuery {
@@ -24,20 +37,63 @@ struct SegmentQuery {
   int64_t total_chunks = 0;   // upper bound on the chunks of all sequences together
   int64_t fixed_chunks = -1;  // chunks of every sequence (fixed length), -1 for varlen
   int64_t Hv = 0;             // value heads
-  int col_blocks = 1;         // blocks per (segment, head)
   int sms = 132;              // streaming multiprocessors
   CpMode mode = CpMode::Auto;
   int64_t forced_seg_chunks = 0;  // CpMode::On: chunks per segment (0: a quarter of the longest)
+  int forced_col_block = 0;       // 16 or 32 forces the column block (0: the planner picks)
 };
+
+// The cost model's constants, measured on H100 (docs/perf-notes.md, 2026-11-23).
+struct ForwardCost {
+  double step_us_bw16 = 3.3;     // one chunk step of a phase-0 block, 16 columns
+  double step_us_bw32 = 4.1;     // ... 32 columns
+  double summary_factor = 0.75;  // a phase-1 (summary, no outputs) step relative to phase 0
+  double warm_chunks = 5.0;      // warm-up chunks of a decaying head's segment
+  double exact_share = 0.25;     // share of heads assumed to need exact entering states
+  double combine_us = 4.0;       // seg_combine_kernel, per segment of a sequence
+  double min_gain = 0.05;        // split only when it saves at least this share
+};
+
+#ifdef __CUDACC__
+#define FLASHGDN_HD __host__ __device__
+#else
+#define FLASHGDN_HD
+#endif
+
+// What the cost model needs of the sequences: the longest one's chunks, all chunks, and
+// (split plans) the number of segments and the most segments of one sequence.
+struct LoadStats {
+  double longest = 0, total = 0, segs = 0, max_segs_per_seq = 1;
+};
+
+// Estimated time (us) of the state pass with column block bw, split into segments of seg
+// chunks (seg = 0: unsplit): per launch, the larger of the critical path and the
+// block-steps spread over the SMs; split plans add the summary pass and the combine.
+inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const LoadStats& s,
+                                                 double heads, int sms, int bw, double seg) {
+  const double t = bw == 16 ? c.step_us_bw16 : c.step_us_bw32;
+  const double cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
+  const double work = s.total * heads * cbn * t / nsm;
+  if (seg <= 0) return s.longest * t > work ? s.longest * t : work;
+  const double len = seg < s.longest ? seg : s.longest;
+  const double crit0 = (len + c.warm_chunks) * t;
+  const double work0 = (s.total + c.warm_chunks * s.segs) * heads * cbn * t / nsm;
+  const double ts = t * c.summary_factor;
+  const double crit1 = len * ts, work1 = c.exact_share * 2.0 * work * c.summary_factor;
+  return (crit0 > work0 ? crit0 : work0) + (crit1 > work1 ? crit1 : work1) +
+         c.combine_us * s.max_segs_per_seq;
+}
 
 // Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a
 // small part of a segment's work.
 constexpr int64_t kMinSegChunks = 32;
 
-SegmentPlan plan_segments(const SegmentQuery& q);
+SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost = ForwardCost{});
 
-// FLASHGDN_CP = auto (default) | on | off, FLASHGDN_CP_SEG = chunks per segment when on.
+// FLASHGDN_CP = auto (default) | on | off, FLASHGDN_CP_SEG = chunks per segment when on,
+// FLASHGDN_FWD_BW = 16 | 32 forces the column block.
 CpMode cp_mode_from_env();
 int64_t cp_seg_chunks_from_env();
+int col_block_from_env();
 
 }  // namespace flashgdn

@@ -1,9 +1,10 @@
 """Intra-card context parallelism of the CUDA forward (csrc/planner.h, state_fwd_kernel).
 
 FLASHGDN_CP=on with FLASHGDN_CP_SEG=<chunks> forces short segments, so every case below
-splits its sequences into many segments. Heads whose gates do not decay (g == 0) must
-chain the exact state from segment to segment and come out bit-identical to the unsplit
-pass; decaying heads may start from a warm-up and must agree within bf16 rounding.
+splits its sequences into many segments. Heads whose gates do not decay (g == 0) get the
+exact entering state of each segment (segment summaries L, M chained by seg_combine_kernel)
+and must come out as accurate against the float64 reference as the unsplit pass; decaying
+heads may start from a warm-up and must agree with the unsplit pass within bf16 rounding.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ CP_CASES = [
     Case("fixed_B2_zero_heads", [700, 700], 1, 4, varlen=False, gate="zero_heads"),
     Case("all_zero_gates_h0", [900], 1, 2, gate="all_zero"),
     Case("normal_gates_no_h0", [1000, 333], 2, 2, h0=False),
+    # long enough that exact segments follow exact segments (the transition M is used)
+    Case("long_mixed_h0", [3000], 1, 4, gate="mixed"),
+    Case("varlen_long_gva", [2500, 70, 1900], 2, 8, gate="mixed"),
 ]
 
 
@@ -64,26 +68,39 @@ def test_cp_matches_unsplit_and_reference(case: Case, seg: int):
     print(f"{case.name} seg={seg}: vs ref o {e_o:.2e} state {e_h:.2e}; vs unsplit o {d_o:.2e} "
           f"state {d_h:.2e}")
     assert e_o < O_TOL and e_h < STATE_TOL
-    assert d_o < 2e-3 and d_h < 1e-5
+    assert d_o < 2e-3 and d_h < 1e-3
     zero_heads = {"zero_heads": range(0, case.hv, 4), "mixed": range(0, case.hv, 4),
                   "all_zero": range(case.hv)}.get(case.gate, [])
-    for h in zero_heads:  # exact chain: bit-identical to the unsplit pass
-        assert torch.equal(o[:, :, h], o_ref[:, :, h]), f"head {h} (g == 0) differs"
-        assert torch.equal(ht[:, h], h_ref[:, h]), f"head {h} (g == 0) state differs"
+    for h in zero_heads:
+        assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
+
+
+def assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh):
+    """Head h (g == 0) with CP is as accurate against the float64 reference as without."""
+    eo, eo_ref = rel_err(o[:, :, h], ro[:, :, h]), rel_err(o_ref[:, :, h], ro[:, :, h])
+    eh, eh_ref = rel_err(ht[:, h], rh[:, h]), rel_err(h_ref[:, h], rh[:, h])
+    print(f"  head {h} (g == 0): o {eo:.2e} (unsplit {eo_ref:.2e}) state {eh:.2e} "
+          f"(unsplit {eh_ref:.2e})")
+    assert eo < 1.25 * eo_ref + 1e-4, f"head {h} (g == 0): o error {eo:.3e} vs {eo_ref:.3e}"
+    assert eh < 1.5 * eh_ref + 1e-4, f"head {h} (g == 0): state error {eh:.3e} vs {eh_ref:.3e}"
 
 
 def test_cp_auto_engages_on_long_single_sequence():
     """Auto mode on a TP8-sized input (2/8 heads, 8192 tokens) splits the sequence; the
-    result must equal the unsplit pass within rounding, bit-identical on g == 0 heads."""
+    result must equal the unsplit pass within rounding, as exact on g == 0 heads."""
     case = Case("auto", [8192], 2, 8, gate="mixed")
     inp = make_inputs(case, "cuda", seed=12)
     with cp_env("off"):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with cp_env("auto"):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    assert rel_err(o, o_ref) < 2e-3 and rel_err(ht, h_ref) < 1e-5
+    # the plan (csrc/planner.h) splits 128 chunks into 4 segments of 32: segments 2 and 3 of
+    # the g == 0 heads chain transitions, which rounds differently from the unsplit pass
+    assert not torch.equal(ht, h_ref), "auto mode did not split (state bit-equal to unsplit)"
+    assert rel_err(o, o_ref) < 2e-3 and rel_err(ht, h_ref) < 1e-3
+    ro, rh = reference(inp)
     for h in range(0, 8, 4):
-        assert torch.equal(o[:, :, h], o_ref[:, :, h])
+        assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
 
 
 def test_cp_under_cuda_graph():
@@ -99,7 +116,33 @@ def test_cp_under_cuda_graph():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             o_g, h_g = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        for _ in range(3):  # flags are reset inside the graph: replays must not deadlock
+        for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(o_g, o_eager) and torch.equal(h_g, h_eager)
+
+
+def test_cp_auto_varlen_device_choice():
+    """Packed sequences: the host cannot see the lengths, so plan_kernel picks the split on
+    the device. Four equal 8192-token sequences at 2/8 heads already fill the GPU: no split
+    (bit-equal to CP off). One 28672-token sequence next to a 4096-token one: split."""
+    case = Case("equal", [8192] * 4, 2, 8, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=14)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with cp_env("auto"):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    assert torch.equal(o, o_ref) and torch.equal(ht, h_ref), "split equal-length sequences"
+
+    case = Case("skewed", [28672, 4096], 2, 8, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=15)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with cp_env("auto"):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    assert not torch.equal(ht, h_ref), "auto mode did not split the 28672-token sequence"
+    assert rel_err(o, o_ref) < 2e-3 and rel_err(ht, h_ref) < 2e-3
+    ro, rh = reference(inp)
+    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
+    for h in range(0, 8, 4):
+        assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)

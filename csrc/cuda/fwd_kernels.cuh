@@ -11,7 +11,8 @@
 //   reads  q, k, v, g, beta
 //   writes G, W, U0, P (tf32-rounded fp32 workspace), Lb; T when the backward asks
 //
-// state_fwd_kernel<BW>  grid (128 / BW, H_v, segments), 256 threads, ~208 KB smem (BW 32)
+// state_fwd_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments), 256 threads,
+//   ~208 KB smem (BW 32)
 //   The sequential pass over the chunks of one segment of one sequence for BW value
 //   columns of one head. The state block S (128 x BW, fp32) stays in the accumulator
 //   registers of the 8 warps across chunks; a tf32 copy of S^T in shared memory feeds
@@ -19,11 +20,17 @@
 //   one computes. Per chunk:
 //     U = U0 - W S,  O = scale (diag(exp G) Q S + P U),  S <- exp(G_last) S + K^T diag(eL) U.
 //   Context parallelism (launch.cu plans the segments): a segment that does not start the
-//   sequence starts either from a warm-up of a few chunks from a zero state, when the
-//   product of the warm-up chunks' bounds exp(sum Lb) is below exp(kLogEps), or else from
-//   the exact state its predecessor segment publishes (flag + state in the workspace).
-//   reads  k, q, W, U0, P, G, Lb, initial state
-//   writes o, final state; chain states and flags between segments
+//   sequence starts from a warm-up of a few chunks from a zero state when the product of
+//   the skipped chunks' bounds exp(sum Lb) is below exp(kLogEps), else from its exact
+//   entering state seg_in (segment_start). Exact states take three launches: phase 1 of
+//   this kernel gives each segment that an exact one follows its summary (the state
+//   leaving it from its own start, L, and, if it is exact itself, its transition M: the
+//   same pass run on the identity with U0 = 0, no outputs); seg_combine_kernel chains the
+//   summaries, S_in(j+1) = M_j S_in(j) + L_j; phase 0 then runs every segment with outputs.
+//   reads  k, q, W, U0, P, G, Lb, initial state, seg_in
+//   writes o, final state (phase 0); seg_L, seg_M (phase 1)
+//
+// seg_combine_kernel  grid (N, H_v, 128 / 32): see its definition.
 #pragma once
 
 #include "common.cuh"
@@ -57,11 +64,15 @@ struct FwdParams {
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
   // segments of the context-parallel forward
-  int64_t seg_chunks;           // chunks per segment
+  int64_t seg_chunks;           // chunks per segment (when seg_chunks_dev is null)
+  const int64_t* seg_chunks_dev;  // varlen, device-chosen segment length (plan_kernel)
   int64_t segs_per_seq;         // fixed-length inputs: segments of every sequence
   const int64_t* seg_offsets;   // varlen: [N + 1] first segment of each sequence
-  int* flags;                   // [segments, Hv, D / BW] chain flags (zeroed per call)
-  float* chain;                 // [segments, Hv, D, D] states leaving each segment
+  float* seg_L;                 // [segments, Hv, D, D] state leaving a segment, from its own
+                                //   start (zero for an exact segment, else h0 / warm-up)
+  float* seg_M;                 // [segments, Hv, D, D] transition of an exact segment
+  float* seg_in;                // [segments, Hv, D, D] exact state entering an exact segment
+  int phase;                    // state_fwd_kernel: 0 outputs, 1 segment summaries (L, M)
   int debug;                    // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
 };
 
@@ -247,13 +258,51 @@ struct StateFwdSmem {
   static constexpr size_t kBytes = 2 * kStage + sizeof(float) * (BW * LDW + 2 * BW * LDA);
 };
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
+// Where the state entering a segment comes from (context parallelism; docs/algorithm.md).
+enum class SegSource {
+  H0,      // the sequence's initial state (segment 0, or a recomputation from chunk 0)
+  Warmup,  // zero at chunk c_first < c_begin: the gates forget the earlier state
+  Exact,   // seg_in, formed by seg_combine_kernel from the predecessors' L and M
+};
+struct SegStart {
+  SegSource src;
+  int64_t c_first;  // first chunk the pass processes
+};
+
+// Segment j of the sequence whose first chunk (in the Lb table) is chunk0. A warm-up is
+// accepted when the product of the bounds of the chunks it skips, exp(sum Lb), is below
+// exp(kLogEps) within kWarmupMax chunks; reaching chunk 0 first means recomputing from h0.
+__device__ __forceinline__ int64_t seg_chunks(const FwdParams& p) {
+  return p.seg_chunks_dev != nullptr ? *p.seg_chunks_dev : p.seg_chunks;
 }
-__device__ __forceinline__ void st_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+
+__device__ __forceinline__ SegStart segment_start(const FwdParams& p, int64_t chunk0, int64_t h,
+                                                  int64_t j) {
+  const int64_t c_begin = j * seg_chunks(p);
+  if (j == 0) return {SegSource::H0, 0};
+  float bound = 0.f;
+  int64_t c = c_begin;
+  while (c > 0 && c_begin - c < kWarmupMax && bound > kLogEps) {
+    --c;
+    bound += p.Lb[(chunk0 + c) * p.Hv + h];
+  }
+  if (bound <= kLogEps) return {c == 0 ? SegSource::H0 : SegSource::Warmup, c};
+  if (c == 0) return {SegSource::H0, 0};
+  return {SegSource::Exact, c_begin};
+}
+
+// Segments of sequence n: the first one's index z0 and their count.
+__device__ __forceinline__ void sequence_segments(const FwdParams& p, int64_t n, int64_t& z0,
+                                                  int64_t& count) {
+  if (p.seg_offsets != nullptr) {
+    z0 = p.seg_offsets[n];
+    count = p.seg_offsets[n + 1] - z0;
+  } else {
+    z0 = n * p.segs_per_seq;
+    const int64_t nch = (p.seqs.seq_len(n) + C - 1) / C;
+    const int64_t seg = seg_chunks(p);
+    count = nch > seg ? (nch + seg - 1) / seg : 1;
+  }
 }
 
 template <typename In, int BW>
@@ -265,7 +314,6 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
 
   // ---- which segment of which sequence
-  const int cb = blockIdx.x, vb = cb * BW;
   const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
   int64_t n, j;
   if (p.seg_offsets != nullptr) {
@@ -284,25 +332,24 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   }
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
   const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
-  const int64_t c_begin = j * p.seg_chunks;
-  const int64_t c_end = c_begin + p.seg_chunks < nch ? c_begin + p.seg_chunks : nch;
+  const int64_t seg = seg_chunks(p);
+  const int64_t c_begin = j * seg;
+  const int64_t c_end = c_begin + seg < nch ? c_begin + seg : nch;
   if (j > 0 && c_begin >= nch) return;
 
-  // ---- where the state comes from: h0 at chunk 0, a warm-up, or the predecessor
-  int64_t c_first = 0;  // first chunk processed (outputs from c_begin on)
-  bool chained = false;
-  if (j > 0) {
-    float bound = 0.f;
-    int64_t c = c_begin;
-    while (c > 0 && c_begin - c < kWarmupMax && bound > kLogEps) {
-      --c;
-      bound += p.Lb[(chunk0 + c) * p.Hv + h];
-    }
-    if (bound <= kLogEps) c_first = c;       // warm-up from zero at chunk c (c = 0: from h0)
-    else if (c == 0) c_first = 0;            // exact recomputation from h0
-    else chained = true, c_first = c_begin;  // the predecessor's exact state
+  // ---- where the state comes from (phase 0), or which summary this block forms (phase 1:
+  // blocks x < D / BW the state leaving the segment from its own start, zero for an exact
+  // segment; blocks x >= D / BW the columns of an exact segment's transition M, from I)
+  const SegStart ss = segment_start(p, chunk0, h, j);
+  const int cb = static_cast<int>(blockIdx.x) % CBN, vb = cb * BW;
+  bool identity = false;
+  if (p.phase == 1) {
+    if (c_end >= nch) return;  // no successor
+    if (segment_start(p, chunk0, h, j + 1).src != SegSource::Exact) return;  // nobody needs it
+    identity = static_cast<int>(blockIdx.x) >= CBN;
+    if (identity && ss.src != SegSource::Exact) return;
   }
-  const bool from_h0 = !chained && c_first == 0;
+  const int64_t c_first = ss.c_first;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* stage_base = reinterpret_cast<float*>(smem_raw);
@@ -319,7 +366,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   const int warp = threadIdx.x >> 5;
   const In* kbase = static_cast<const In*>(p.k);
   const In* qbase = static_cast<const In*>(p.q);
-  const bool want_o = p.o != nullptr && !(p.debug & 1);
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
 
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
@@ -340,6 +387,13 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
   auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) {
+    if (identity) {  // the transition: U0 = 0
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) u[jj][e] = 0.f;
+      return;
+    }
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
 #pragma unroll
@@ -358,24 +412,16 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   float sacc[NS][4];
   {
     const float* src = nullptr;
-    int64_t ld = D;
-    int col0 = vb;
-    if (chained) {
-      const int* flag = p.flags + (z - 1) * p.Hv * CBN + h * CBN + cb;
-      if (threadIdx.x == 0)
-        while (ld_acquire(flag) == 0) __nanosleep(200);
-      __syncthreads();
-      src = p.chain + ((z - 1) * p.Hv + h) * D * D;
-    } else if (from_h0 && p.h0 != nullptr) {
-      src = p.h0 + (n * p.Hv + h) * D * D;
-    }
+    if (p.phase == 0 && ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
+    if (ss.src == SegSource::H0 && p.h0 != nullptr) src = p.h0 + (n * p.Hv + h) * D * D;
 #pragma unroll
     for (int jn = 0; jn < NS; ++jn)
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
         float2 v = make_float2(0.f, 0.f);
-        if (src) v = __ldcg(reinterpret_cast<const float2*>(src + i * ld + col0 + c));
+        if (identity) v = make_float2(i == vb + c ? 1.f : 0.f, i == vb + c + 1 ? 1.f : 0.f);
+        else if (src) v = __ldcg(reinterpret_cast<const float2*>(src + i * D + vb + c));
         sacc[jn][e] = v.x;
         sacc[jn][e + 1] = v.y;
       }
@@ -506,13 +552,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     if (ci + 1 < c_end) step(ci + 1, u0b, u0a);
   }
 
-  // ---- the state leaving the segment
+  // ---- the state leaving the segment: the final state, or this block's summary
   float* dst = nullptr;
-  if (c_end >= nch) {
-    if (p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
-  } else {
-    dst = p.chain + (z * p.Hv + h) * D * D;
-  }
+  if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
+  else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
   if (dst) {
 #pragma unroll
     for (int jn = 0; jn < NS; ++jn)
@@ -522,10 +565,63 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
         __stcg(reinterpret_cast<float2*>(dst + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
       }
   }
-  if (c_end < nch) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) st_release(p.flags + z * p.Hv * CBN + h * CBN + cb, 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// seg_combine_kernel  grid (N, H_v, D / 32), 256 threads, 80 KB smem
+//   Walks the segments of one sequence in order for 32 state columns of one head and
+//   forms the exact state entering every segment that starts from its predecessor
+//   (SegSource::Exact): S_in(j+1) = M_j S_in(j) + L_j when segment j is exact itself, else
+//   L_j (the state leaving segment j from its own start, h0 or a warm-up). fp32 FMA.
+//   reads  Lb, seg_L, seg_M     writes seg_in
+
+constexpr int kCombineCols = 32;
+constexpr size_t kCombineSmem = sizeof(float) * (D * D + D * kCombineCols);
+
+__global__ void __launch_bounds__(NT) seg_combine_kernel(FwdParams p) {
+  if (p.seqs.failed()) return;
+  const int64_t h = blockIdx.y, n = blockIdx.x;
+  const int vb = blockIdx.z * kCombineCols;
+  if (n >= p.seqs.N) return;
+  int64_t z0, count;
+  sequence_segments(p, n, z0, count);
+  const int64_t chunk0 = p.seqs.first_chunk(n);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M_j
+  float* Sc = Ms + D * D;                         // [D][32] S_in(j)
+  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * 16;
+  bool prev_exact = false;  // segment j is exact (its S_in is in Sc)
+  for (int64_t j = 0; j + 1 < count; ++j) {
+    const bool next_exact = segment_start(p, chunk0, h, j + 1).src == SegSource::Exact;
+    if (next_exact) {
+      const size_t base = static_cast<size_t>((z0 + j) * p.Hv + h) * D * D;
+      float acc[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[i] = __ldcg(p.seg_L + base + (r0 + i) * D + vb + col);
+      if (prev_exact) {
+        for (int e = threadIdx.x; e < D * D / 4; e += NT)
+          reinterpret_cast<float4*>(Ms)[e] = __ldcg(reinterpret_cast<const float4*>(p.seg_M + base) + e);
+        __syncthreads();
+        for (int k = 0; k < D; k += 4) {
+          const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
+          const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
+            acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
+          }
+        }
+        __syncthreads();  // Ms and Sc read
+      }
+      float* out = p.seg_in + static_cast<size_t>((z0 + j + 1) * p.Hv + h) * D * D;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        Sc[(r0 + i) * kCombineCols + col] = acc[i];
+        __stcg(out + (r0 + i) * D + vb + col, acc[i]);
+      }
+      __syncthreads();
+    }
+    prev_exact = next_exact;
   }
 }
 

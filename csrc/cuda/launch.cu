@@ -44,8 +44,8 @@ struct FwdBuffers {
   int64_t* seg_offsets;  // varlen with context parallelism
   int* error;
   float *G, *W, *U0, *P, *Lb;
-  int* flags;    // context parallelism: chain flags
-  float* chain;  // context parallelism: states leaving each segment
+  float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
+  int64_t* seg_chunks;             // context parallelism, varlen: the device's segment length
 };
 struct BwdBuffers {
   FwdBuffers f;
@@ -76,8 +76,10 @@ FwdBuffers carve_fwd(const Problem& p, const FwdPlan& plan, Carver& c) {
   b.seg_offsets = p.varlen() ? c.take<int64_t>(p.N + 1) : nullptr;
   if (plan.seg.split) {
     const size_t segheads = static_cast<size_t>(plan.seg.max_segments * p.Hv);
-    b.flags = c.take<int>(segheads * (D / plan.bw));
-    b.chain = c.take<float>(segheads * D * D);
+    b.seg_L = c.take<float>(segheads * D * D);
+    b.seg_M = c.take<float>(segheads * D * D);
+    b.seg_in = c.take<float>(segheads * D * D);
+    if (plan.seg.device_choice) b.seg_chunks = c.take<int64_t>(1);
   }
   return b;
 }
@@ -140,10 +142,10 @@ void poison_dtype(void* out, flashgdn_dtype t, int64_t n, const int* error, cuda
 }
 
 void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, int64_t seg_chunks,
-                 cudaStream_t st) {
+                 const DeviceSegChoice& choice, cudaStream_t st) {
   if (!p.varlen()) return;
   plan_kernel<<<1, kPlanThreads, 0, st>>>(s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets,
-                                          b.error);
+                                          b.error, choice);
   check_cuda(cudaGetLastError(), "plan_kernel launch");
 }
 
@@ -188,25 +190,21 @@ int sm_count(int device) {
   return sms;
 }
 
-// Column block of the forward's state pass (FLASHGDN_FWD_BW = 16 | 32 overrides) and
-// the segment plan (csrc/planner.h; FLASHGDN_CP / FLASHGDN_CP_SEG override).
+// Column block and segment plan of the forward's state pass (csrc/planner.h;
+// FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override).
 FwdPlan plan_forward(const Problem& p) {
-  FwdPlan f;
-  const int sms = sm_count(p.device_id);
-  // 16 columns shorten the sequential step; 32 halve the operand traffic once the
-  // (sequence, head) pairs fill the SMs anyway.
-  f.bw = p.N * p.Hv * (D / 16) <= sms ? 16 : 32;
-  if (const char* v = std::getenv("FLASHGDN_FWD_BW")) f.bw = std::atoi(v) == 16 ? 16 : 32;
   SegmentQuery q;
   q.N = p.N;
   q.total_chunks = p.max_chunks();
   q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
   q.Hv = p.Hv;
-  q.col_blocks = D / f.bw;
-  q.sms = sms;
+  q.sms = sm_count(p.device_id);
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
+  q.forced_col_block = col_block_from_env();
+  FwdPlan f;
   f.seg = plan_segments(q);
+  f.bw = f.seg.col_block;
   return f;
 }
 
@@ -224,10 +222,19 @@ void launch_state_fwd(const FwdPlan& plan, const Problem& p, const FwdParams& f,
   constexpr size_t smem = StateFwdSmem<In, BW>::kBytes;
   static std::once_flag once;
   std::call_once(once, [] { set_smem(state_fwd_kernel<In, BW>, smem); });
-  state_fwd_kernel<In, BW><<<dim3(D / BW, static_cast<unsigned>(p.Hv),
+  const unsigned blocks_x = (f.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
+  state_fwd_kernel<In, BW><<<dim3(blocks_x, static_cast<unsigned>(p.Hv),
                                   static_cast<unsigned>(plan.seg.max_segments)),
                              NT, smem, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
+}
+
+void launch_seg_combine(const Problem& p, const FwdParams& f, cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
+  seg_combine_kernel<<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols),
+                       NT, kCombineSmem, st>>>(f);
+  check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
 template <typename In>
@@ -255,7 +262,15 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
   Carver c{static_cast<char*>(ws)};
   const FwdBuffers b = carve_fwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b);
-  run_planner(p, s, b, plan.seg.seg_chunks, st);
+  DeviceSegChoice choice{};
+  if (plan.seg.device_choice) {
+    choice.heads = static_cast<double>(p.Hv);
+    choice.sms = sm_count(p.device_id);
+    choice.col_block = plan.bw;
+    choice.min_seg = plan.seg.seg_chunks;
+    choice.chosen = b.seg_chunks;
+  }
+  run_planner(p, s, b, plan.seg.seg_chunks, choice, st);
   FwdParams f = fwd_params(p, s, b);
   f.o = out.o;
   f.ht = out.final_state;
@@ -263,15 +278,20 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
   const int64_t nch = (p.T + C - 1) / C;
   f.segs_per_seq = p.varlen() ? 0 : std::max<int64_t>(1, (nch + f.seg_chunks - 1) / f.seg_chunks);
   f.seg_offsets = b.seg_offsets;
+  f.seg_chunks_dev = plan.seg.device_choice ? b.seg_chunks : nullptr;
   if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
-  f.flags = b.flags;
-  f.chain = b.chain;
-  if (b.flags) {
-    const size_t bytes = static_cast<size_t>(plan.seg.max_segments * p.Hv) * (D / plan.bw) * sizeof(int);
-    check_cuda(cudaMemsetAsync(b.flags, 0, bytes, st), "cudaMemsetAsync");
-  }
+  f.seg_L = b.seg_L;
+  f.seg_M = b.seg_M;
+  f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
   if (p.N > 0) {
+    if (plan.seg.split) {  // exact entering states of the segments that need them
+      f.phase = 1;
+      if (plan.bw == 16) launch_state_fwd<In, 16>(plan, p, f, st);
+      else launch_state_fwd<In, 32>(plan, p, f, st);
+      launch_seg_combine(p, f, st);
+      f.phase = 0;
+    }
     if (plan.bw == 16) launch_state_fwd<In, 16>(plan, p, f, st);
     else launch_state_fwd<In, 32>(plan, p, f, st);
   }
@@ -290,7 +310,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, c);
   const SeqLayout s = seq_layout(p, b.f);
-  run_planner(p, s, b.f, 1, st);
+  run_planner(p, s, b.f, 1, DeviceSegChoice{}, st);
   FwdParams f = fwd_params(p, s, b.f);
   f.Tmat = b.Tmat;
   f.h = b.h;

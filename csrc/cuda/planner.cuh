@@ -6,14 +6,18 @@
 //   writes chunk_offsets [N + 1] (prefix sum of ceil(len / 64)), error (0 or 1:
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
 //          seg_offsets [N + 1] (prefix sum of max(1, ceil(chunks / seg_chunks)): the
-//          context-parallel segments of every sequence, see csrc/planner.h)
+//          context-parallel segments of every sequence, see csrc/planner.h); with a
+//          DeviceSegChoice, first picks seg_chunks from the actual lengths under the
+//          planner's cost model and writes it to choice.chosen
 // poison_kernel grid-stride
 //   writes NaN into an output when error is set, so a bad cu_seqlens is never
 //   silent garbage (the compute kernels skip all work in that case).
 #pragma once
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "../planner.h"
 #include "common.cuh"
 
 namespace flashgdn {
@@ -21,35 +25,93 @@ namespace cuda {
 
 constexpr int kPlanThreads = 1024;
 
+// The device's choice of segment length (varlen, SegmentPlan::device_choice): the cost
+// model of csrc/planner.h on the actual lengths, over unsplit and min_seg, 2 min_seg, ...
+struct DeviceSegChoice {
+  ForwardCost cost;
+  double heads = 0;
+  int sms = 0, col_block = 32;
+  int64_t min_seg = 0;
+  int64_t* chosen = nullptr;  // writes the chosen chunks per segment here
+};
+
 __global__ void __launch_bounds__(kPlanThreads)
     plan_kernel(SeqLayout s, int64_t total_tokens, int64_t seg_chunks, int64_t* chunk_offsets,
-                int64_t* seg_offsets, int* error) {
+                int64_t* seg_offsets, int* error, DeviceSegChoice choice) {
   using Scan = cub::BlockScan<int64_t, kPlanThreads>;
-  __shared__ typename Scan::TempStorage tmp;
+  using Reduce = cub::BlockReduce<int64_t, kPlanThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } tmp;
   __shared__ int bad;
+  __shared__ int64_t seg_shared;
   if (threadIdx.x == 0) {
     bad = (s.cu(0) != 0 || s.cu(s.N) != total_tokens) ? 1 : 0;
     chunk_offsets[0] = 0;
     if (seg_offsets) seg_offsets[0] = 0;
   }
   __syncthreads();
-  int64_t carry = 0, seg_carry = 0;
+  auto chunks_of = [&](int64_t n) -> int64_t {
+    const int64_t len = s.cu(n + 1) - s.cu(n);
+    return len > 0 ? (len + C - 1) / C : 0;
+  };
+  int64_t carry = 0, longest = 0;
   for (int64_t base = 0; base < s.N; base += kPlanThreads) {
     const int64_t n = base + threadIdx.x;
     int64_t count = 0;
     if (n < s.N) {
-      const int64_t len = s.cu(n + 1) - s.cu(n);
-      if (len < 0) bad = 1;
-      count = len > 0 ? (len + C - 1) / C : 0;
+      if (s.cu(n + 1) - s.cu(n) < 0) bad = 1;
+      count = chunks_of(n);
+      longest = count > longest ? count : longest;
     }
     int64_t incl, total;
-    Scan(tmp).InclusiveSum(count, incl, total);
+    Scan(tmp.scan).InclusiveSum(count, incl, total);
     if (n < s.N) chunk_offsets[n + 1] = carry + incl;
     carry += total;
     __syncthreads();
-    if (seg_offsets) {
+  }
+  if (choice.chosen != nullptr) {  // choose the segment length from the actual lengths
+    longest = Reduce(tmp.reduce).Reduce(longest, [](int64_t a, int64_t b) { return a > b ? a : b; });
+    __syncthreads();
+    if (threadIdx.x == 0) seg_shared = longest;
+    __syncthreads();
+    longest = seg_shared;
+    LoadStats st;
+    st.longest = static_cast<double>(longest);
+    st.total = static_cast<double>(carry);
+    double best = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms,
+                                         choice.col_block, 0.0);
+    int64_t best_seg = carry + 1;  // unsplit: longer than any sequence
+    const double bar = (1.0 - choice.cost.min_gain) * best;
+    for (int64_t seg = choice.min_seg; seg > 0 && seg < longest; seg *= 2) {
+      int64_t segs = 0;
+      for (int64_t n = threadIdx.x; n < s.N; n += kPlanThreads) {
+        const int64_t c = chunks_of(n);
+        segs += c > seg ? (c + seg - 1) / seg : 1;
+      }
+      segs = Reduce(tmp.reduce).Sum(segs);
+      __syncthreads();
+      if (threadIdx.x == 0) seg_shared = segs;
+      __syncthreads();
+      st.segs = static_cast<double>(seg_shared);
+      st.max_segs_per_seq = static_cast<double>((longest + seg - 1) / seg);
+      const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms,
+                                              choice.col_block, static_cast<double>(seg));
+      if (t < bar && t < best) best = t, best_seg = seg;
+      __syncthreads();
+    }
+    seg_chunks = best_seg;
+    if (threadIdx.x == 0) *choice.chosen = best_seg;
+  }
+  if (seg_offsets) {
+    int64_t seg_carry = 0;
+    for (int64_t base = 0; base < s.N; base += kPlanThreads) {
+      const int64_t n = base + threadIdx.x;
+      const int64_t count = n < s.N ? chunks_of(n) : 0;
       const int64_t segs = n < s.N ? (count > seg_chunks ? (count + seg_chunks - 1) / seg_chunks : 1) : 0;
-      Scan(tmp).InclusiveSum(segs, incl, total);
+      int64_t incl, total;
+      Scan(tmp.scan).InclusiveSum(segs, incl, total);
       if (n < s.N) seg_offsets[n + 1] = seg_carry + incl;
       seg_carry += total;
       __syncthreads();

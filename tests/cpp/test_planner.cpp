@@ -1,6 +1,8 @@
 // The context-parallel planner (csrc/planner.h): when it splits sequences into
-// segments, how long the segments are, and the grid bound it reports.
+// segments, how long the segments are, the column block, and the grid bound it reports.
 #include <gtest/gtest.h>
+
+#include <algorithm>
 
 #include "planner.h"
 
@@ -17,7 +19,6 @@ SegmentQuery query(int64_t N, int64_t chunks_per_seq, int64_t Hv, bool varlen = 
   q.total_chunks = varlen ? N * chunks_per_seq + N : N * chunks_per_seq;
   q.fixed_chunks = varlen ? -1 : chunks_per_seq;
   q.Hv = Hv;
-  q.col_blocks = 4;
   q.sms = 132;
   return q;
 }
@@ -25,31 +26,45 @@ SegmentQuery query(int64_t N, int64_t chunks_per_seq, int64_t Hv, bool varlen = 
 }  // namespace
 
 TEST(Planner, SplitsOneLongSequenceAtTp8) {
-  // 2/8 heads, one 32768-token sequence: 32 blocks for 132 SMs -> 4 segments of 128 chunks
-  const auto p = plan_segments(query(1, 512, 8));
+  // 2/8 heads, one 32768-token sequence: unsplit, 64 blocks of 16 columns run 512 steps
+  // each; 8 segments of 64 chunks at 32 columns fill the SMs with 2 waves
+  const auto q = query(1, 512, 8);
+  const auto p = plan_segments(q);
+  EXPECT_TRUE(p.split);
+  EXPECT_EQ(p.col_block, 32);
+  EXPECT_EQ(p.seg_chunks, 64);
+  EXPECT_EQ(p.max_segments, 8);
+  auto off = q;
+  off.mode = CpMode::Off;
+  const auto u = plan_segments(off);
+  EXPECT_FALSE(u.split);
+  EXPECT_EQ(u.col_block, 16);  // unsplit, 32 columns would leave 100 SMs idle
+  EXPECT_GT(p.est_us, 0.0);
+  EXPECT_LT(p.est_us, 0.6 * u.est_us);  // the model expects the split to save 40%+
+}
+
+TEST(Planner, SplitsAtTp4) {
+  const auto p = plan_segments(query(1, 512, 16));  // 4/16 heads, 32768 tokens
   EXPECT_TRUE(p.split);
   EXPECT_EQ(p.seg_chunks, 128);
   EXPECT_EQ(p.max_segments, 4);
 }
 
-TEST(Planner, SplitsAtTp4IntoTwoSegments) {
-  const auto p = plan_segments(query(1, 256, 16));  // 64 blocks -> 2 segments
-  EXPECT_TRUE(p.split);
-  EXPECT_EQ(p.seg_chunks, 128);
-  EXPECT_EQ(p.max_segments, 2);
-}
-
 TEST(Planner, DeclinesWhenHeadsFillTheGpu) {
-  const auto p = plan_segments(query(1, 512, 64));  // 256 blocks >= 132 SMs
-  EXPECT_FALSE(p.split);
-  EXPECT_EQ(p.max_segments, 1);
-  EXPECT_GE(p.seg_chunks, 512);
+  for (int64_t hv : {32, 48, 64}) {  // 128+ blocks of 32 columns already fill 132 SMs
+    const auto p = plan_segments(query(1, 512, hv));
+    EXPECT_FALSE(p.split) << hv;
+    EXPECT_EQ(p.max_segments, 1);
+    EXPECT_GE(p.seg_chunks, 512);
+    EXPECT_EQ(p.col_block, 32);
+  }
 }
 
 TEST(Planner, DeclinesWhenSequencesFillTheGpu) {
-  const auto p = plan_segments(query(8, 64, 8));  // 8 x 8 x 4 = 256 blocks
+  const auto p = plan_segments(query(4, 128, 8));  // 8192 x 4 at 2/8: 4 x 8 x 4 = 128 blocks
   EXPECT_FALSE(p.split);
-  EXPECT_EQ(p.max_segments, 8);
+  EXPECT_EQ(p.max_segments, 4);
+  EXPECT_EQ(plan_segments(query(8, 64, 8)).split, false);
 }
 
 TEST(Planner, DeclinesShortSequences) {
@@ -64,11 +79,15 @@ TEST(Planner, VarlenBoundCoversEverySplit) {
   auto q = query(2, 256, 8, /*varlen=*/true);
   const auto p = plan_segments(q);
   EXPECT_TRUE(p.split);
-  EXPECT_GE(p.seg_chunks, kMinSegChunks);
-  const int64_t c0 = 448, c1 = 64;
-  const int64_t need = (c0 + p.seg_chunks - 1) / p.seg_chunks + (c1 + p.seg_chunks - 1) / p.seg_chunks;
-  EXPECT_LE(need, p.max_segments);
-  EXPECT_LE(p.max_segments * 8 * 4, 2 * 132);  // about one wave of blocks
+  EXPECT_TRUE(p.device_choice);  // lengths unknown here: plan_kernel picks the length
+  EXPECT_EQ(p.seg_chunks, kMinSegChunks);  // grids sized for the shortest candidate
+  EXPECT_FALSE(plan_segments(query(1, 512, 8)).device_choice);  // fixed length: known
+  for (int64_t c0 : {448, 256, 500, 1}) {
+    const int64_t c1 = 512 - c0;
+    const int64_t need = std::max<int64_t>(1, (c0 + p.seg_chunks - 1) / p.seg_chunks) +
+                         std::max<int64_t>(1, (c1 + p.seg_chunks - 1) / p.seg_chunks);
+    EXPECT_LE(need, p.max_segments) << c0;
+  }
 }
 
 TEST(Planner, ForcedModes) {
@@ -82,11 +101,30 @@ TEST(Planner, ForcedModes) {
   q.forced_seg_chunks = 0;          // default: a quarter of the longest sequence
   p = plan_segments(q);
   EXPECT_EQ(p.seg_chunks, 128);
+  q.forced_col_block = 16;
+  EXPECT_EQ(plan_segments(q).col_block, 16);
   q = query(1, 512, 8);
   q.mode = CpMode::Off;
   p = plan_segments(q);
   EXPECT_FALSE(p.split);
   EXPECT_EQ(p.max_segments, 1);
+  q.mode = CpMode::Auto;
+  q.forced_col_block = 16;  // Auto with a forced column block still plans the split
+  p = plan_segments(q);
+  EXPECT_EQ(p.col_block, 16);
+  EXPECT_TRUE(p.split);
+}
+
+TEST(Planner, CostModelPrefersFewerBlocksWhenWorkDominates) {
+  // 8/32 heads: 128 blocks of 32 columns already fill the SMs; a forced split costs more.
+  auto q = query(1, 512, 32);
+  const auto p = plan_segments(q);
+  EXPECT_FALSE(p.split);
+  q.mode = CpMode::On;
+  q.forced_seg_chunks = 64;
+  const auto s = plan_segments(q);
+  EXPECT_TRUE(s.split);
+  EXPECT_GT(s.est_us, p.est_us);
 }
 
 TEST(Planner, EmptyInputs) {

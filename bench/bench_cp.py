@@ -1,0 +1,110 @@
+"""Context parallelism on and off: the TP8 / TP4 rows of the forward table (issue 4).
+
+For each row, in one process on one GPU, times flashgdn's forward with
+FLASHGDN_CP=off (one segment per sequence) and =auto (the planner's split), plus any
+`--sweep` settings (FLASHGDN_FWD_BW / FLASHGDN_CP_SEG), and FLA's forward when it is
+installed; prints a markdown table with the CP speedup and FLA / flashgdn, and the
+relative difference of each CP setting's outputs from the unsplit pass. Inputs and
+timing (CUDA graphs, median of replays) as bench/bench_gdn.py.
+
+    python bench/bench_cp.py                                  # 2/8 and 4/16 rows
+    python bench/bench_cp.py --sweep 16:64,32:64,32:128       # BW:SEG settings as well
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_gdn as bg  # noqa: E402
+
+ROWS = ("1x32768", "1x16384", "28672+4096", "1x8192", "8192x4")
+MODELS = ("2/8", "4/16")
+ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW")
+
+
+@contextmanager
+def env(settings: Dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in ENV_KEYS}
+    for k in ENV_KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def settings_list(sweep: Optional[str]) -> List[Tuple[str, Dict[str, str]]]:
+    out = [("CP off", {"FLASHGDN_CP": "off"}), ("CP auto", {"FLASHGDN_CP": "auto"})]
+    for item in (sweep.split(",") if sweep else []):
+        bw, seg = item.split(":")
+        out.append((f"BW{bw} seg{seg}", {"FLASHGDN_CP": "on", "FLASHGDN_FWD_BW": bw,
+                                          "FLASHGDN_CP_SEG": seg}))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--seqs", default=",".join(ROWS))
+    ap.add_argument("--sweep", default=None, help="extra BW:SEG settings, e.g. 16:64,32:128")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+
+    import torch
+    import flashgdn
+
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+    except Exception as exc:  # noqa: BLE001 - FLA is optional here
+        fla_fn = None
+        print(f"FLA not available ({exc}): no FLA column")
+    timer = bg.Timer(warmup=5, reps=args.reps, max_seconds=4.0)
+    rows = bg.build_rows("fwd", args.models.split(","), args.seqs.split(","), seed=0)
+    settings = settings_list(args.sweep)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashgdn "
+          f"{flashgdn.__version__}")
+    head = ["h_qk/h_v", "sequences"] + [f"{n} ms" for n, _ in settings] + \
+        ["CP speedup"] + (["FLA ms", "FLA / flashgdn (auto)"] if fla_fn else []) + \
+        ["max rel diff vs off"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        x = bg.make_inputs(row, seed=0)
+
+        def ours() -> Tuple[torch.Tensor, torch.Tensor]:
+            return flashgdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                   initial_state=x["h0"], output_final_state=True,
+                                                   cu_seqlens=x["cu32"])
+
+        times, outs = [], []
+        for _, s in settings:
+            with env(s):
+                outs.append(ours())
+                times.append(timer.time(ours)[0])
+        diffs = [max(bg.rel_err(o, outs[0][0]), bg.rel_err(h, outs[0][1])) for o, h in outs[1:]]
+        cells = [row.model.key, row.seq_label] + [f"{t:.3f}" for t in times] + \
+            [f"{times[0] / times[1]:.2f}x"]
+        if fla_fn:
+            def fla() -> object:
+                return fla_fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                              output_final_state=True, cu_seqlens=x["cu64"])
+            t_fla = timer.time(fla)[0]
+            cells += [f"{t_fla:.3f}", f"{t_fla / times[1]:.2f}"]
+        cells.append(" ".join(f"{d:.1e}" for d in diffs))
+        print("| " + " | ".join(cells) + " |", flush=True)
+        del x, outs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
