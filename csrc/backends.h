@@ -21,6 +21,13 @@ size_t cuda_fwd_workspace_bytes(const Problem& p);
 size_t cuda_bwd_workspace_bytes(const Problem& p);
 void cuda_fwd(const Problem& p, const FwdOutputs& out, void* workspace, void* stream);
 void cuda_bwd(const Problem& p, const BwdIO& io, void* workspace, void* stream);
+// State boundary (cuda/state_io.cu): the entry points the C API calls. They convert
+// states that are not fp32 [K, V] (bf16/fp16, or the VK layout) through fp32 [K, V]
+// buffers placed after the kernels' workspace, around cuda_fwd / cuda_bwd.
+size_t cuda_fwd_total_workspace_bytes(const Problem& p, const FwdOutputs& out);
+size_t cuda_bwd_total_workspace_bytes(const Problem& p, const BwdIO& io);
+void cuda_fwd_states(const Problem& p, const FwdOutputs& out, void* workspace, void* stream);
+void cuda_bwd_states(const Problem& p, const BwdIO& io, void* workspace, void* stream);
 // Decode (cuda/decode.cu): one recurrent step kernel over a state pool; no workspace.
 void cuda_decode(const DecodeProblem& p, void* stream);
 // Gate (cuda/gate.cu): elementwise forward; backward with a deterministic per-head sum.

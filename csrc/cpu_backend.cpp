@@ -95,6 +95,28 @@ void store(void* p, flashgdn_dtype t, int64_t i, float x) {
   }
 }
 
+// State conversions at the boundary: matrix `m` of a caller's state tensor (any
+// state dtype, KV or VK layout) to and from an fp32 [K, V] working copy S.
+void load_state(const StateBuf& st, int64_t m, float* S) {
+  const int64_t base = m * D * D;
+  if (st.native()) {
+    std::memcpy(S, static_cast<const float*>(st.data) + base, sizeof(float) * D * D);
+    return;
+  }
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) S[i * D + j] = load(st.data, st.dtype, base + st.offset(i, j));
+}
+
+void store_state(const StateBuf& st, int64_t m, const float* S) {
+  const int64_t base = m * D * D;
+  if (st.native()) {
+    std::memcpy(static_cast<float*>(st.data) + base, S, sizeof(float) * D * D);
+    return;
+  }
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) store(st.data, st.dtype, base + st.offset(i, j), S[i * D + j]);
+}
+
 struct Seq {
   int64_t start, len;
 };
@@ -274,7 +296,10 @@ void cpu_decode(const DecodeProblem& p) {
           store(p.o, p.qkv_dtype, ((b * p.T + t) * p.Hv + h) * D + c, 0.f);
       return;
     }
-    float* S = p.pool + (slot * p.Hv + h) * D * D;  // [K, V], updated in place
+    // The slot's state as fp32 [K, V], written back (rounded once) after the T tokens.
+    std::vector<float> state(D * D);
+    float* S = state.data();
+    load_state(p.pool, slot * p.Hv + h, S);
     float q[D], k[D], sa[D], sb[D];
     for (int64_t t = 0; t < p.T; ++t) {
       const int64_t tok = b * p.T + t;
@@ -314,6 +339,7 @@ void cpu_decode(const DecodeProblem& p) {
       for (int i = 0; i < D; ++i)
         for (int j = 0; j < D; ++j) S[i * D + j] = eg * S[i * D + j] + k[i] * u[j];
     }
+    store_state(p.pool, slot * p.Hv + h, S);
   });
 }
 
@@ -354,7 +380,7 @@ void cpu_fwd(const Problem& p, const FwdOutputs& out) {
   parallel_for(p.N * p.Hv, [&](int64_t task) {
     const int64_t n = task / p.Hv, h = task % p.Hv;
     std::vector<float> S(D * D, 0.f);
-    if (p.h0) std::memcpy(S.data(), p.h0 + (n * p.Hv + h) * D * D, sizeof(float) * D * D);
+    if (p.h0_io.present()) load_state(p.h0_io, n * p.Hv + h, S.data());
     auto ck = std::make_unique<Chunk>();
     std::vector<float> U(C * D), P(C * C), O(C * D);
     for (int64_t c0 = 0; c0 < seqs[n].len; c0 += C) {
@@ -367,8 +393,7 @@ void cpu_fwd(const Problem& p, const FwdOutputs& out) {
           store(out.o, p.qkv_dtype, ((tok0 + r) * p.Hv + h) * D + c, O[r * D + c]);
       chunk_state_update(*ck, S.data(), U.data());
     }
-    if (out.final_state)
-      std::memcpy(out.final_state + (n * p.Hv + h) * D * D, S.data(), sizeof(float) * D * D);
+    if (out.final_state_io.present()) store_state(out.final_state_io, n * p.Hv + h, S.data());
   });
 }
 
@@ -386,7 +411,7 @@ void cpu_bwd(const Problem& p, const BwdIO& io) {
     for (int64_t h = hq * p.group(); h < (hq + 1) * p.group(); ++h) {
       // Recompute the state entering every chunk.
       std::fill(S.begin(), S.end(), 0.f);
-      if (p.h0) std::memcpy(S.data(), p.h0 + (n * p.Hv + h) * D * D, sizeof(float) * D * D);
+      if (p.h0_io.present()) load_state(p.h0_io, n * p.Hv + h, S.data());
       for (int64_t ci = 0; ci < nchunks; ++ci) {
         ck->load_inputs(p, tok_start + ci * C, static_cast<int>(std::min<int64_t>(C, len - ci * C)),
                         h);
@@ -396,8 +421,7 @@ void cpu_bwd(const Problem& p, const BwdIO& io) {
         chunk_state_update(*ck, S.data(), U.data());
       }
       std::fill(dS.begin(), dS.end(), 0.f);
-      if (io.d_final_state)
-        std::memcpy(dS.data(), io.d_final_state + (n * p.Hv + h) * D * D, sizeof(float) * D * D);
+      if (io.d_final_state_io.present()) load_state(io.d_final_state_io, n * p.Hv + h, dS.data());
       for (int64_t ci = nchunks - 1; ci >= 0; --ci) {
         const int64_t tok0 = tok_start + ci * C;
         ck->load_inputs(p, tok0, static_cast<int>(std::min<int64_t>(C, len - ci * C)), h);
@@ -480,7 +504,7 @@ void cpu_bwd(const Problem& p, const BwdIO& io) {
         }
         dS.swap(dSnew);
       }
-      if (io.dh0) std::memcpy(io.dh0 + (n * p.Hv + h) * D * D, dS.data(), sizeof(float) * D * D);
+      if (io.dh0_io.present()) store_state(io.dh0_io, n * p.Hv + h, dS.data());
     }
     for (int64_t r = 0; r < len; ++r)
       for (int c = 0; c < D; ++c) {

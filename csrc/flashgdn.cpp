@@ -43,7 +43,7 @@ int flashgdn_fwd_workspace_size(const flashgdn_fwd_args* args, size_t* bytes) {
     const auto p = flashgdn::validate_fwd(*args, &out);
     *bytes = 0;
 #ifdef FLASHGDN_WITH_CUDA
-    if (p.device == FLASHGDN_DEVICE_CUDA) *bytes = flashgdn::cuda_fwd_workspace_bytes(p);
+    if (p.device == FLASHGDN_DEVICE_CUDA) *bytes = flashgdn::cuda_fwd_total_workspace_bytes(p, out);
 #endif
     (void)p;
   });
@@ -55,8 +55,9 @@ int flashgdn_fwd(const flashgdn_fwd_args* args) {
     const auto p = flashgdn::validate_fwd(*args, &out);
     if (p.device == FLASHGDN_DEVICE_CPU) return flashgdn::cpu_fwd(p, out);
 #ifdef FLASHGDN_WITH_CUDA
-    check_workspace(flashgdn::cuda_fwd_workspace_bytes(p), args->workspace_bytes, args->workspace);
-    flashgdn::cuda_fwd(p, out, args->workspace, args->stream);
+    check_workspace(flashgdn::cuda_fwd_total_workspace_bytes(p, out), args->workspace_bytes,
+                    args->workspace);
+    flashgdn::cuda_fwd_states(p, out, args->workspace, args->stream);
 #endif
   });
 }
@@ -67,7 +68,7 @@ int flashgdn_bwd_workspace_size(const flashgdn_bwd_args* args, size_t* bytes) {
     const auto p = flashgdn::validate_bwd(*args, &io);
     *bytes = 0;
 #ifdef FLASHGDN_WITH_CUDA
-    if (p.device == FLASHGDN_DEVICE_CUDA) *bytes = flashgdn::cuda_bwd_workspace_bytes(p);
+    if (p.device == FLASHGDN_DEVICE_CUDA) *bytes = flashgdn::cuda_bwd_total_workspace_bytes(p, io);
 #endif
     (void)p;
   });
@@ -79,8 +80,9 @@ int flashgdn_bwd(const flashgdn_bwd_args* args) {
     const auto p = flashgdn::validate_bwd(*args, &io);
     if (p.device == FLASHGDN_DEVICE_CPU) return flashgdn::cpu_bwd(p, io);
 #ifdef FLASHGDN_WITH_CUDA
-    check_workspace(flashgdn::cuda_bwd_workspace_bytes(p), args->workspace_bytes, args->workspace);
-    flashgdn::cuda_bwd(p, io, args->workspace, args->stream);
+    check_workspace(flashgdn::cuda_bwd_total_workspace_bytes(p, io), args->workspace_bytes,
+                    args->workspace);
+    flashgdn::cuda_bwd_states(p, io, args->workspace, args->stream);
 #endif
   });
 }

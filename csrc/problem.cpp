@@ -120,11 +120,37 @@ void check_aligned(const flashgdn_tensor& t, const char* name, const Problem& p)
          "offset was given; pass a copy)");
 }
 
-void check_state(const flashgdn_tensor& t, const char* name, const Problem& p) {
-  check_dtype_in(t, name, {FLASHGDN_DTYPE_F32});
-  check_shape(t, name, {p.N, p.Hv, kHeadDim, kHeadDim}, "(N sequences, H_v, K, V)");
+const char* layout_name(flashgdn_state_layout l) {
+  return l == FLASHGDN_STATE_LAYOUT_VK ? "vk" : "kv";
+}
+
+flashgdn_state_layout check_layout(int32_t v) {
+  if (v != FLASHGDN_STATE_LAYOUT_KV && v != FLASHGDN_STATE_LAYOUT_VK)
+    fail("state_layout must be FLASHGDN_STATE_LAYOUT_KV (0, 'kv': [.., K, V]) or "
+         "FLASHGDN_STATE_LAYOUT_VK (1, 'vk': [.., V, K]), got " + std::to_string(v));
+  return static_cast<flashgdn_state_layout>(v);
+}
+
+// Shape meaning of a state tensor in the given layout, for error messages.
+std::string state_dims(const char* lead, flashgdn_state_layout l) {
+  return std::string("(") + lead +
+         (l == FLASHGDN_STATE_LAYOUT_VK ? ", H_v, V, K; state_layout 'vk')"
+                                        : ", H_v, K, V; state_layout 'kv')");
+}
+
+const auto kStateDtypes = {FLASHGDN_DTYPE_F32, FLASHGDN_DTYPE_BF16, FLASHGDN_DTYPE_F16};
+
+StateBuf check_state(const flashgdn_tensor& t, const char* name, const Problem& p) {
+  check_dtype_in(t, name, kStateDtypes);
+  check_shape(t, name, {p.N, p.Hv, kHeadDim, kHeadDim},
+              state_dims("N sequences", p.state_layout).c_str());
   check_device(t, name, p);
   check_contiguous(t, name);
+  StateBuf s;
+  s.data = t.data;
+  s.dtype = t.dtype;
+  s.layout = p.state_layout;
+  return s;
 }
 
 template <typename I>
@@ -144,8 +170,9 @@ void check_cu_values(const I* cu, int64_t n1, int64_t total) {
 Problem validate_inputs(const flashgdn_tensor& q, const flashgdn_tensor& k,
                         const flashgdn_tensor& v, const flashgdn_tensor& g,
                         const flashgdn_tensor& beta, const flashgdn_tensor& h0,
-                        const flashgdn_tensor& cu, float scale) {
+                        const flashgdn_tensor& cu, float scale, int32_t state_layout) {
   Problem p;
+  p.state_layout = check_layout(state_layout);
   require_present(q, "q");
   require_present(k, "k");
   require_present(v, "v");
@@ -231,8 +258,8 @@ Problem validate_inputs(const flashgdn_tensor& q, const flashgdn_tensor& k,
     p.N = p.B;
   }
   if (present(h0)) {
-    check_state(h0, "initial_state", p);
-    p.h0 = static_cast<const float*>(h0.data);
+    p.h0_io = check_state(h0, "initial_state", p);
+    if (p.h0_io.native()) p.h0 = static_cast<const float*>(h0.data);
   }
   if (!std::isfinite(scale)) fail("scale must be finite");
   p.scale = scale > 0.f ? scale : 1.0f / std::sqrt(static_cast<float>(kHeadDim));
@@ -242,24 +269,27 @@ Problem validate_inputs(const flashgdn_tensor& q, const flashgdn_tensor& k,
 }  // namespace
 
 Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out) {
-  Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale);
+  Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale,
+                              a.state_layout);
   check_like(a.o, "o", a.v, "v", p);
   out->o = a.o.data;
   if (present(a.final_state)) {
-    check_state(a.final_state, "final_state", p);
-    out->final_state = static_cast<float*>(a.final_state.data);
+    out->final_state_io = check_state(a.final_state, "final_state", p);
+    if (out->final_state_io.native()) out->final_state = static_cast<float*>(a.final_state.data);
   }
   return p;
 }
 
 Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
-  Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale);
+  Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale,
+                              a.state_layout);
   check_like(a.d_o, "do", a.v, "v (do is the gradient of o)", p);
   check_aligned(a.d_o, "do", p);
   io->d_o = a.d_o.data;
   if (present(a.d_final_state)) {
-    check_state(a.d_final_state, "dht", p);
-    io->d_final_state = static_cast<const float*>(a.d_final_state.data);
+    io->d_final_state_io = check_state(a.d_final_state, "dht", p);
+    if (io->d_final_state_io.native())
+      io->d_final_state = static_cast<const float*>(a.d_final_state.data);
   }
   check_like(a.dq, "dq", a.q, "q", p);
   check_like(a.dk, "dk", a.k, "k", p);
@@ -272,8 +302,8 @@ Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
   io->dg = a.dg.data;
   io->dbeta = a.dbeta.data;
   if (present(a.dh0)) {
-    check_state(a.dh0, "dh0", p);
-    io->dh0 = static_cast<float*>(a.dh0.data);
+    io->dh0_io = check_state(a.dh0, "dh0", p);
+    if (io->dh0_io.native()) io->dh0 = static_cast<float*>(a.dh0.data);
   }
   return p;
 }
@@ -306,7 +336,8 @@ void check_slot_values(const I* idx, int64_t B, int64_t num_slots) {
 
 DecodeProblem validate_decode(const flashgdn_decode_args& a) {
   const flashgdn_tensor none{};
-  const Problem c = validate_inputs(a.q, a.k, a.v, a.g, a.beta, none, none, a.scale);
+  const Problem c =
+      validate_inputs(a.q, a.k, a.v, a.g, a.beta, none, none, a.scale, a.state_layout);
   DecodeProblem p;
   p.B = c.B;
   p.T = c.T;
@@ -330,17 +361,25 @@ DecodeProblem validate_decode(const flashgdn_decode_args& a) {
          " (use chunk_gated_delta_rule for longer sequences)");
 
   const flashgdn_tensor& pool = a.state_pool;
+  const flashgdn_state_layout layout = c.state_layout;
+  const char* dims = layout == FLASHGDN_STATE_LAYOUT_VK ? "[num_slots, H_v, V, K]"
+                                                        : "[num_slots, H_v, K, V]";
   require_present(pool, "state_pool");
-  check_dtype_in(pool, "state_pool", {FLASHGDN_DTYPE_F32});
+  check_dtype_in(pool, "state_pool", kStateDtypes);
   if (pool.ndim != 4)
-    fail("state_pool must be 4-D [num_slots, H_v, K, V], got " + std::to_string(pool.ndim) +
-         "-D " + shape_str(pool));
+    fail(std::string("state_pool must be 4-D ") + dims + " (state_layout '" +
+         layout_name(layout) + "'), got " + std::to_string(pool.ndim) + "-D " + shape_str(pool));
   check_shape(pool, "state_pool", {pool.shape[0], p.Hv, kHeadDim, kHeadDim},
-              "(num_slots, H_v, K, V) with H_v of v");
+              (state_dims("num_slots", layout) + " with H_v of v").c_str());
   check_device(pool, "state_pool", p);
   check_contiguous(pool, "state_pool");
+  if (p.device == FLASHGDN_DEVICE_CUDA && reinterpret_cast<uintptr_t>(pool.data) % 16 != 0)
+    fail("state_pool must start at a 16-byte aligned address on CUDA (a view with an odd "
+         "storage offset was given; pass a copy)");
   p.num_slots = pool.shape[0];
-  p.pool = static_cast<float*>(pool.data);
+  p.pool.data = pool.data;
+  p.pool.dtype = pool.dtype;
+  p.pool.layout = layout;
 
   const flashgdn_tensor& idx = a.state_indices;
   require_present(idx, "state_indices");

@@ -19,6 +19,21 @@ struct Error : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// A recurrent state tensor as the caller gave it: [M, 128, 128] matrices (M = N * H_v or
+// num_slots * H_v) in `dtype` (fp32, bf16, fp16) and `layout` (KV: S[k][v], VK: S[v][k]).
+struct StateBuf {
+  void* data = nullptr;
+  flashgdn_dtype dtype = FLASHGDN_DTYPE_F32;
+  flashgdn_state_layout layout = FLASHGDN_STATE_LAYOUT_KV;
+  bool present() const { return data != nullptr; }
+  // fp32 [K, V]: the form the chunked kernels read and write directly.
+  bool native() const { return dtype == FLASHGDN_DTYPE_F32 && layout == FLASHGDN_STATE_LAYOUT_KV; }
+  // Offset of element (k, v) inside one matrix.
+  int64_t offset(int64_t k, int64_t v) const {
+    return layout == FLASHGDN_STATE_LAYOUT_KV ? k * 128 + v : v * 128 + k;
+  }
+};
+
 struct Problem {
   int64_t B = 0, T = 0;  // batch and padded length of the [B, T, ...] inputs
   int64_t TT = 0;        // B * T flattened tokens
@@ -31,7 +46,10 @@ struct Problem {
   flashgdn_device device = FLASHGDN_DEVICE_CPU;
   int device_id = 0;
   const void *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr;
-  const float* h0 = nullptr;       // optional
+  const float* h0 = nullptr;       // optional: fp32 [K, V] (set only when h0_io is native;
+                                   // otherwise a backend converts h0_io into a buffer)
+  StateBuf h0_io;                  // initial_state as given (absent: data == nullptr)
+  flashgdn_state_layout state_layout = FLASHGDN_STATE_LAYOUT_KV;
   const void* cu_seqlens = nullptr;  // optional (varlen)
 
   bool varlen() const { return cu_seqlens != nullptr; }
@@ -44,14 +62,17 @@ struct Problem {
 
 struct FwdOutputs {
   void* o = nullptr;
-  float* final_state = nullptr;  // optional
+  float* final_state = nullptr;  // optional: fp32 [K, V] (set only when final_state_io is native)
+  StateBuf final_state_io;       // final_state as given
 };
 
 struct BwdIO {
   const void* d_o = nullptr;
-  const float* d_final_state = nullptr;  // optional
+  const float* d_final_state = nullptr;  // optional: fp32 [K, V] (only when native)
+  StateBuf d_final_state_io;             // dht as given
   void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dg = nullptr, *dbeta = nullptr;
-  float* dh0 = nullptr;  // optional
+  float* dh0 = nullptr;  // optional: fp32 [K, V] (only when native)
+  StateBuf dh0_io;       // dh0 as given
 };
 
 // Decode (flashgdn_decode): B sequences of T tokens each, states in a slot pool.
@@ -67,7 +88,7 @@ struct DecodeProblem {
   int device_id = 0;
   const void *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr;
   const void* indices = nullptr;
-  float* pool = nullptr;  // in/out
+  StateBuf pool;  // in/out: [num_slots, H_v, 128, 128] in pool.dtype and pool.layout
   void* o = nullptr;
   int64_t group() const { return Hv / Hqk; }
 };

@@ -24,7 +24,7 @@ constexpr float kL2Eps = 1e-6f;  // x / sqrt(|x|^2 + eps), as the chunk path's l
 struct DecodeParams {
   const void *q, *k, *v, *g, *beta;
   const void* indices;
-  float* pool;
+  void* pool;  // [num_slots, Hv, 128, 128] of the state type, KV or VK layout
   void* o;
   int64_t B, T, Hqk, Hv, num_slots;
   float scale;
@@ -39,8 +39,68 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
 }
 template <> __device__ __forceinline__ __half from_float(float x) { return __float2half(x); }
 
-// decode_kernel<T, BV>: one block per (sequence b, value head h, block of BV value
+// Loads and stores of one state element type S (the pool's dtype), widened to fp32 on
+// load and rounded to nearest on store: single elements, and kVec contiguous elements
+// (16 bytes, one vector access) for the VK layout. 16-bit elements are unpacked with
+// bit operations (element 0 in the low half of each 32-bit word).
+template <typename S> struct StateElem;
+template <> struct StateElem<float> {
+  static constexpr int kVec = 4;
+  static __device__ __forceinline__ float load(const float* p) { return *p; }
+  static __device__ __forceinline__ void store(float* p, float x) { *p = x; }
+  static __device__ __forceinline__ void load_vec(const float* p, float* x) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  }
+  static __device__ __forceinline__ void store_vec(float* p, const float* x) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+  }
+};
+template <typename S, typename Traits> struct StateElem16 {
+  static constexpr int kVec = 8;
+  static __device__ __forceinline__ float load(const S* p) { return to_float(*p); }
+  static __device__ __forceinline__ void store(S* p, float x) { *p = from_float<S>(x); }
+  static __device__ __forceinline__ void load_vec(const S* p, float* x) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = Traits::widen(static_cast<uint16_t>(w[i] & 0xffffu));
+      x[2 * i + 1] = Traits::widen(static_cast<uint16_t>(w[i] >> 16));
+    }
+  }
+  static __device__ __forceinline__ void store_vec(S* p, const float* x) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = static_cast<uint32_t>(Traits::narrow(x[2 * i])) |
+             (static_cast<uint32_t>(Traits::narrow(x[2 * i + 1])) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+struct Bf16Bits {
+  static __device__ __forceinline__ float widen(uint16_t b) {
+    return __uint_as_float(static_cast<uint32_t>(b) << 16);
+  }
+  static __device__ __forceinline__ uint16_t narrow(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16(x));
+  }
+};
+struct HalfBits {
+  static __device__ __forceinline__ float widen(uint16_t b) {
+    return __half2float(__ushort_as_half(b));
+  }
+  static __device__ __forceinline__ uint16_t narrow(float x) {
+    return __half_as_ushort(__float2half(x));
+  }
+};
+template <> struct StateElem<__nv_bfloat16> : StateElem16<__nv_bfloat16, Bf16Bits> {};
+template <> struct StateElem<__half> : StateElem16<__half, HalfBits> {};
+
+// decode_kernel<T, S, BV, VK>: one block per (sequence b, value head h, block of BV value
 // columns), 128 threads; grid.x = B * H_v * (128 / BV), the column block fastest.
+// T: dtype of q/k/v/o; S: dtype of the state pool (fp32, bf16, fp16); VK: pool layout
+// [.., V, K] (else [.., K, V]).
 //
 // Computes, for t = 0..T-1 with S the [K, V] state slice S[:, v0 : v0 + BV]:
 //   (q, k l2-normalised when l2norm)  S = exp(g_t) S;  u = beta_t (v_t - S^T k_t);
@@ -49,29 +109,45 @@ template <> __device__ __forceinline__ __half from_float(float x) { return __flo
 // S = e S_old + k u^T (e = exp(g_t)): one block reduction over K per token.
 //
 // Reads q, k [B, T, H_qk, 128] (head h / (H_v / H_qk)), v [B, T, H_v, 128], g and beta
-// [B, T, H_v] (fp32/bf16/fp16), state_indices [B] and the slice of
-// state_pool[slot, h] (fp32); writes o[b, :, h, v0 : v0 + BV] and the state slice back
-// in place. A negative slot writes zeros to o and touches no state; a slot >= num_slots
-// writes NaN to o and touches no state (slots are only known on the device).
+// [B, T, H_v] (fp32/bf16/fp16), state_indices [B] and the slice of state_pool[slot, h];
+// writes o[b, :, h, v0 : v0 + BV] and the state slice back in place. The slice is held
+// in fp32 registers for all T tokens: a 16-bit pool is widened once on load and
+// rounded once on store. A negative slot writes zeros to o and touches no state; a
+// slot >= num_slots writes NaN to o and touches no state (slots are only known on the
+// device).
 //
-// Layout: thread tid owns column j = tid % BV and rows i = rg + NR * ii (rg = tid / BV,
-// NR = 128 / BV row groups, ii < BV) of the slice in registers, so every warp reads
-// and writes whole 32-byte sectors of state rows. Column sums over K: shuffles over
-// the row groups of a warp, then shared memory over the 4 warps. Shared buffers are
-// double-buffered by token parity: two barriers per token.
-template <typename T, int BV>
+// Thread layout, KV pool ([K, V] rows are K): thread tid owns column j = tid % BV and
+// rows i = rg + NR * ii (rg = tid / BV, NR = 128 / BV row groups, ii < BV), so every
+// warp reads and writes whole 32-byte sectors of state rows. Column sums over K:
+// shuffles over the row groups of a warp, then shared memory over the 4 warps.
+// Thread layout, VK pool ([V, K] rows are V, K contiguous): thread tid owns column
+// j = tid / NR and runs of kVec contiguous K elements (one 16-byte access each) at
+// i = (rg + NR * c) * kVec + e (rg = tid % NR, c < BV / kVec), so the NR threads of a
+// column read 16 NR contiguous bytes per access and sit in one warp: the column sums
+// need shuffles only.
+// Shared buffers are double-buffered by token parity (two barriers per token for KV,
+// one for VK).
+template <typename T, typename S, int BV, bool VK>
 __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p) {
   static_assert(BV == 8 || BV == 16 || BV == 32, "column block of 8, 16 or 32");
-  constexpr int NR = kThreads / BV;  // row groups
+  using E = StateElem<S>;
+  constexpr int NR = kThreads / BV;  // row groups (threads sharing a column)
   constexpr int RPT = D / NR;        // rows per thread (= BV)
   constexpr int NCB = D / BV;        // column blocks per head
+  constexpr int VEC = VK ? E::kVec : 1;  // contiguous K elements per access (VK)
+  static_assert(RPT % VEC == 0, "whole 16-byte runs per thread");
+  static_assert(!VK || NR <= 32, "VK: a column's threads share a warp");
 
-  __shared__ float sq[2][D], sk[2][D];
-  __shared__ float snorm[2][kWarps][3];  // per-warp |q|^2, |k|^2, q.k
-  __shared__ float2 sdot[2][kWarps][BV];  // per-warp partial (S^T k, S^T q)
+  __shared__ __align__(16) float sq[2][D];
+  __shared__ __align__(16) float sk[2][D];
+  __shared__ float snorm[2][kWarps][3];   // per-warp |q|^2, |k|^2, q.k
+  __shared__ float2 sdot[2][kWarps][BV];  // KV: per-warp partial (S^T k, S^T q)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int col = tid % BV, rg = tid / BV;
+  const int col = VK ? tid / NR : tid % BV;
+  const int rg = VK ? tid % NR : tid / BV;
+  // K index of the thread's ii-th state element.
+  auto row = [rg](int ii) { return VK ? (rg + NR * (ii / VEC)) * VEC + ii % VEC : rg + NR * ii; };
   const int64_t cb = blockIdx.x % NCB;
   const int64_t bh = blockIdx.x / NCB;
   const int64_t h = bh % p.Hv, b = bh / p.Hv;
@@ -89,10 +165,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p) {
     return;
   }
 
-  float* state = p.pool + (slot * p.Hv + h) * D * D + v0 + col;
+  // KV: element (i, j) at i * D + j; VK: at j * D + i.
+  S* const mat = static_cast<S*>(p.pool) + (slot * p.Hv + h) * D * D;
   float s[RPT];
+  if constexpr (VK) {
+    const S* src = mat + (v0 + col) * D;
 #pragma unroll
-  for (int ii = 0; ii < RPT; ++ii) s[ii] = state[(rg + NR * ii) * D];
+    for (int c = 0; c < RPT / VEC; ++c) E::load_vec(src + (rg + NR * c) * VEC, s + c * VEC);
+  } else {
+#pragma unroll
+    for (int ii = 0; ii < RPT; ++ii) s[ii] = E::load(mat + row(ii) * D + v0 + col);
+  }
 
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
@@ -138,35 +221,49 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(DecodeParams p) {
     float da = 0.f, db = 0.f;
 #pragma unroll
     for (int ii = 0; ii < RPT; ++ii) {
-      const int i = rg + NR * ii;
+      const int i = row(ii);
       da = fmaf(s[ii], sk[buf][i], da);
       db = fmaf(s[ii], sq[buf][i], db);
     }
+    if constexpr (VK) {  // the NR threads of a column are consecutive lanes of one warp
 #pragma unroll
-    for (int off = BV; off < 32; off *= 2) {
-      da += __shfl_xor_sync(0xffffffffu, da, off);
-      db += __shfl_xor_sync(0xffffffffu, db, off);
-    }
-    if (lane < BV) sdot[buf][warp][col] = make_float2(da, db);
-    __syncthreads();
+      for (int off = 1; off < NR; off *= 2) {
+        da += __shfl_xor_sync(0xffffffffu, da, off);
+        db += __shfl_xor_sync(0xffffffffu, db, off);
+      }
+    } else {
+#pragma unroll
+      for (int off = BV; off < 32; off *= 2) {
+        da += __shfl_xor_sync(0xffffffffu, da, off);
+        db += __shfl_xor_sync(0xffffffffu, db, off);
+      }
+      if (lane < BV) sdot[buf][warp][col] = make_float2(da, db);
+      __syncthreads();
 
-    da = db = 0.f;
+      da = db = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float2 x = sdot[buf][w][col];
-      da += x.x;
-      db += x.y;
+      for (int w = 0; w < kWarps; ++w) {
+        const float2 x = sdot[buf][w][col];
+        da += x.x;
+        db += x.y;
+      }
     }
     const float u = beta * (ve - eg * (da * rk));
     if (rg == 0)
       o[th * D + v0 + col] = from_float<T>(p.scale * (eg * (db * rq) + (qk * rq * rk) * u));
     const float uk = u * rk;  // S += (rk k_raw) u^T
 #pragma unroll
-    for (int ii = 0; ii < RPT; ++ii) s[ii] = fmaf(sk[buf][rg + NR * ii], uk, eg * s[ii]);
+    for (int ii = 0; ii < RPT; ++ii) s[ii] = fmaf(sk[buf][row(ii)], uk, eg * s[ii]);
   }
 
+  if constexpr (VK) {
+    S* dst = mat + (v0 + col) * D;
 #pragma unroll
-  for (int ii = 0; ii < RPT; ++ii) state[(rg + NR * ii) * D] = s[ii];
+    for (int c = 0; c < RPT / VEC; ++c) E::store_vec(dst + (rg + NR * c) * VEC, s + c * VEC);
+  } else {
+#pragma unroll
+    for (int ii = 0; ii < RPT; ++ii) E::store(mat + row(ii) * D + v0 + col, s[ii]);
+  }
 }
 
 // Value columns per block: the widest block that still gives each SM about four
@@ -183,19 +280,34 @@ int decode_column_block(const DecodeProblem& p, int sms) {
   return 8;
 }
 
-template <typename T, int BV>
+template <typename T, typename S, int BV, bool VK>
 void launch(const DecodeParams& dp, cudaStream_t st) {
   const int64_t blocks = dp.B * dp.Hv * (D / BV);
   if (blocks > 0x7fffffffLL) throw Error("decode: too many sequences x heads for one launch");
-  decode_kernel<T, BV><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(dp);
+  decode_kernel<T, S, BV, VK><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(dp);
   check_cuda(cudaGetLastError(), "decode_kernel launch");
 }
 
-template <typename T>
+template <typename T, typename S, bool VK>
 void launch_bv(const DecodeParams& dp, int bv, cudaStream_t st) {
-  if (bv == 32) launch<T, 32>(dp, st);
-  else if (bv == 16) launch<T, 16>(dp, st);
-  else launch<T, 8>(dp, st);
+  if (bv == 32) launch<T, S, 32, VK>(dp, st);
+  else if (bv == 16) launch<T, S, 16, VK>(dp, st);
+  else launch<T, S, 8, VK>(dp, st);
+}
+
+// Dispatch on the pool's dtype and layout.
+template <typename T>
+void launch_state(const DecodeParams& dp, const StateBuf& pool, int bv, cudaStream_t st) {
+  const bool vk = pool.layout == FLASHGDN_STATE_LAYOUT_VK;
+  switch (pool.dtype) {
+    case FLASHGDN_DTYPE_F32:
+      return vk ? launch_bv<T, float, true>(dp, bv, st) : launch_bv<T, float, false>(dp, bv, st);
+    case FLASHGDN_DTYPE_BF16:
+      return vk ? launch_bv<T, __nv_bfloat16, true>(dp, bv, st)
+                : launch_bv<T, __nv_bfloat16, false>(dp, bv, st);
+    default:
+      return vk ? launch_bv<T, __half, true>(dp, bv, st) : launch_bv<T, __half, false>(dp, bv, st);
+  }
 }
 
 }  // namespace
@@ -210,7 +322,7 @@ void cuda_decode(const DecodeProblem& p, void* stream) {
   dp.g = p.g;
   dp.beta = p.beta;
   dp.indices = p.indices;
-  dp.pool = p.pool;
+  dp.pool = p.pool.data;
   dp.o = p.o;
   dp.B = p.B;
   dp.T = p.T;
@@ -224,8 +336,8 @@ void cuda_decode(const DecodeProblem& p, void* stream) {
   dp.idx64 = p.idx_dtype == FLASHGDN_DTYPE_I64 ? 1 : 0;
   const int bv = decode_column_block(p, sm_count(p.device_id));
   auto st = static_cast<cudaStream_t>(stream);
-  if (p.qkv_dtype == FLASHGDN_DTYPE_BF16) launch_bv<__nv_bfloat16>(dp, bv, st);
-  else launch_bv<__half>(dp, bv, st);
+  if (p.qkv_dtype == FLASHGDN_DTYPE_BF16) launch_state<__nv_bfloat16>(dp, p.pool, bv, st);
+  else launch_state<__half>(dp, p.pool, bv, st);
 }
 
 }  // namespace flashgdn

@@ -10,7 +10,9 @@
  *   q, k        [B, T, H_qk, K]   bf16 or fp16
  *   v           [B, T, H_v,  V]   same dtype as q
  *   g, beta     [B, T, H_v]       fp32, bf16 or fp16 (g is the log-decay, <= 0)
- *   initial_state / final_state   [N, H_v, K, V] fp32
+ *   initial_state / final_state   [N, H_v, K, V] (state_layout KV, the default) or
+ *                                 [N, H_v, V, K] (state_layout VK); fp32, bf16 or fp16,
+ *                                 each its own dtype (see "State layout and dtype" below)
  *   cu_seqlens  [N + 1] int32 or int64 (varlen: B must be 1), same device as q
  *   o           [B, T, H_v, V]    same dtype as v
  * Without cu_seqlens, N = B and each batch row is one sequence.
@@ -47,6 +49,23 @@ typedef enum {
   FLASHGDN_DEVICE_OTHER = 99
 } flashgdn_device;
 
+/*
+ * State layout and dtype. Every recurrent state (initial_state, final_state,
+ * d_final_state, dh0, state_pool) is a stack of 128 x 128 matrices. The layout says
+ * which index is the row:
+ *   FLASHGDN_STATE_LAYOUT_KV (0, default): [.., K, V], S[k][v] (FLA, FlashQLA, transformers)
+ *   FLASHGDN_STATE_LAYOUT_VK (1):          [.., V, K], the transpose (vLLM/SGLang pools)
+ * Since K = V = 128 both have the same shape; the layout is a convention the caller
+ * declares in the args' state_layout field. Each state tensor's dtype comes from its
+ * descriptor: fp32 (default), bf16 or fp16. The math is fp32 either way: a 16-bit state
+ * is widened on load and rounded once on store (once per call for the decode pool).
+ * A zero-initialised args struct means KV, and fp32 tensors behave exactly as before.
+ */
+typedef enum {
+  FLASHGDN_STATE_LAYOUT_KV = 0,
+  FLASHGDN_STATE_LAYOUT_VK = 1
+} flashgdn_state_layout;
+
 #define FLASHGDN_MAX_DIMS 4
 
 typedef struct {
@@ -69,6 +88,7 @@ typedef struct {
   void* workspace;
   size_t workspace_bytes;
   void* stream;                  /* cudaStream_t, NULL = default stream */
+  int32_t state_layout;          /* flashgdn_state_layout of initial_state, final_state */
 } flashgdn_fwd_args;
 
 typedef struct {
@@ -79,10 +99,11 @@ typedef struct {
   flashgdn_tensor d_o;           /* gradient of o, like o */
   flashgdn_tensor d_final_state; /* optional gradient of the final state */
   flashgdn_tensor dq, dk, dv, dg, dbeta; /* outputs, like their inputs */
-  flashgdn_tensor dh0;           /* optional output, like initial_state (fp32) */
+  flashgdn_tensor dh0;           /* optional output, shape of initial_state; any state dtype */
   void* workspace;
   size_t workspace_bytes;
   void* stream;
+  int32_t state_layout;          /* flashgdn_state_layout of initial_state, d_final_state, dh0 */
 } flashgdn_bwd_args;
 
 /*
@@ -91,7 +112,9 @@ typedef struct {
  *   q, k            [B, T, H_qk, K]   bf16 or fp16
  *   v, o            [B, T, H_v, V]    dtype of q
  *   g, beta         [B, T, H_v]       fp32, bf16 or fp16
- *   state_pool      [num_slots, H_v, K, V] fp32, read and written in place
+ *   state_pool      [num_slots, H_v, K, V] (KV) or [num_slots, H_v, V, K] (VK); fp32,
+ *                   bf16 or fp16; read and written in place (16-bit pools: widened to
+ *                   fp32 on load, rounded once per call on store). 16-byte aligned on CUDA.
  *   state_indices   [B] int32 or int64: the slot of each sequence; a negative slot
  *                   skips the sequence (its o is zero, no state is touched).
  * Slot values are read on the device (no host sync). On the CPU an out-of-range slot
@@ -108,6 +131,7 @@ typedef struct {
   int32_t use_qk_l2norm;
   flashgdn_tensor o;             /* output */
   void* stream;
+  int32_t state_layout;          /* flashgdn_state_layout of state_pool */
 } flashgdn_decode_args;
 
 /*
