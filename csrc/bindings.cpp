@@ -60,8 +60,9 @@ void check(int rc) {
 flashgdn_fwd_args fwd_args(const OptArray& q, const OptArray& k, const OptArray& v,
                            const OptArray& g, const OptArray& beta, const OptArray& h0,
                            const OptArray& cu, float scale, const OptArray& o,
-                           const OptArray& ht) {
+                           const OptArray& ht, int32_t state_layout) {
   flashgdn_fwd_args a{};
+  a.state_layout = state_layout;
   a.q = to_tensor(q, "q");
   a.k = to_tensor(k, "k");
   a.v = to_tensor(v, "v");
@@ -80,8 +81,9 @@ flashgdn_bwd_args bwd_args(const OptArray& q, const OptArray& k, const OptArray&
                            const OptArray& cu, float scale, const OptArray& d_o,
                            const OptArray& dht, const OptArray& dq, const OptArray& dk,
                            const OptArray& dv, const OptArray& dg, const OptArray& dbeta,
-                           const OptArray& dh0) {
+                           const OptArray& dh0, int32_t state_layout) {
   flashgdn_bwd_args a{};
+  a.state_layout = state_layout;
   a.q = to_tensor(q, "q");
   a.k = to_tensor(k, "k");
   a.v = to_tensor(v, "v");
@@ -149,64 +151,71 @@ NB_MODULE(_C, m) {
   m.def(
       "fwd_workspace_size",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
-         float scale, OptArray o, OptArray ht) {
-        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht);
+         float scale, OptArray o, OptArray ht, int32_t state_layout) {
+        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout);
         size_t bytes = 0;
         check(flashgdn_fwd_workspace_size(&a, &bytes));
         return bytes;
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"),
+      nb::arg("state_layout") = 0,
       "Bytes of workspace the forward needs (0 on the CPU). Validates the arguments.");
 
   m.def(
       "fwd",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
-         float scale, OptArray o, OptArray ht, OptArray ws, uintptr_t stream) {
-        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht);
+         float scale, OptArray o, OptArray ht, OptArray ws, uintptr_t stream,
+         int32_t state_layout) {
+        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout);
         set_workspace(a, ws, stream);
         check(flashgdn_fwd(&a));
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"), none("workspace"),
-      nb::arg("stream") = 0,
+      nb::arg("stream") = 0, nb::arg("state_layout") = 0,
       "Chunked GDN forward into preallocated o (and final_state); asynchronous on CUDA.");
 
   m.def(
       "bwd_workspace_size",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
-         OptArray dg, OptArray dbeta, OptArray dh0) {
-        auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0);
+         OptArray dg, OptArray dbeta, OptArray dh0, int32_t state_layout) {
+        auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
+                          state_layout);
         size_t bytes = 0;
         check(flashgdn_bwd_workspace_size(&a, &bytes));
         return bytes;
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
-      none("dv"), none("dg"), none("dbeta"), none("dh0"),
+      none("dv"), none("dg"), none("dbeta"), none("dh0"), nb::arg("state_layout") = 0,
       "Bytes of workspace the backward needs (0 on the CPU). Validates the arguments.");
 
   m.def(
       "bwd",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
-         OptArray dg, OptArray dbeta, OptArray dh0, OptArray ws, uintptr_t stream) {
-        auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0);
+         OptArray dg, OptArray dbeta, OptArray dh0, OptArray ws, uintptr_t stream,
+         int32_t state_layout) {
+        auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
+                          state_layout);
         set_workspace(a, ws, stream);
         check(flashgdn_bwd(&a));
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), none("workspace"),
-      nb::arg("stream") = 0,
+      nb::arg("stream") = 0, nb::arg("state_layout") = 0,
       "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.");
 
   m.def(
       "decode",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray state_pool,
-         OptArray state_indices, float scale, bool use_qk_l2norm, OptArray o, uintptr_t stream) {
+         OptArray state_indices, float scale, bool use_qk_l2norm, OptArray o, uintptr_t stream,
+         int32_t state_layout) {
         flashgdn_decode_args a{};
+        a.state_layout = state_layout;
         a.q = to_tensor(q, "q");
         a.k = to_tensor(k, "k");
         a.v = to_tensor(v, "v");
@@ -222,7 +231,7 @@ NB_MODULE(_C, m) {
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("state_pool"),
       none("state_indices"), nb::arg("scale"), nb::arg("use_qk_l2norm"), none("o"),
-      nb::arg("stream") = 0,
+      nb::arg("stream") = 0, nb::arg("state_layout") = 0,
       "Recurrent GDN step for T <= 64 tokens per sequence into preallocated o, updating the "
       "state_pool slots given by state_indices in place; asynchronous on CUDA.");
 

@@ -210,8 +210,8 @@ BAD = [
     ("too_many_tokens", lambda a: {n: (x.repeat_interleave(33, 1) if n in ("q", "k", "v", "g",
                                                                         "beta") else x)
                                    for n, x in a.items()}, "between 1 and 64 for decode"),
-    ("pool_bf16", lambda a: {**a, "state_pool": a["state_pool"].bfloat16()},
-     "state_pool must have dtype float32"),
+    ("pool_fp64", lambda a: {**a, "state_pool": a["state_pool"].double()},
+     "state_pool must have dtype float32 or bfloat16 or float16, got float64"),
     ("pool_3d", lambda a: {**a, "state_pool": a["state_pool"][0]}, "state_pool must be 4-D"),
     ("pool_heads", lambda a: {**a, "state_pool": a["state_pool"][:, :2].contiguous()},
      "state_pool must have shape"),

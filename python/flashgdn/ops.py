@@ -35,7 +35,32 @@ def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
 
 
 def _state_shape(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> Tuple[int, ...]:
+    # [N, H_v, K, V] ("kv") or [N, H_v, V, K] ("vk"): the same shape, as K = V = 128.
     return (_num_seqs(q, cu_seqlens), v.shape[2], _HEAD_DIM, _HEAD_DIM)
+
+
+# State layouts (the C API's flashgdn_state_layout codes) and state dtypes.
+_STATE_LAYOUTS = {"kv": 0, "vk": 1}
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _layout_code(state_layout: str) -> int:
+    code = _STATE_LAYOUTS.get(state_layout) if isinstance(state_layout, str) else None
+    if code is None:
+        raise ValueError("state_layout must be 'kv' (states [..., K, V]) or 'vk' (states "
+                         f"[..., V, K]), got {state_layout!r}")
+    return code
+
+
+def _final_state_dtype(initial_state: Optional[Tensor],
+                       final_state_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """final_state_dtype, else the dtype of initial_state, else float32."""
+    if final_state_dtype is None:
+        return initial_state.dtype if initial_state is not None else torch.float32
+    if final_state_dtype not in _STATE_DTYPES:
+        raise ValueError("final_state_dtype must be torch.float32, torch.bfloat16 or "
+                         f"torch.float16, got {final_state_dtype!r}")
+    return final_state_dtype
 
 
 # ----------------------------------------------------------------------------- forward op
@@ -52,26 +77,33 @@ def _fwd_op(
     initial_state: Optional[Tensor],
     cu_seqlens: Optional[Tensor],
     output_final_state: bool,
+    state_layout: str = "kv",
+    final_state_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
+    layout = _layout_code(state_layout)
+    ht_dtype = _final_state_dtype(initial_state, final_state_dtype)
     o = torch.empty_like(v)
     ht = (
-        torch.empty(_state_shape(q, v, cu_seqlens), dtype=torch.float32, device=q.device)
+        torch.empty(_state_shape(q, v, cu_seqlens), dtype=ht_dtype, device=q.device)
         if output_final_state
         else None
     )
     args = (_d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale, o, ht)
-    ws = _workspace(_C.fwd_workspace_size(*args), q)
-    _C.fwd(*args, ws, _stream(q))
+    ws = _workspace(_C.fwd_workspace_size(*args, state_layout=layout), q)
+    _C.fwd(*args, ws, _stream(q), state_layout=layout)
     if ht is None:
-        ht = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
+        ht = q.new_empty(_EMPTY_SHAPE, dtype=ht_dtype)
     return o, ht
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+              state_layout="kv", final_state_dtype=None):
+    _layout_code(state_layout)
+    ht_dtype = _final_state_dtype(initial_state, final_state_dtype)
     o = torch.empty_like(v)
     shape = _state_shape(q, v, cu_seqlens) if output_final_state else _EMPTY_SHAPE
-    return o, q.new_empty(shape, dtype=torch.float32)
+    return o, q.new_empty(shape, dtype=ht_dtype)
 
 
 # ---------------------------------------------------------------------------- backward op
@@ -89,7 +121,9 @@ def _bwd_op(
     cu_seqlens: Optional[Tensor],
     do: Tensor,
     dht: Optional[Tensor],
+    state_layout: str = "kv",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    layout = _layout_code(state_layout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
@@ -98,15 +132,16 @@ def _bwd_op(
         _d(do).contiguous(), None if dht is None else _d(dht).contiguous(),
         dq, dk, dv, dg, dbeta, dh0,
     )
-    ws = _workspace(_C.bwd_workspace_size(*args), q)
-    _C.bwd(*args, ws, _stream(q))
+    ws = _workspace(_C.bwd_workspace_size(*args, state_layout=layout), q)
+    _C.bwd(*args, ws, _stream(q), state_layout=layout)
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout="kv"):
+    _layout_code(state_layout)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(
         _EMPTY_SHAPE, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
@@ -114,10 +149,12 @@ def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state = inputs
+    (q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_layout,
+     _final_state_dtype_arg) = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
+    ctx.state_layout = state_layout
 
 
 def _backward(ctx, do, dht):
@@ -126,9 +163,11 @@ def _backward(ctx, do, dht):
         do = torch.zeros_like(v)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
+    # dht comes in the final state's dtype and layout; dh0 has initial_state's.
     dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
-                                         do, dht)
-    return dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None
+                                         do, dht, ctx.state_layout)
+    return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None,
+            None, None)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -148,15 +187,19 @@ def _decode_op(
     state_indices: Tensor,
     scale: float,
     use_qk_l2norm_in_kernel: bool,
+    state_layout: str = "kv",
 ) -> Tensor:
+    layout = _layout_code(state_layout)
     o = torch.empty_like(v)
     _C.decode(_d(q), _d(k), _d(v), _d(g), _d(beta), _d(state_pool), state_indices, scale,
-              use_qk_l2norm_in_kernel, o, _stream(q))
+              use_qk_l2norm_in_kernel, o, _stream(q), state_layout=layout)
     return o
 
 
 @_decode_op.register_fake
-def _decode_fake(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel):
+def _decode_fake(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel,
+                 state_layout="kv"):
+    _layout_code(state_layout)
     return torch.empty_like(v)
 
 
@@ -252,6 +295,8 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: Optional[Tensor] = None,
     use_qk_l2norm_in_kernel: bool = False,
+    state_layout: str = "kv",
+    final_state_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Gated DeltaNet over chunks of 64 tokens (forward; differentiable).
 
@@ -264,10 +309,15 @@ def chunk_gated_delta_rule(
         g: [B, T, H_v] log-decay (<= 0), fp32/bf16/fp16.
         beta: [B, T, H_v], fp32/bf16/fp16.
         scale: defaults to 128 ** -0.5.
-        initial_state: [N, H_v, 128, 128] fp32, N = B (or number of sequences).
-        output_final_state: also return the final states [N, H_v, 128, 128] fp32.
+        initial_state: [N, H_v, 128, 128], N = B (or number of sequences); fp32, bf16 or
+            fp16, in ``state_layout``. Its gradient dh0 has its dtype and layout.
+        output_final_state: also return the final states [N, H_v, 128, 128].
         cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (then B == 1).
         use_qk_l2norm_in_kernel: l2-normalise q and k over the head dim first.
+        state_layout: "kv" (default; states [N, H_v, K, V], as FLA) or "vk" (the
+            transpose [N, H_v, V, K], as vLLM's state pools).
+        final_state_dtype: dtype of the final state (fp32, bf16 or fp16); default: that
+            of initial_state if given, else fp32. The math is fp32 in every case.
 
     Returns:
         (o [B, T, H_v, 128] in the dtype of v, final_state or None).
@@ -276,10 +326,12 @@ def chunk_gated_delta_rule(
         _require_tensor(name, x)
     _require_tensor("initial_state", initial_state, optional=True)
     _require_tensor("cu_seqlens", cu_seqlens, optional=True)
+    _layout_code(state_layout)
+    _final_state_dtype(initial_state, final_state_dtype)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-                    bool(output_final_state))
+                    bool(output_final_state), state_layout, final_state_dtype)
     return o, (ht if output_final_state else None)
 
 
@@ -296,6 +348,8 @@ def chunk_gated_delta_rule_from_raw(
     output_final_state: bool = False,
     cu_seqlens: Optional[Tensor] = None,
     use_qk_l2norm_in_kernel: bool = False,
+    state_layout: str = "kv",
+    final_state_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """chunk_gated_delta_rule from a Qwen3-Next layer's raw gate inputs (differentiable).
 
@@ -311,7 +365,8 @@ def chunk_gated_delta_rule_from_raw(
     g, beta = gdn_gating(a, A_log, dt_bias, b)
     return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                  state_layout=state_layout, final_state_dtype=final_state_dtype)
 
 
 def gdn_gating(a: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -342,6 +397,7 @@ def fused_recurrent_gated_delta_rule_update(
     state_indices: Tensor,
     scale: Optional[float] = None,
     use_qk_l2norm_in_kernel: bool = False,
+    state_layout: str = "kv",
 ) -> Tensor:
     """Decode: the recurrence for a few tokens per sequence, states updated in place.
 
@@ -356,12 +412,16 @@ def fused_recurrent_gated_delta_rule_update(
             for speculative verification).
         v: [B, T, H_v, 128], dtype of q; H_v a multiple of H_qk.
         g, beta: [B, T, H_v], fp32/bf16/fp16.
-        state_pool: [num_slots, H_v, 128, 128] fp32, updated in place.
+        state_pool: [num_slots, H_v, 128, 128] fp32, bf16 or fp16, in ``state_layout``,
+            updated in place (read and written natively; a 16-bit pool is widened to fp32
+            once and rounded once per call).
         state_indices: [B] int32/int64 slot per sequence (negative: skip). Slots must be
             distinct; an out-of-range slot raises on the CPU and gives NaN output (pool
             untouched) on CUDA.
         scale: defaults to 128 ** -0.5.
         use_qk_l2norm_in_kernel: l2-normalise q and k over the head dim first (in fp32).
+        state_layout: "kv" (default; [num_slots, H_v, K, V]) or "vk" ([num_slots, H_v, V, K],
+            vLLM's layout).
 
     Returns:
         o: [B, T, H_v, 128] in the dtype of v.
@@ -369,8 +429,9 @@ def fused_recurrent_gated_delta_rule_update(
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                     ("state_pool", state_pool), ("state_indices", state_indices)):
         _require_tensor(name, x)
+    _layout_code(state_layout)
     return _decode_op(q, k, v, g, beta, state_pool, state_indices, _resolve_scale(scale),
-                      bool(use_qk_l2norm_in_kernel))
+                      bool(use_qk_l2norm_in_kernel), state_layout)
 
 
 def chunk_gated_delta_rule_fwd(
@@ -383,11 +444,18 @@ def chunk_gated_delta_rule_fwd(
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[Tensor] = None,
+    state_layout: str = "kv",
+    final_state_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Forward only, no autograd graph: returns (o, final_state or None)."""
+    """Forward only, no autograd graph: returns (o, final_state or None).
+
+    state_layout and final_state_dtype as for :func:`chunk_gated_delta_rule`.
+    """
+    _layout_code(state_layout)
+    _final_state_dtype(initial_state, final_state_dtype)
     with torch.no_grad():
         o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-                        bool(output_final_state))
+                        bool(output_final_state), state_layout, final_state_dtype)
     return o, (ht if output_final_state else None)
 
 
@@ -402,11 +470,17 @@ def chunk_gated_delta_rule_bwd(
     initial_state: Optional[Tensor] = None,
     dht: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
+    state_layout: str = "kv",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Backward: gradients (dq, dk, dv, dg, dbeta, dh0 or None) given do (and dht)."""
+    """Backward: gradients (dq, dk, dv, dg, dbeta, dh0 or None) given do (and dht).
+
+    initial_state, dht and dh0 are in ``state_layout``; dht may have any state dtype
+    (fp32/bf16/fp16), dh0 has the dtype of initial_state.
+    """
+    _layout_code(state_layout)
     with torch.no_grad():
         dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, _resolve_scale(scale),
-                                             initial_state, cu_seqlens, do, dht)
+                                             initial_state, cu_seqlens, do, dht, state_layout)
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
 
 
