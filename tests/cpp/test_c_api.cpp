@@ -3,6 +3,7 @@
 // double-precision token-by-token recurrence written here.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -170,3 +171,45 @@ TEST(CApi, RejectsCuSeqlensOutOfRange) {
 }
 
 }  // namespace
+
+// state_layout VK with bf16 states: the C API reads h0 transposed and widened, writes the
+// final state transposed and rounded; o equals the KV/fp32 call bit for bit.
+TEST(CApi, StateLayoutVkBf16MatchesKvFp32) {
+  Inputs in(4);
+  for (float& x : in.h0) x = from_bf16(to_bf16(x));  // representable in bf16
+  auto a = in.args();
+  ASSERT_EQ(a.state_layout, FLASHGDN_STATE_LAYOUT_KV);  // zero-initialised default
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  const std::vector<uint16_t> o_ref = in.o;
+  const std::vector<float> ht_ref = in.ht;
+
+  const size_t mats = static_cast<size_t>(in.Hv);
+  std::vector<uint16_t> h0_vk(mats * D * D), ht_vk(mats * D * D, 0);
+  for (size_t m = 0; m < mats; ++m)
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j) h0_vk[(m * D + j) * D + i] = to_bf16(in.h0[(m * D + i) * D + j]);
+  std::fill(in.o.begin(), in.o.end(), 0);
+  a = in.args();
+  a.state_layout = FLASHGDN_STATE_LAYOUT_VK;
+  a.initial_state = describe(h0_vk.data(), FLASHGDN_DTYPE_BF16, {1, in.Hv, D, D});
+  a.final_state = describe(ht_vk.data(), FLASHGDN_DTYPE_BF16, {1, in.Hv, D, D});
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  EXPECT_EQ(in.o, o_ref);
+  int mismatches = 0;
+  for (size_t m = 0; m < mats; ++m)
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j)
+        mismatches += ht_vk[(m * D + j) * D + i] != to_bf16(ht_ref[(m * D + i) * D + j]);
+  EXPECT_EQ(mismatches, 0);
+
+  a.state_layout = 5;
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error()).find("state_layout must be FLASHGDN_STATE_LAYOUT_KV"),
+            std::string::npos);
+  a.state_layout = FLASHGDN_STATE_LAYOUT_VK;
+  a.initial_state.dtype = FLASHGDN_DTYPE_F64;
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error())
+                .find("initial_state must have dtype float32 or bfloat16 or float16"),
+            std::string::npos);
+}
