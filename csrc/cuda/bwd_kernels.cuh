@@ -1,6 +1,7 @@
 // Backward kernels (docs/algorithm.md, "Backward"), fp32 SIMT. The forward quantities are
-// recomputed first by wy_kernel (G, W, U0, T, P) and state_rec_kernel (h: the state
-// entering every chunk, U); then:
+// recomputed first by wy_kernel (G, W, U0, T, P) and the forward's state pass
+// (state_fwd_kernel with p.h set, context-parallel like the forward: h, the state entering
+// every chunk, and U); then:
 //
 // state_bwd_kernel<BW>  grid (N, H_v, 128 / BW), 256 threads, <= 150 KB smem
 //   Reverse sequential pass for BW value columns of one head, dS (128 x BW)
@@ -39,83 +40,6 @@ struct BwdParams {
   float* dh0;         // [N, Hv, D, D] or null
   void *dq, *dk, *dv, *dg, *dbeta;
 };
-
-// state_rec_kernel<BW>: the forward's sequential pass again for the backward (fp32 SIMT,
-// grid (N, H_v, 128 / BW), 256 threads): per chunk U = U0 - W S, S <- exp(G_last) S +
-// K^T diag(eL) U, writing the state entering every chunk (h) and U.
-template <int BW>
-constexpr size_t state_rec_smem() {
-  return sizeof(float) * (2 * C * LDD + (D + C) * (BW + 1) + 2 * C);
-}
-
-template <typename In, int BW>
-__global__ void __launch_bounds__(NT, 1) state_rec_kernel(FwdParams p) {
-  if (p.seqs.failed()) return;
-  using CB = ColBlock<BW>;
-  constexpr int LD = CB::LD, CN = CB::CN;
-  const int64_t n = blockIdx.x, h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
-  const int vb = blockIdx.z * BW;
-  extern __shared__ float smem[];
-  float* Ws = smem;             // [C][LDD]
-  float* Ks = Ws + C * LDD;     // [C][LDD]
-  float* Ss = Ks + C * LDD;     // [D][LD] state block
-  float* Us = Ss + D * LD;      // [C][LD]
-  float* Gs = Us + C * LD;      // [C]
-  float* eL = Gs + C;           // [C]
-
-  const int64_t state_off = (n * p.Hv + h) * D * D;
-  load_state_block<BW>(Ss, p.h0 ? p.h0 + state_off : nullptr, vb);
-  const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
-  const int64_t chunk0 = p.seqs.first_chunk(n);
-  for (int64_t c0 = 0; c0 < len; c0 += C) {
-    const int64_t tok0 = start + c0;
-    const int L = static_cast<int>(len - c0 < C ? len - c0 : C);
-    __syncthreads();  // previous chunk done with every buffer
-    store_state_block<BW>(p.h + ((chunk0 + c0 / C) * p.Hv + h) * D * D, Ss, vb);
-    load_chunk(Ks, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-    load_chunk(Ws, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
-    if (threadIdx.x < C) {
-      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
-      Gs[threadIdx.x] = p.G[(tok0 + r) * p.Hv + h];
-    }
-    __syncthreads();
-    if (threadIdx.x < C) eL[threadIdx.x] = __expf(Gs[C - 1] - Gs[threadIdx.x]);
-    {  // U = U0 - W S
-      Tile<C, BW, 2, CN> u;
-      u.zero();
-      u.mma<false, false, D>(Ws, LDD, Ss, LD);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < CN; ++j) {
-          const int r = u.row(i), c = u.col(j);
-          const int64_t idx = ((tok0 + r) * p.Hv + h) * D + vb + c;
-          const float val = r < L ? p.U0[idx] - u.a[i][j] : 0.f;
-          Us[r * LD + c] = val;
-          if (r < L) p.U[idx] = val;
-        }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < C * BW; e += NT) {
-      const int r = e / BW, c = e % BW;
-      Us[r * LD + c] *= eL[r];
-    }
-    __syncthreads();
-    {  // S <- exp(G_last) S + K^T (eL U)
-      Tile<D, BW, 4, CN> st;
-      st.zero();
-      st.mma<true, false, C>(Ks, LDD, Us, LD);
-      const float gl = __expf(Gs[C - 1]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < CN; ++j) {
-          float& s = Ss[st.row(i) * LD + st.col(j)];
-          s = gl * s + st.a[i][j];
-        }
-    }
-  }
-}
 
 template <int BW>
 constexpr size_t state_bwd_smem() {

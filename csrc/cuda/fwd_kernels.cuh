@@ -28,7 +28,8 @@
 //   same pass run on the identity with U0 = 0, no outputs); seg_combine_kernel chains the
 //   summaries, S_in(j+1) = M_j S_in(j) + L_j; phase 0 then runs every segment with outputs.
 //   reads  k, q, W, U0, P, G, Lb, initial state, seg_in
-//   writes o, final state (phase 0); seg_L, seg_M (phase 1)
+//   writes o, final state (phase 0); seg_L, seg_M (phase 1); for the backward's
+//   recomputation (p.h set) the state entering every chunk (h) and U = U0 - W S
 //
 // seg_combine_kernel  grid (N, H_v, 128 / 32): see its definition.
 #pragma once
@@ -60,7 +61,7 @@ struct FwdParams {
   float* Tmat;       // [TT, Hv, C] or null
   float* Pmat;       // [TT, Hv, C]
   float* Lb;         // [max_chunks, Hv] or null
-  // backward recomputation (state_rec_kernel)
+  // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
   // segments of the context-parallel forward
@@ -367,6 +368,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   const In* kbase = static_cast<const In*>(p.k);
   const In* qbase = static_cast<const In*>(p.q);
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const bool record = p.phase == 0 && p.h != nullptr;  // the backward's recomputation
 
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
@@ -455,6 +457,16 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       load_u0(u0n, ci + 1);  // used one step later: no wait here
     }
     const bool out = want_o && ci >= c_begin;
+    if (record && ci >= c_begin) {  // the state entering chunk ci
+      float* hs = p.h + ((chunk0 + ci) * p.Hv + h) * D * D;
+#pragma unroll
+      for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
+          __stcg(reinterpret_cast<float2*>(hs + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
+        }
+    }
     const float* W = Wst(s);
     const float* G = Gst(s);
     const float gl = G[C - 1];
@@ -495,6 +507,9 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
         const float u = u0[jj][e] - ua[jj][e];
+        if (record && (e & 1) == 0 && ci >= c_begin && r < L)
+          __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
+                 make_float2(u, u0[jj][e + 1] - ua[jj][e + 1]));
         Us[c * LDA + r] = round_tf32(u);
         Ue[c * LDA + r] = round_tf32(u * __expf(gl - G[r]));
         qa[jj][e] *= __expf(G[r]);

@@ -84,9 +84,9 @@ FwdBuffers carve_fwd(const Problem& p, const FwdPlan& plan, Carver& c) {
   return b;
 }
 
-BwdBuffers carve_bwd(const Problem& p, Carver& c) {
+BwdBuffers carve_bwd(const Problem& p, const FwdPlan& plan, Carver& c) {
   BwdBuffers b;
-  b.f = carve_common(p, c);
+  b.f = carve_fwd(p, plan, c);  // the recomputation runs the forward's state pass
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D;
   b.Tmat = c.take<float>(tokheads * C);
@@ -209,15 +209,6 @@ FwdPlan plan_forward(const Problem& p) {
 }
 
 template <typename In, int BW>
-void launch_state_rec(const Problem& p, const FwdParams& f, cudaStream_t st) {
-  static std::once_flag once;
-  std::call_once(once, [] { set_smem(state_rec_kernel<In, BW>, state_rec_smem<BW>()); });
-  state_rec_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
-                             NT, state_rec_smem<BW>(), st>>>(f);
-  check_cuda(cudaGetLastError(), "state_rec_kernel launch");
-}
-
-template <typename In, int BW>
 void launch_state_fwd(const FwdPlan& plan, const Problem& p, const FwdParams& f, cudaStream_t st) {
   constexpr size_t smem = StateFwdSmem<In, BW>::kBytes;
   static std::once_flag once;
@@ -256,12 +247,11 @@ void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
   check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
 }
 
+// The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
+// for the forward (f.o, f.ht set) and the backward's recomputation (f.h, f.U set).
 template <typename In>
-void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
-  const FwdPlan plan = plan_forward(p);
-  Carver c{static_cast<char*>(ws)};
-  const FwdBuffers b = carve_fwd(p, plan, c);
-  const SeqLayout s = seq_layout(p, b);
+void run_state_pass(const Problem& p, const FwdPlan& plan, const FwdBuffers& b, FwdParams& f,
+                    cudaStream_t st) {
   DeviceSegChoice choice{};
   if (plan.seg.device_choice) {
     choice.heads = static_cast<double>(p.Hv);
@@ -270,10 +260,7 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
     choice.min_seg = plan.seg.seg_chunks;
     choice.chosen = b.seg_chunks;
   }
-  run_planner(p, s, b, plan.seg.seg_chunks, choice, st);
-  FwdParams f = fwd_params(p, s, b);
-  f.o = out.o;
-  f.ht = out.final_state;
+  run_planner(p, f.seqs, b, plan.seg.seg_chunks, choice, st);
   f.seg_chunks = plan.seg.seg_chunks;
   const int64_t nch = (p.T + C - 1) / C;
   f.segs_per_seq = p.varlen() ? 0 : std::max<int64_t>(1, (nch + f.seg_chunks - 1) / f.seg_chunks);
@@ -295,6 +282,18 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
     if (plan.bw == 16) launch_state_fwd<In, 16>(plan, p, f, st);
     else launch_state_fwd<In, 32>(plan, p, f, st);
   }
+}
+
+template <typename In>
+void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
+  const FwdPlan plan = plan_forward(p);
+  Carver c{static_cast<char*>(ws)};
+  const FwdBuffers b = carve_fwd(p, plan, c);
+  const SeqLayout s = seq_layout(p, b);
+  FwdParams f = fwd_params(p, s, b);
+  f.o = out.o;
+  f.ht = out.final_state;
+  run_state_pass<In>(p, plan, b, f, st);
   if (p.varlen()) {
     poison_dtype(out.o, p.qkv_dtype, p.TT * p.Hv * D, b.error, st);
     poison<float>(out.final_state, out.final_state ? p.N * p.Hv * D * D : 0, b.error, st);
@@ -307,20 +306,15 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] { set_smem(grad_chunk_kernel<In>, kGradSmem); });
   const int bw = column_block(p, sm_count(p.device_id));
+  const FwdPlan plan = plan_forward(p);
   Carver c{static_cast<char*>(ws)};
-  const BwdBuffers b = carve_bwd(p, c);
+  const BwdBuffers b = carve_bwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b.f);
-  run_planner(p, s, b.f, 1, DeviceSegChoice{}, st);
   FwdParams f = fwd_params(p, s, b.f);
   f.Tmat = b.Tmat;
-  f.h = b.h;
+  f.h = b.h;  // the state pass records the state entering every chunk and U
   f.U = b.U;
-  launch_wy<In>(p, f, st);
-  if (p.N > 0) {
-    if (bw == 32) launch_state_rec<In, 32>(p, f, st);
-    else if (bw == 16) launch_state_rec<In, 16>(p, f, st);
-    else launch_state_rec<In, 8>(p, f, st);
-  }
+  run_state_pass<In>(p, plan, b.f, f, st);
 
   BwdParams g{};
   g.seqs = s;
@@ -381,7 +375,7 @@ size_t cuda_fwd_workspace_bytes(const Problem& p) {
 
 size_t cuda_bwd_workspace_bytes(const Problem& p) {
   Carver c{nullptr};
-  carve_bwd(p, c);
+  carve_bwd(p, plan_forward(p), c);
   return c.used;
 }
 
