@@ -80,3 +80,20 @@ def test_gradients_gpu_large(lens, hqk, hv):
     print(f"[cuda] large {lens} {hqk}/{hv}: " + " ".join(f"d{n} {e:.2e}" for n, e in errs.items()))
     for n, e in errs.items():
         assert e < GRAD_TOL, f"d{n} relative error {e:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_tensor_core_reverse_pass_matches_simt(monkeypatch):
+    """The reverse pass over dS runs on TF32 tensor cores (state_bwd_tc_kernel);
+    FLASHGDN_BWD_SIMT=1 selects the fp32 SIMT pass. Both agree within TF32 rounding and the
+    tensor-core one is as accurate against the float64 reference."""
+    case = Case("tc_vs_simt", [700, 1300, 64], 2, 8, gate="mixed")
+    names, tc, refs, _ = run_grads(case, "cuda", seed=21)
+    monkeypatch.setenv("FLASHGDN_BWD_SIMT", "1")
+    _, simt, _, _ = run_grads(case, "cuda", seed=21)
+    for n, a, b, r in zip(names, tc, simt, refs):
+        e_tc, e_simt = rel_err(a, r), rel_err(b, r)
+        print(f"  d{n}: tensor cores {e_tc:.2e}, SIMT {e_simt:.2e}, between {rel_err(a, b):.2e}")
+        assert rel_err(a, b) < 5e-3, f"d{n}: TC and SIMT differ by {rel_err(a, b):.3e}"
+        assert e_tc < max(1.5 * e_simt, 2e-3), f"d{n}: TC {e_tc:.3e} vs SIMT {e_simt:.3e}"

@@ -146,6 +146,244 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
   if (p.dh0) store_state_block<BW>(p.dh0 + state_off, dSs, vb);
 }
 
+// ---------------------------------------------------------------------------------------
+// state_bwd_tc_kernel<BW>  grid (N, H_v, 128 / BW), 256 threads, ~210 KB smem (BW 32)
+//   The reverse sequential pass of state_bwd_kernel on TF32 tensor cores (mma.cuh), laid
+//   out as state_fwd_kernel: dS (128 x BW) in the accumulator registers of the 8 warps, a
+//   tf32 copy of dS^T in shared memory, the previous chunk's Q, K, P, T, dO, G copied by
+//   cp.async while the current one computes. Per chunk (last first):
+//     dU = scale P^T dO + diag(eL) K dS,  dVt = T^T dU,
+//     dS <- exp(G_last) dS + Q^T diag(scale gam) dO - K^T diag(beta gam) dVt.
+//   reads  q, k, do, beta, G, T, P, dht    writes dh (dS leaving each chunk), dVt, dh0
+
+template <typename In, int BW>
+struct StateBwdSmem {
+  static constexpr int LDO = BW + 8;  // dO tile [C][LDO] (ldmatrix rows 16 bytes apart mod 128)
+  static constexpr size_t kStage =
+      sizeof(In) * (2 * C * LDH + C * LDO) + sizeof(float) * (2 * C * LDA + C);
+  static constexpr size_t kBytes = 2 * kStage + sizeof(float) * (BW * LDW + 4 * BW * LDA + C);
+};
+
+// A fragment of A(m, k) = X[k][m] from an fp32 tile X [k][m] (leading dimension ld).
+__device__ __forceinline__ void frag_a_trans_f32(uint32_t (&a)[4], const float* x, int ld,
+                                                 int m0, int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const float* p0 = x + (k0 + 2 * t) * ld + m0 + g;
+  a[0] = __float_as_uint(round_tf32(p0[0]));
+  a[1] = __float_as_uint(round_tf32(p0[8]));
+  a[2] = __float_as_uint(round_tf32(p0[ld]));
+  a[3] = __float_as_uint(round_tf32(p0[ld + 8]));
+}
+
+template <typename In, int BW>
+__global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
+  static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
+  using SM = StateBwdSmem<In, BW>;
+  constexpr int NJ = BW / 16, NS = BW / 8, LDO = SM::LDO;
+  if (p.seqs.failed()) return;
+  const int vb = blockIdx.z * BW;
+  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), n = blockIdx.x;
+  if (n >= p.seqs.N) return;
+  const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
+  const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto Qst = [&](int s) { return reinterpret_cast<In*>(smem_raw + s * SM::kStage); };
+  auto Kst = [&](int s) { return Qst(s) + C * LDH; };
+  auto dOst = [&](int s) { return Kst(s) + C * LDH; };
+  auto Pst = [&](int s) { return reinterpret_cast<float*>(dOst(s) + C * LDO); };
+  auto Tst = [&](int s) { return Pst(s) + C * LDA; };
+  auto Gst = [&](int s) { return Tst(s) + C * LDA; };
+  float* dSs = reinterpret_cast<float*>(smem_raw + 2 * SM::kStage);  // [BW][LDW] dS^T
+  float* dOt = dSs + BW * LDW;  // [BW][LDA] dO^T
+  float* Xt = dOt + BW * LDA;   // [BW][LDA] (scale gam dO)^T
+  float* dUt = Xt + BW * LDA;   // [BW][LDA] dU^T
+  float* Yt = dUt + BW * LDA;   // [BW][LDA] (-beta gam dVt)^T
+  float* Bs = Yt + BW * LDA;    // [C] beta
+
+  const int warp = threadIdx.x >> 5;
+  const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
+  const In* qbase = static_cast<const In*>(p.q);
+  const In* kbase = static_cast<const In*>(p.k);
+  const In* dobase = static_cast<const In*>(p.d_o);
+  float beta_pre = 0.f;  // beta of the chunk issued last (thread < C)
+
+  auto issue = [&](int64_t ci, int s) {
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_tile(Qst(s), LDH, qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    cp_async_tile(Kst(s), LDH, kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    cp_async_tile(dOst(s), LDO, dobase + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L, C, BW);
+    cp_async_tile(Pst(s), LDA, p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
+    cp_async_tile(Tst(s), LDA, p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
+      cp_async4(Gst(s) + threadIdx.x, p.G + (tok0 + r) * p.Hv + h);
+      beta_pre = threadIdx.x < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + threadIdx.x) * p.Hv + h)
+                                 : 0.f;
+    }
+    cp_async_commit();
+  };
+
+  // dS registers: rows 16 warp + (g, g + 8), columns 8 jn + (2t, 2t + 1)
+  float sacc[NS][4];
+  const int64_t state_off = (n * p.Hv + h) * D * D;
+#pragma unroll
+  for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+      float2 v = make_float2(0.f, 0.f);
+      if (p.dht) v = __ldcg(reinterpret_cast<const float2*>(p.dht + state_off + i * D + vb + c));
+      sacc[jn][e] = v.x;
+      sacc[jn][e + 1] = v.y;
+    }
+  auto write_state_smem = [&]() {
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+        dSs[c * LDW + i] = round_tf32(sacc[jn][e]);
+      }
+  };
+  write_state_smem();
+  if (nch > 0) issue(nch - 1, 0);
+
+  for (int64_t ci = nch - 1; ci >= 0; --ci) {
+    const int s = static_cast<int>((nch - 1 - ci) & 1);
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_wait<0>();
+    __syncthreads();  // stage s landed; every shared buffer of the previous chunk consumed
+    if (threadIdx.x < C) Bs[threadIdx.x] = beta_pre;
+    if (ci > 0) issue(ci - 1, s ^ 1);
+    {  // dh: dS leaving chunk ci
+      float* dst = p.dh + ((chunk0 + ci) * p.Hv + h) * D * D;
+#pragma unroll
+      for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
+          __stcg(reinterpret_cast<float2*>(dst + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
+        }
+    }
+    const float* G = Gst(s);
+    const float gl = G[C - 1];
+    {  // dO^T and (scale gam dO)^T as fp32 B tiles
+      const In* dO = dOst(s);
+      for (int e = threadIdx.x; e < C * BW; e += NT) {
+        const int r = e / BW, c = e % BW;
+        const float x = to_f(dO[r * LDO + c]);
+        dOt[c * LDA + r] = x;  // 16-bit values are exact tf32
+        Xt[c * LDA + r] = round_tf32(p.scale * __expf(G[r]) * x);
+      }
+    }
+    __syncthreads();
+
+    // dU = scale P^T dO + diag(eL) K dS (P^T is upper triangular: k >= m0 only)
+    float du[NJ][4] = {}, kd[NJ][4] = {};
+    {
+      const In* K = Kst(s);
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        uint32_t a[4];
+        frag_a(a, K, LDH, m0, k0);
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          uint32_t b[2];
+          frag_b(b, dSs, LDW, n0 + 8 * jj, k0);
+          mma_tf32(kd[jj], a, b);
+        }
+      }
+      const float* P = Pst(s);
+      for (int k0 = m0; k0 < C; k0 += 8) {
+        uint32_t a[4];
+        frag_a_trans_f32(a, P, LDA, m0, k0);
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          uint32_t b[2];
+          frag_b(b, dOt, LDA, n0 + 8 * jj, k0);
+          mma_tf32(du[jj], a, b);
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
+        dUt[c * LDA + r] = round_tf32(p.scale * du[jj][e] + __expf(gl - G[r]) * kd[jj][e]);
+      }
+    __syncthreads();
+
+    // dVt = T^T dU (T^T upper triangular)
+    {
+      float dv[NJ][4] = {};
+      const float* T = Tst(s);
+      for (int k0 = m0; k0 < C; k0 += 8) {
+        uint32_t a[4];
+        frag_a_trans_f32(a, T, LDA, m0, k0);
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) {
+          uint32_t b[2];
+          frag_b(b, dUt, LDA, n0 + 8 * jj, k0);
+          mma_tf32(dv[jj], a, b);
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
+          if (r < L)
+            __stcg(reinterpret_cast<float2*>(p.dVt + ((tok0 + r) * p.Hv + h) * D + vb + c),
+                   make_float2(dv[jj][e], dv[jj][e + 1]));
+          const float bg = -Bs[r] * __expf(G[r]);
+          Yt[c * LDA + r] = round_tf32(bg * dv[jj][e]);
+          Yt[(c + 1) * LDA + r] = round_tf32(bg * dv[jj][e + 1]);
+        }
+    }
+    __syncthreads();
+
+    // dS <- exp(G_last) dS + Q^T X + K^T Y
+    {
+      const float eg = __expf(gl);
+#pragma unroll
+      for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
+      const In* Q = Qst(s);
+      const In* K = Kst(s);
+#pragma unroll 2
+      for (int k0 = 0; k0 < C; k0 += 8) {
+        uint32_t aq[4], ak[4];
+        frag_a_trans(aq, Q, LDH, 16 * warp, k0);
+        frag_a_trans(ak, K, LDH, 16 * warp, k0);
+#pragma unroll
+        for (int jn = 0; jn < NS; ++jn) {
+          uint32_t bx[2], by[2];
+          frag_b(bx, Xt, LDA, 8 * jn, k0);
+          frag_b(by, Yt, LDA, 8 * jn, k0);
+          mma_tf32(sacc[jn], aq, bx);
+          mma_tf32(sacc[jn], ak, by);
+        }
+      }
+      write_state_smem();
+    }
+  }
+  if (p.dh0) {
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
+        __stcg(reinterpret_cast<float2*>(p.dh0 + state_off + i * D + c),
+               make_float2(sacc[jn][e], sacc[jn][e + 1]));
+      }
+  }
+}
+
 constexpr size_t kGradSmem =
     sizeof(float) * (5 * C * LDD + D * LDV + 2 * C * LDC + 8 * C + NT);
 

@@ -239,6 +239,16 @@ void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
 }
 
 template <typename In, int BW>
+void launch_state_bwd_tc(const Problem& p, const BwdParams& g, cudaStream_t st) {
+  constexpr size_t smem = StateBwdSmem<In, BW>::kBytes;
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(state_bwd_tc_kernel<In, BW>, smem); });
+  state_bwd_tc_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
+                                NT, smem, st>>>(g);
+  check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
+}
+
+template <typename In, int BW>
 void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] { set_smem(state_bwd_kernel<In, BW>, state_bwd_smem<BW>()); });
@@ -343,9 +353,17 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   if (p.N > 0) {
-    if (bw == 32) launch_state_bwd<In, 32>(p, g, st);
-    else if (bw == 16) launch_state_bwd<In, 16>(p, g, st);
-    else launch_state_bwd<In, 8>(p, g, st);
+    // FLASHGDN_BWD_SIMT=1: the fp32 SIMT reverse pass (reference for A/B comparisons)
+    const char* simt = std::getenv("FLASHGDN_BWD_SIMT");
+    if (simt != nullptr && std::atoi(simt) == 1) {
+      if (bw == 32) launch_state_bwd<In, 32>(p, g, st);
+      else if (bw == 16) launch_state_bwd<In, 16>(p, g, st);
+      else launch_state_bwd<In, 8>(p, g, st);
+    } else if (p.N * p.Hv * (D / 16) <= sm_count(p.device_id)) {
+      launch_state_bwd_tc<In, 16>(p, g, st);
+    } else {
+      launch_state_bwd_tc<In, 32>(p, g, st);
+    }
   }
   if (p.max_chunks() > 0) {
     grad_chunk_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()),
