@@ -10,12 +10,14 @@
 //     dS <- exp(G_last) dS + (scale diag(exp G) Q)^T dO - (diag(beta exp G) K)^T dVt.
 //   reads  q, k, do, beta, G, T, P, dht    writes dh (dS leaving each chunk), dVt, dh0
 //
-// grad_chunk_kernel grid (max_chunks, H_qk), 256 threads, ~212 KB smem
+// grad_chunk_kernel<kTc> grid (max_chunks, H_qk), 256 threads, ~213 KB smem
 //   All input gradients of one chunk for the value heads of one q/k head (so
 //   dq and dk of grouped heads are summed in registers, deterministically):
 //   dv = beta dVt, dbeta, dg (reverse cumsum of dG), dq, dk.
 //   reads  q, k, v, do, beta, G, U, dVt, h, dh    writes dq, dk, dv, dg, dbeta
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 #include "fwd_kernels.cuh"
@@ -385,10 +387,13 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
 }
 
 constexpr size_t kGradSmem =
-    sizeof(float) * (5 * C * LDD + D * LDV + 2 * C * LDC + 8 * C + NT);
+    sizeof(float) * (5 * C * LDD + D * LDV + 2 * C * LDC + 8 * C + NT + 2 * C);
 
-template <typename In>
+// kTc: the products on TF32 tensor cores (TcTile, mma.cuh), else fp32 FMA (Tile).
+template <typename In, bool kTc>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
+  using T128 = std::conditional_t<kTc, TcTile<C, D>, Tile<C, D, 4, 8>>;  // C x D results
+  using T64 = std::conditional_t<kTc, TcTile<C, C>, Tile<C, C, 4, 4>>;   // C x C results
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
   if (ck.L == 0) return;
@@ -412,12 +417,13 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
   float* db = dG + C;
   float* lastrow = db + C;
   float* red = lastrow + 2 * C;  // [NT]
+  float* rs = red + NT;          // [2 C] row sums across warps (TcTile)
   static_assert(C * LDC <= D * LDV, "E must fit in the X buffer");
 
   load_chunk(Qs, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
   load_chunk(Ks, static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
 
-  Tile<C, D, 4, 8> dQ, dK;
+  T128 dQ, dK;
   dQ.zero();
   dK.zero();
   for (int64_t h = hq * group; h < (hq + 1) * group; ++h) {
@@ -441,7 +447,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
     const float* dSL = p.dh + (chunk * p.Hv + h) * D * D;
 
     {  // Y = dO S0^T, Z = dVt S0^T (over four 32-column quarters of S0)
-      Tile<C, D, 4, 8> Y, Z;
+      T128 Y, Z;
       Y.zero();
       Z.zero();
       for (int q4 = 0; q4 < D / BV; ++q4) {
@@ -455,19 +461,19 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
         Z.mma<false, true, BV>(dVs + q4 * BV, LDD, Xs, LDV);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < T128::kRows; ++i) {
         const int r = Y.row(i);
         float qy = 0.f, kz = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < T128::kCols; ++j) {
           const int c = Y.col(j);
           dQ.a[i][j] += p.scale * gam[r] * Y.a[i][j];
           dK.a[i][j] -= bs[r] * gam[r] * Z.a[i][j];
           qy += Qs[r * LDD + c] * Y.a[i][j];
           kz += Ks[r * LDD + c] * Z.a[i][j];
         }
-        qy = Y.row_sum(qy);
-        kz = Y.row_sum(kz);
+        qy = Y.row_sum_block(qy, i, rs);
+        kz = Y.row_sum_block(kz, i, rs);
         if (Y.row_leader()) {
           dG[r] += p.scale * gam[r] * qy - bs[r] * gam[r] * kz;
           db[r] -= gam[r] * kz;
@@ -475,7 +481,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
       }
     }
     {  // R = U dSL^T
-      Tile<C, D, 4, 8> R;
+      T128 R;
       R.zero();
       for (int q4 = 0; q4 < D / BV; ++q4) {
         __syncthreads();
@@ -487,15 +493,15 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
         R.mma<false, true, BV>(Us + q4 * BV, LDD, Xs, LDV);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < T128::kRows; ++i) {
         const int r = R.row(i);
         float kr = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < T128::kCols; ++j) {
           dK.a[i][j] += eL[r] * R.a[i][j];
           kr += Ks[r * LDD + R.col(j)] * R.a[i][j];
         }
-        kr = R.row_sum(kr);
+        kr = R.row_sum_block(kr, i, rs);
         if (R.row_leader()) {
           dG[r] -= eL[r] * kr;
           lastrow[r] = eL[r] * kr;
@@ -509,7 +515,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
     }
     __syncthreads();  // Xs free again; red and lastrow complete
     {  // masked C x C products: dA, dP, A, P -> M1 = dP . Dec, M2 = beta dA . Dec, E
-      Tile<C, C, 4, 4> t1, t2, t3, t4;
+      T64 t1, t2, t3, t4;
       t1.zero();
       t2.zero();
       t3.zero();
@@ -520,11 +526,11 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
       t4.mma<false, true, D>(Qs, LDD, Ks, LDD);
       float* E = Xs;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < T64::kRows; ++i) {
         const int r = t1.row(i);
         float dbp = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < T64::kCols; ++j) {
           const int s = t1.col(j);
           const float dec = s <= r ? __expf(Gs[r] - Gs[s]) : 0.f;
           const float dA = s < r ? -t1.a[i][j] : 0.f;
@@ -536,7 +542,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
           dbp += dA * t3.a[i][j] * dec;
           E[r * LDC + s] = dA * A + dP * P;
         }
-        dbp = t1.row_sum(dbp);
+        dbp = t1.row_sum_block(dbp, i, rs);
         if (t1.row_leader()) db[r] += dbp;
       }
     }
@@ -584,9 +590,9 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
     }
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < T128::kRows; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < T128::kCols; ++j) {
       const int r = dQ.row(i), c = dQ.col(j);
       if (r < L) {
         const int64_t idx = ((tok0 + r) * p.Hqk + hq) * D + c;

@@ -173,6 +173,7 @@ __device__ __forceinline__ void load_chunk(float* dst, const T* src, int64_t row
 template <int M, int N, int RM, int CN>
 struct Tile {
   static constexpr int TX = N / CN, TY = M / RM;
+  static constexpr int kRows = RM, kCols = CN;  // a[kRows][kCols] per thread
   static_assert(TX * TY == NT, "tile must cover the block exactly");
   static_assert(32 % TX == 0, "a row's threads must sit in one warp");
   float a[RM][CN];
@@ -214,6 +215,8 @@ struct Tile {
     return x;
   }
   __device__ __forceinline__ bool row_leader() const { return threadIdx.x % TX == 0; }
+  // The same interface as TcTile (mma.cuh): a row's threads share one warp here.
+  __device__ __forceinline__ float row_sum_block(float x, int, float*) const { return row_sum(x); }
 };
 
 

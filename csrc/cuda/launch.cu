@@ -314,7 +314,16 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
 template <typename In>
 void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(grad_chunk_kernel<In>, kGradSmem); });
+  std::call_once(once, [] {
+    set_smem(grad_chunk_kernel<In, true>, kGradSmem);
+    set_smem(grad_chunk_kernel<In, false>, kGradSmem);
+  });
+  const char* simt_env = std::getenv("FLASHGDN_BWD_SIMT");
+  const bool simt = simt_env != nullptr && std::atoi(simt_env) == 1;
+  // FLASHGDN_GRAD_TC=1: grad_chunk_kernel's products on tensor cores. Opt-in until it has
+  // run on a GPU (written 2026-11-23 after that session's device time was spent).
+  const char* grad_tc_env = std::getenv("FLASHGDN_GRAD_TC");
+  const bool grad_tc = !simt && grad_tc_env != nullptr && std::atoi(grad_tc_env) == 1;
   const int bw = column_block(p, sm_count(p.device_id));
   const FwdPlan plan = plan_forward(p);
   Carver c{static_cast<char*>(ws)};
@@ -353,9 +362,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   if (p.N > 0) {
-    // FLASHGDN_BWD_SIMT=1: the fp32 SIMT reverse pass (reference for A/B comparisons)
-    const char* simt = std::getenv("FLASHGDN_BWD_SIMT");
-    if (simt != nullptr && std::atoi(simt) == 1) {
+    // FLASHGDN_BWD_SIMT=1: the fp32 SIMT kernels (reference for A/B comparisons)
+    if (simt) {
       if (bw == 32) launch_state_bwd<In, 32>(p, g, st);
       else if (bw == 16) launch_state_bwd<In, 16>(p, g, st);
       else launch_state_bwd<In, 8>(p, g, st);
@@ -366,9 +374,9 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
     }
   }
   if (p.max_chunks() > 0) {
-    grad_chunk_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()),
-                                 static_cast<unsigned>(p.Hqk)),
-                            NT, kGradSmem, st>>>(g);
+    const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
+    if (grad_tc) grad_chunk_kernel<In, true><<<grid, NT, kGradSmem, st>>>(g);
+    else grad_chunk_kernel<In, false><<<grid, NT, kGradSmem, st>>>(g);
     check_cuda(cudaGetLastError(), "grad_chunk_kernel launch");
   }
   if (p.varlen()) {

@@ -121,6 +121,79 @@ __device__ __forceinline__ void frag_b_trans(uint32_t (&b)[2], const T* s, int l
 __device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
 
+// An M x N fp32 result computed on TF32 tensor cores from fp32 shared-memory operands,
+// with the interface of common.cuh's Tile (a[i][j] at row(i), col(j); mma<TA, TB, KD>).
+// Warps tile the result as (M / 16) x (8 / (M / 16)) blocks of 16 x N / WN; each thread
+// holds rows g, g + 8 of its warp's block and columns 8 n + 2t (+1). Fragments are read
+// with scalar loads in either orientation and rounded to tf32 (round to nearest).
+template <int M, int N>
+struct TcTile {
+  static constexpr int WM = M / 16, WN = 8 / WM, WTN = N / WN, NTILES = WTN / 8;
+  static constexpr int RM = 2, CN = 2 * NTILES;
+  static constexpr int kRows = RM, kCols = CN;  // a[kRows][kCols] per thread
+  static_assert(M % 16 == 0 && WM * WN == 8 && WTN % 8 == 0, "tile shape");
+  float a[RM][CN];
+
+  __device__ __forceinline__ int wm() const { return (threadIdx.x >> 5) / WN; }
+  __device__ __forceinline__ int wn() const { return (threadIdx.x >> 5) % WN; }
+  __device__ __forceinline__ int row(int i) const { return 16 * wm() + (lane_id() >> 2) + 8 * i; }
+  __device__ __forceinline__ int col(int j) const {
+    return wn() * WTN + 8 * (j >> 1) + 2 * (lane_id() & 3) + (j & 1);
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < CN; ++j) a[i][j] = 0.f;
+  }
+  // a += op(A) op(B) over KD (a multiple of 8): op(A)(r, k) = TA ? A[k*lda + r] : A[r*lda + k],
+  // op(B)(k, c) = TB ? B[c*ldb + k] : B[k*ldb + c].
+  template <bool TA, bool TB, int KD>
+  __device__ __forceinline__ void mma(const float* A, int lda, const float* B, int ldb) {
+    static_assert(KD % 8 == 0, "inner dimension in steps of 8");
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    const int r0 = 16 * wm() + g, c0 = wn() * WTN + g;
+    auto ld_a = [&](int r, int k) { return round_tf32(TA ? A[k * lda + r] : A[r * lda + k]); };
+    auto ld_b = [&](int k, int c) { return round_tf32(TB ? B[c * ldb + k] : B[k * ldb + c]); };
+#pragma unroll 2
+    for (int k0 = 0; k0 < KD; k0 += 8) {
+      uint32_t af[4];
+      af[0] = __float_as_uint(ld_a(r0, k0 + t));
+      af[1] = __float_as_uint(ld_a(r0 + 8, k0 + t));
+      af[2] = __float_as_uint(ld_a(r0, k0 + t + 4));
+      af[3] = __float_as_uint(ld_a(r0 + 8, k0 + t + 4));
+#pragma unroll
+      for (int nt = 0; nt < NTILES; ++nt) {
+        uint32_t bf[2];
+        bf[0] = __float_as_uint(ld_b(k0 + t, c0 + 8 * nt));
+        bf[1] = __float_as_uint(ld_b(k0 + t + 4, c0 + 8 * nt));
+        float d[4] = {a[0][2 * nt], a[0][2 * nt + 1], a[1][2 * nt], a[1][2 * nt + 1]};
+        mma_tf32(d, af, bf);
+        a[0][2 * nt] = d[0];
+        a[0][2 * nt + 1] = d[1];
+        a[1][2 * nt] = d[2];
+        a[1][2 * nt + 1] = d[3];
+      }
+    }
+  }
+  // Sum of x over every thread holding row(i) (its quad, and the WN warps sharing the row,
+  // added in a fixed order through scratch [WN * M]): deterministic, valid in all of them.
+  // Every thread of the block must call it (it synchronises the block).
+  __device__ __forceinline__ float row_sum_block(float x, int i, float* scratch) const {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if (WN == 1) return x;
+    __syncthreads();
+    if ((lane_id() & 3) == 0) scratch[wn() * M + row(i)] = x;
+    __syncthreads();
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < WN; ++w) sum += scratch[w * M + row(i)];
+    return sum;
+  }
+  __device__ __forceinline__ bool row_leader() const { return (lane_id() & 3) == 0 && wn() == 0; }
+};
+
 // cp.async: 16 bytes (zero-filled when !valid) and 4 bytes.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
