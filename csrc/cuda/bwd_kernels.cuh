@@ -101,9 +101,9 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
     {  // dU = scale P^T dO + eL K dS
       Tile<C, BW, 2, CN> a, b;
       a.zero();
-      a.mma<true, false, C>(Ps, LDC, dOs, LD);
+      a.template mma<true, false, C>(Ps, LDC, dOs, LD);
       b.zero();
-      b.mma<false, false, D>(Ks, LDD, dSs, LD);
+      b.template mma<false, false, D>(Ks, LDD, dSs, LD);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
     {  // dVt = T^T dU
       Tile<C, BW, 2, CN> t;
       t.zero();
-      t.mma<true, false, C>(Ts, LDC, dUs, LD);
+      t.template mma<true, false, C>(Ts, LDC, dUs, LD);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -132,8 +132,8 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
     {  // dS <- exp(G_last) dS + Q^T (scale gam dO) - K^T (beta gam dVt)
       Tile<D, BW, 4, CN> st;
       st.zero();
-      st.mma<true, false, C>(Qs, LDD, dOs, LD);
-      st.mma<true, false, C>(Ks, LDD, dVs, LD);
+      st.template mma<true, false, C>(Qs, LDD, dOs, LD);
+      st.template mma<true, false, C>(Ks, LDD, dVs, LD);
       const float gl = __expf(Gs[C - 1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -457,8 +457,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
           Xs[r * LDV + c] = S0[r * D + q4 * BV + c];
         }
         __syncthreads();
-        Y.mma<false, true, BV>(dOs + q4 * BV, LDD, Xs, LDV);
-        Z.mma<false, true, BV>(dVs + q4 * BV, LDD, Xs, LDV);
+        Y.template mma<false, true, BV>(dOs + q4 * BV, LDD, Xs, LDV);
+        Z.template mma<false, true, BV>(dVs + q4 * BV, LDD, Xs, LDV);
       }
 #pragma unroll
       for (int i = 0; i < T128::kRows; ++i) {
@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
           Xs[r * LDV + c] = dSL[r * D + q4 * BV + c];
         }
         __syncthreads();
-        R.mma<false, true, BV>(Us + q4 * BV, LDD, Xs, LDV);
+        R.template mma<false, true, BV>(Us + q4 * BV, LDD, Xs, LDV);
       }
 #pragma unroll
       for (int i = 0; i < T128::kRows; ++i) {
@@ -520,10 +520,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
       t2.zero();
       t3.zero();
       t4.zero();
-      t1.mma<false, true, D>(dVs, LDD, Us, LDD);
-      t2.mma<false, true, D>(dOs, LDD, Us, LDD);
-      t3.mma<false, true, D>(Ks, LDD, Ks, LDD);
-      t4.mma<false, true, D>(Qs, LDD, Ks, LDD);
+      t1.template mma<false, true, D>(dVs, LDD, Us, LDD);
+      t2.template mma<false, true, D>(dOs, LDD, Us, LDD);
+      t3.template mma<false, true, D>(Ks, LDD, Ks, LDD);
+      t4.template mma<false, true, D>(Qs, LDD, Ks, LDD);
       float* E = Xs;
 #pragma unroll
       for (int i = 0; i < T64::kRows; ++i) {
@@ -554,10 +554,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
       for (int s = 0; s < C; ++s) acc += E[r * LDC + s] - E[s * LDC + r];
       dG[r] += acc;
     }
-    dQ.mma<false, false, C>(M1, LDC, Ks, LDD);
-    dK.mma<true, false, C>(M1, LDC, Qs, LDD);
-    dK.mma<false, false, C>(M2, LDC, Ks, LDD);
-    dK.mma<true, false, C>(M2, LDC, Ks, LDD);
+    dQ.template mma<false, false, C>(M1, LDC, Ks, LDD);
+    dK.template mma<true, false, C>(M1, LDC, Qs, LDD);
+    dK.template mma<false, false, C>(M2, LDC, Ks, LDD);
+    dK.template mma<true, false, C>(M2, LDC, Ks, LDD);
     {  // dv = beta dVt and dbeta += v . dVt; four threads per row
       const int r = threadIdx.x / 4, part = threadIdx.x % 4;
       float vd = 0.f;

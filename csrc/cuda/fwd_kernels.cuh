@@ -80,7 +80,7 @@ struct FwdParams {
 // ---------------------------------------------------------------------------------------
 // wy_kernel
 
-constexpr size_t kWySmem = sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * (3 * C * LDA + 4 * C);
+constexpr size_t kWySmem = sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * (3 * C * LDA + 3 * C);
 
 template <typename In>
 __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
@@ -99,7 +99,6 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   float* bs = Tv + C * LDA;                            // [C]
   float* Gs = bs + C;                                  // [C]
   float* kn = Gs + C;                                  // [C] |k_r|^2
-  float* red = kn + C;                                 // [C]
 
   const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off = ck.tok0 * p.Hv + h;
   const In* kg = static_cast<const In*>(p.k) + qk_off;
