@@ -2,7 +2,6 @@
 #include "planner.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -31,7 +30,7 @@ SegmentPlan with_length(const SegmentQuery& q, int64_t seg, int col_block) {
   p.seg_chunks = std::max<int64_t>(1, seg);
   p.col_block = col_block;
   if (q.fixed_chunks >= 0) {
-    p.max_segments = q.N * std::max<int64_t>(1, ceil_div(q.fixed_chunks, p.seg_chunks));
+    p.max_segments = q.N * segments_of(q.fixed_chunks, p.seg_chunks);
     p.split = q.fixed_chunks > p.seg_chunks;
   } else {
     // sum over sequences of max(1, ceil(c_n / seg)) <= total / seg + N
@@ -47,7 +46,7 @@ double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCos
   s.longest = static_cast<double>(longest_chunks(q));
   s.total = static_cast<double>(q.total_chunks);
   s.segs = static_cast<double>(p.max_segments);
-  s.max_segs_per_seq = std::max(1.0, std::ceil(s.longest / static_cast<double>(p.seg_chunks)));
+  s.max_segs_per_seq = static_cast<double>(segments_of(longest_chunks(q), p.seg_chunks));
   return estimate_state_pass_us(c, s, static_cast<double>(q.Hv), q.sms, p.col_block,
                                 p.split ? static_cast<double>(p.seg_chunks) : 0.0);
 }
@@ -58,7 +57,7 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
   const int forced_bw = q.forced_col_block == 16 || q.forced_col_block == 32 ? q.forced_col_block : 0;
   if (q.N <= 0 || q.Hv <= 0 || q.mode == CpMode::Off) {
     // unsplit: 16 columns when the (sequence, head) pairs leave SMs idle at 32
-    const int bw = forced_bw ? forced_bw : (q.N * q.Hv * 8 <= q.sms ? 16 : 32);
+    const int bw = forced_bw ? forced_bw : unsplit_col_block(q.N, q.Hv, q.sms);
     SegmentPlan u = unsplit(q, bw);
     u.est_us = q.N > 0 && q.Hv > 0 ? estimate_us(q, u, cost) : 0.0;
     return u;

@@ -60,6 +60,17 @@ struct ForwardCost {
 #define FLASHGDN_HD
 #endif
 
+// Segments of a sequence of `chunks` chunks cut every `seg` chunks (at least one).
+inline FLASHGDN_HD int64_t segments_of(int64_t chunks, int64_t seg) {
+  return chunks > seg ? (chunks + seg - 1) / seg : 1;
+}
+
+// Column block of an unsplit sequential pass: 16 columns when 16-column blocks of all
+// (sequence, head) pairs still fit in one wave of the SMs, else 32.
+inline int unsplit_col_block(int64_t N, int64_t Hv, int sms) {
+  return N * Hv * (128 / 16) <= sms ? 16 : 32;
+}
+
 // What the cost model needs of the sequences: the longest one's chunks, all chunks, and
 // (split plans) the number of segments and the most segments of one sequence.
 struct LoadStats {

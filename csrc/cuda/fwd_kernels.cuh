@@ -34,6 +34,7 @@
 // seg_combine_kernel  grid (N, H_v, 128 / 32): see its definition.
 #pragma once
 
+#include "../planner.h"
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -300,8 +301,7 @@ __device__ __forceinline__ void sequence_segments(const FwdParams& p, int64_t n,
   } else {
     z0 = n * p.segs_per_seq;
     const int64_t nch = (p.seqs.seq_len(n) + C - 1) / C;
-    const int64_t seg = seg_chunks(p);
-    count = nch > seg ? (nch + seg - 1) / seg : 1;
+    count = segments_of(nch, seg_chunks(p));
   }
 }
 

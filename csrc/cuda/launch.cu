@@ -52,12 +52,6 @@ struct BwdBuffers {
   float *Tmat, *U, *dVt, *h, *dh;
 };
 
-// The forward's segment plan (context parallelism) and column block.
-struct FwdPlan {
-  int bw = 32;
-  SegmentPlan seg;
-};
-
 FwdBuffers carve_common(const Problem& p, Carver& c) {
   FwdBuffers b{};
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
@@ -70,21 +64,21 @@ FwdBuffers carve_common(const Problem& p, Carver& c) {
   return b;
 }
 
-FwdBuffers carve_fwd(const Problem& p, const FwdPlan& plan, Carver& c) {
+FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   FwdBuffers b = carve_common(p, c);
   b.Lb = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv));
   b.seg_offsets = p.varlen() ? c.take<int64_t>(p.N + 1) : nullptr;
-  if (plan.seg.split) {
-    const size_t segheads = static_cast<size_t>(plan.seg.max_segments * p.Hv);
+  if (plan.split) {
+    const size_t segheads = static_cast<size_t>(plan.max_segments * p.Hv);
     b.seg_L = c.take<float>(segheads * D * D);
     b.seg_M = c.take<float>(segheads * D * D);
     b.seg_in = c.take<float>(segheads * D * D);
-    if (plan.seg.device_choice) b.seg_chunks = c.take<int64_t>(1);
+    if (plan.device_choice) b.seg_chunks = c.take<int64_t>(1);
   }
   return b;
 }
 
-BwdBuffers carve_bwd(const Problem& p, const FwdPlan& plan, Carver& c) {
+BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   BwdBuffers b;
   b.f = carve_fwd(p, plan, c);  // the recomputation runs the forward's state pass
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
@@ -192,7 +186,7 @@ int sm_count(int device) {
 
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override).
-FwdPlan plan_forward(const Problem& p) {
+SegmentPlan plan_forward(const Problem& p) {
   SegmentQuery q;
   q.N = p.N;
   q.total_chunks = p.max_chunks();
@@ -202,20 +196,17 @@ FwdPlan plan_forward(const Problem& p) {
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
-  FwdPlan f;
-  f.seg = plan_segments(q);
-  f.bw = f.seg.col_block;
-  return f;
+  return plan_segments(q);
 }
 
 template <typename In, int BW>
-void launch_state_fwd(const FwdPlan& plan, const Problem& p, const FwdParams& f, cudaStream_t st) {
+void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams& f, cudaStream_t st) {
   constexpr size_t smem = StateFwdSmem<In, BW>::kBytes;
   static std::once_flag once;
   std::call_once(once, [] { set_smem(state_fwd_kernel<In, BW>, smem); });
   const unsigned blocks_x = (f.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
   state_fwd_kernel<In, BW><<<dim3(blocks_x, static_cast<unsigned>(p.Hv),
-                                  static_cast<unsigned>(plan.seg.max_segments)),
+                                  static_cast<unsigned>(plan.max_segments)),
                              NT, smem, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
 }
@@ -260,43 +251,43 @@ void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
 // for the forward (f.o, f.ht set) and the backward's recomputation (f.h, f.U set).
 template <typename In>
-void run_state_pass(const Problem& p, const FwdPlan& plan, const FwdBuffers& b, FwdParams& f,
+void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   DeviceSegChoice choice{};
-  if (plan.seg.device_choice) {
+  if (plan.device_choice) {
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);
-    choice.col_block = plan.bw;
-    choice.min_seg = plan.seg.seg_chunks;
+    choice.col_block = plan.col_block;
+    choice.min_seg = plan.seg_chunks;
     choice.chosen = b.seg_chunks;
   }
-  run_planner(p, f.seqs, b, plan.seg.seg_chunks, choice, st);
-  f.seg_chunks = plan.seg.seg_chunks;
+  run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);
+  f.seg_chunks = plan.seg_chunks;
   const int64_t nch = (p.T + C - 1) / C;
   f.segs_per_seq = p.varlen() ? 0 : std::max<int64_t>(1, (nch + f.seg_chunks - 1) / f.seg_chunks);
   f.seg_offsets = b.seg_offsets;
-  f.seg_chunks_dev = plan.seg.device_choice ? b.seg_chunks : nullptr;
+  f.seg_chunks_dev = plan.device_choice ? b.seg_chunks : nullptr;
   if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
   f.seg_L = b.seg_L;
   f.seg_M = b.seg_M;
   f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
   if (p.N > 0) {
-    if (plan.seg.split) {  // exact entering states of the segments that need them
+    if (plan.split) {  // exact entering states of the segments that need them
       f.phase = 1;
-      if (plan.bw == 16) launch_state_fwd<In, 16>(plan, p, f, st);
+      if (plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
       else launch_state_fwd<In, 32>(plan, p, f, st);
       launch_seg_combine(p, f, st);
       f.phase = 0;
     }
-    if (plan.bw == 16) launch_state_fwd<In, 16>(plan, p, f, st);
+    if (plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
     else launch_state_fwd<In, 32>(plan, p, f, st);
   }
 }
 
 template <typename In>
 void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
-  const FwdPlan plan = plan_forward(p);
+  const SegmentPlan plan = plan_forward(p);
   Carver c{static_cast<char*>(ws)};
   const FwdBuffers b = carve_fwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b);
@@ -324,8 +315,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   // run on a GPU (written 2026-11-23 after that session's device time was spent).
   const char* grad_tc_env = std::getenv("FLASHGDN_GRAD_TC");
   const bool grad_tc = !simt && grad_tc_env != nullptr && std::atoi(grad_tc_env) == 1;
-  const int bw = column_block(p, sm_count(p.device_id));
-  const FwdPlan plan = plan_forward(p);
+  const SegmentPlan plan = plan_forward(p);
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b.f);
@@ -364,10 +354,11 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   if (p.N > 0) {
     // FLASHGDN_BWD_SIMT=1: the fp32 SIMT kernels (reference for A/B comparisons)
     if (simt) {
+      const int bw = column_block(p, sm_count(p.device_id));
       if (bw == 32) launch_state_bwd<In, 32>(p, g, st);
       else if (bw == 16) launch_state_bwd<In, 16>(p, g, st);
       else launch_state_bwd<In, 8>(p, g, st);
-    } else if (p.N * p.Hv * (D / 16) <= sm_count(p.device_id)) {
+    } else if (unsplit_col_block(p.N, p.Hv, sm_count(p.device_id)) == 16) {
       launch_state_bwd_tc<In, 16>(p, g, st);
     } else {
       launch_state_bwd_tc<In, 32>(p, g, st);

@@ -88,14 +88,14 @@ __global__ void __launch_bounds__(kPlanThreads)
       int64_t segs = 0;
       for (int64_t n = threadIdx.x; n < s.N; n += kPlanThreads) {
         const int64_t c = chunks_of(n);
-        segs += c > seg ? (c + seg - 1) / seg : 1;
+        segs += segments_of(c, seg);
       }
       segs = Reduce(tmp.reduce).Sum(segs);
       __syncthreads();
       if (threadIdx.x == 0) seg_shared = segs;
       __syncthreads();
       st.segs = static_cast<double>(seg_shared);
-      st.max_segs_per_seq = static_cast<double>((longest + seg - 1) / seg);
+      st.max_segs_per_seq = static_cast<double>(segments_of(longest, seg));
       const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms,
                                               choice.col_block, static_cast<double>(seg));
       if (t < bar && t < best) best = t, best_seg = seg;
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     for (int64_t base = 0; base < s.N; base += kPlanThreads) {
       const int64_t n = base + threadIdx.x;
       const int64_t count = n < s.N ? chunks_of(n) : 0;
-      const int64_t segs = n < s.N ? (count > seg_chunks ? (count + seg_chunks - 1) / seg_chunks : 1) : 0;
+      const int64_t segs = n < s.N ? segments_of(count, seg_chunks) : 0;
       int64_t incl, total;
       Scan(tmp.scan).InclusiveSum(segs, incl, total);
       if (n < s.N) seg_offsets[n + 1] = seg_carry + incl;

@@ -183,6 +183,20 @@ size_t cuda_bwd_total_workspace_bytes(const Problem& p, const BwdIO& io) {
   return n;
 }
 
+namespace {
+
+// A state input the kernels read as fp32 [K, V]: converted into the next staging buffer when
+// it comes in another dtype or layout, else `native` (the pointer the kernels use as is).
+const float* stage_in(const StateBuf& s, const float* native, StateCarver& c, int64_t mats,
+                      cudaStream_t st) {
+  if (!staged(s)) return native;
+  float* buf = c.take();
+  load_to_f32_kv(s, buf, mats, st);
+  return buf;
+}
+
+}  // namespace
+
 void cuda_fwd_states(const Problem& p, const FwdOutputs& out, void* workspace, void* stream) {
   DeviceGuard guard(p.device_id);
   auto st = static_cast<cudaStream_t>(stream);
@@ -190,12 +204,7 @@ void cuda_fwd_states(const Problem& p, const FwdOutputs& out, void* workspace, v
   const size_t inner = align_up(cuda_fwd_workspace_bytes(kernel_problem(p, sizing_stand_in(p))));
   StateCarver c{static_cast<char*>(workspace) + inner, state_buffer_bytes(p)};
 
-  const float* h0 = p.h0;
-  if (staged(p.h0_io)) {
-    float* buf = c.take();
-    load_to_f32_kv(p.h0_io, buf, mats, st);
-    h0 = buf;
-  }
+  const float* h0 = stage_in(p.h0_io, p.h0, c, mats, st);
   FwdOutputs o = out;
   if (staged(out.final_state_io)) o.final_state = c.take();
 
@@ -211,18 +220,9 @@ void cuda_bwd_states(const Problem& p, const BwdIO& io, void* workspace, void* s
   const size_t inner = align_up(cuda_bwd_workspace_bytes(kernel_problem(p, sizing_stand_in(p))));
   StateCarver c{static_cast<char*>(workspace) + inner, state_buffer_bytes(p)};
 
-  const float* h0 = p.h0;
-  if (staged(p.h0_io)) {
-    float* buf = c.take();
-    load_to_f32_kv(p.h0_io, buf, mats, st);
-    h0 = buf;
-  }
+  const float* h0 = stage_in(p.h0_io, p.h0, c, mats, st);
   BwdIO k = io;
-  if (staged(io.d_final_state_io)) {
-    float* buf = c.take();
-    load_to_f32_kv(io.d_final_state_io, buf, mats, st);
-    k.d_final_state = buf;
-  }
+  k.d_final_state = stage_in(io.d_final_state_io, io.d_final_state, c, mats, st);
   if (staged(io.dh0_io)) k.dh0 = c.take();
 
   cuda_bwd(kernel_problem(p, h0), k, workspace, stream);
