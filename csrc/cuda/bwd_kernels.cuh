@@ -213,11 +213,11 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   auto issue = [&](int64_t ci, int s) {
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
-    cp_async_tile(Qst(s), LDH, qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
-    cp_async_tile(Kst(s), LDH, kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
-    cp_async_tile(dOst(s), LDO, dobase + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L, C, BW);
-    cp_async_tile(Pst(s), LDA, p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
-    cp_async_tile(Tst(s), LDA, p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
+    cp_async_tile<C, D, LDH>(Qst(s), qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    cp_async_tile<C, BW, LDO>(dOst(s), dobase + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L);
+    cp_async_tile<C, C, LDA>(Pst(s), p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    cp_async_tile<C, C, LDA>(Tst(s), p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L);
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
       cp_async4(Gst(s) + threadIdx.x, p.G + (tok0 + r) * p.Hv + h);

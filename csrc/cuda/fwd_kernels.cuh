@@ -103,9 +103,9 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
 
   const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off = ck.tok0 * p.Hv + h;
   const In* kg = static_cast<const In*>(p.k) + qk_off;
-  cp_async_tile(Ks, LDH, kg, p.Hqk * D, L, C, D);
-  cp_async_tile(Vs, LDH, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, L, C, D);
-  cp_async_tile(Qs, LDH, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L, C, D);
+  cp_async_tile<C, D, LDH>(Ks, kg, p.Hqk * D, L);
+  cp_async_tile<C, D, LDH>(Vs, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, L);
+  cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
   cp_async_commit();
   const int warp = threadIdx.x >> 5, lane = lane_id();
   if (warp < 2) {  // cumulative gates: inclusive scan over the 64 rows (two warps)
@@ -373,11 +373,11 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
-    cp_async_tile(Wst(s), LDW, p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L, C, D);
-    cp_async_tile(Kst(s), LDH, kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
+    cp_async_tile<C, D, LDW>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (want_o && ci >= c_begin) {
-      cp_async_tile(Qst(s), LDH, qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, C, D);
-      cp_async_tile(Pst(s), LDA, p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L, C, C);
+      cp_async_tile<C, D, LDH>(Qst(s), qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+      cp_async_tile<C, C, LDA>(Pst(s), p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L);
     }
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;

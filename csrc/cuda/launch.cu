@@ -311,10 +311,10 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   });
   const char* simt_env = std::getenv("FLASHGDN_BWD_SIMT");
   const bool simt = simt_env != nullptr && std::atoi(simt_env) == 1;
-  // FLASHGDN_GRAD_TC=1: grad_chunk_kernel's products on tensor cores. Opt-in until it has
-  // run on a GPU (written 2026-11-23 after that session's device time was spent).
+  // grad_chunk_kernel's products run on TF32 tensor cores (TcTile); FLASHGDN_GRAD_TC=0 keeps
+  // the fp32 SIMT products for A/B comparisons.
   const char* grad_tc_env = std::getenv("FLASHGDN_GRAD_TC");
-  const bool grad_tc = !simt && grad_tc_env != nullptr && std::atoi(grad_tc_env) == 1;
+  const bool grad_tc = !simt && !(grad_tc_env != nullptr && std::atoi(grad_tc_env) == 0);
   const SegmentPlan plan = plan_forward(p);
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, plan, c);

@@ -210,17 +210,28 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Copies `rows` x `cols` elements (row r < L from src + r * stride, else zeros) into a
-// shared tile with leading dimension ld, 16 bytes per cp.async, spread over the block.
-template <typename T>
-__device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int64_t stride,
-                                              int L, int rows, int cols) {
-  constexpr int kPer = 16 / sizeof(T);
-  const int per_row = cols / kPer;
-  for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
-    const int r = e / per_row, c = (e % per_row) * kPer;
-    const bool valid = r < L;
-    cp_async16(dst + r * ld + c, valid ? src + r * stride + c : src, valid);
+// Copies a ROWS x COLS tile (row r < L from src + r * stride, else zeros) into a shared
+// tile with leading dimension LD, 16 bytes per cp.async, spread over the 256 threads of the
+// block. The shape is known at compile time, so each thread's row and column come from
+// its index once and every further piece costs one pointer increment (no divisions).
+constexpr int kTileThreads = 256;
+template <int ROWS, int COLS, int LD, typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t stride, int L) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPerRow = COLS / kPer;  // 16-byte pieces per row
+  static_assert(COLS % kPer == 0 && kTileThreads % kPerRow == 0, "tile shape");
+  constexpr int kRowStep = kTileThreads / kPerRow;  // rows one pass covers
+  constexpr int kPasses = (ROWS + kRowStep - 1) / kRowStep;
+  const int r0 = static_cast<int>(threadIdx.x) / kPerRow;
+  const int c = (static_cast<int>(threadIdx.x) % kPerRow) * kPer;
+  const T* s = src + r0 * stride + c;
+  T* d = dst + r0 * LD + c;
+  const int64_t step = kRowStep * stride;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = r0 + i * kRowStep;
+    if (ROWS % kRowStep == 0 || r < ROWS) cp_async16(d + i * kRowStep * LD, r < L ? s : src, r < L);
+    s += step;
   }
 }
 
