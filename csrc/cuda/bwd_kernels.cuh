@@ -25,9 +25,8 @@
 namespace flashgdn {
 namespace cuda {
 
-struct BwdParams {
-  SeqLayout seqs;
-  int64_t Hqk, Hv;
+// SegParams: the segments of the reverse pass, the forward's plan walked last to first.
+struct BwdParams : SegParams {
   float scale;
   const void *q, *k, *v, *beta, *d_o;
   int g_dtype, beta_dtype;
@@ -149,14 +148,22 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// state_bwd_tc_kernel<BW>  grid (N, H_v, 128 / BW), 256 threads, ~210 KB smem (BW 32)
+// state_bwd_tc_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments), 256 threads,
+//   ~210 KB smem (BW 32)
 //   The reverse sequential pass of state_bwd_kernel on TF32 tensor cores (mma.cuh), laid
 //   out as state_fwd_kernel: dS (128 x BW) in the accumulator registers of the 8 warps, a
 //   tf32 copy of dS^T in shared memory, the previous chunk's Q, K, P, T, dO, G copied by
 //   cp.async while the current one computes. Per chunk (last first):
 //     dU = scale P^T dO + diag(eL) K dS,  dVt = T^T dU,
 //     dS <- exp(G_last) dS + Q^T diag(scale gam) dO - K^T diag(beta gam) dVt.
-//   reads  q, k, do, beta, G, T, P, dht    writes dh (dS leaving each chunk), dVt, dh0
+//   Context parallelism as the forward's state pass, mirrored: dS <- M_c^T dS + (dO terms)
+//   is affine with the transpose of the forward's chunk transition, so the same warm-up
+//   bound holds. A segment's dS enters at its last chunk from dht (the last segment), from
+//   a warm-up over the chunks after it, or exactly from seg_in; phase 1 forms the summaries
+//   (L: the dS leaving the segment's first chunk from its own start; M: the pass on the
+//   identity with dO = 0) that seg_combine_kernel chains last to first.
+//   reads  q, k, do, beta, G, T, P, Lb, dht, seg_in
+//   writes dh (dS leaving each chunk), dVt, dh0 (phase 0); seg_L, seg_M (phase 1)
 
 template <typename In, int BW>
 struct StateBwdSmem {
@@ -181,13 +188,34 @@ template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   using SM = StateBwdSmem<In, BW>;
-  constexpr int NJ = BW / 16, NS = BW / 8, LDO = SM::LDO;
+  constexpr int NJ = BW / 16, NS = BW / 8, LDO = SM::LDO, CBN = D / BW;
   if (p.seqs.failed()) return;
-  const int vb = blockIdx.z * BW;
-  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), n = blockIdx.x;
-  if (n >= p.seqs.N) return;
+  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
+  int64_t n, j;
+  if (!locate_segment(p, z, n, j)) return;
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
   const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
+  const int64_t seg = seg_chunks(p);
+  const int64_t c_begin = j * seg;
+  if (j > 0 && c_begin >= nch) return;
+  const int64_t c_end = c_begin + seg < nch ? c_begin + seg : nch;  // chunks [c_begin, c_end)
+
+  // ---- where dS comes from (phase 0), or which summary this block forms (phase 1, for a
+  // segment whose predecessor starts exactly from it: blocks x < D / BW the dS leaving the
+  // segment from its own start, blocks x >= D / BW the columns of its transition, from I)
+  const SegStart ss = segment_start(p, chunk0, nch, h, j, true);
+  const int cb = static_cast<int>(blockIdx.x) % CBN, vb = cb * BW;
+  bool identity = false;
+  if (p.phase == 1) {
+    if (j == 0) return;  // no predecessor
+    if (segment_start(p, chunk0, nch, h, j - 1, true).src != SegSource::Exact) return;
+    identity = static_cast<int>(blockIdx.x) >= CBN;
+    if (identity && ss.src != SegSource::Exact) return;
+  } else if (blockIdx.x >= CBN) {
+    return;
+  }
+  const int64_t c_last = ss.c_first;  // the pass runs chunks c_last down to c_begin
+  const bool outputs = p.phase == 0;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto Qst = [&](int s) { return reinterpret_cast<In*>(smem_raw + s * SM::kStage); };
@@ -230,16 +258,22 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   // dS registers: rows 16 warp + (g, g + 8), columns 8 jn + (2t, 2t + 1)
   float sacc[NS][4];
   const int64_t state_off = (n * p.Hv + h) * D * D;
+  {
+    const float* src = nullptr;
+    if (ss.src == SegSource::H0 && p.dht) src = p.dht + state_off;
+    if (p.phase == 0 && ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
 #pragma unroll
-  for (int jn = 0; jn < NS; ++jn)
+    for (int jn = 0; jn < NS; ++jn)
 #pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-      const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
-      float2 v = make_float2(0.f, 0.f);
-      if (p.dht) v = __ldcg(reinterpret_cast<const float2*>(p.dht + state_off + i * D + vb + c));
-      sacc[jn][e] = v.x;
-      sacc[jn][e + 1] = v.y;
-    }
+      for (int e = 0; e < 4; e += 2) {
+        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+        float2 v = make_float2(0.f, 0.f);
+        if (identity) v = make_float2(i == vb + c ? 1.f : 0.f, i == vb + c + 1 ? 1.f : 0.f);
+        else if (src) v = __ldcg(reinterpret_cast<const float2*>(src + i * D + vb + c));
+        sacc[jn][e] = v.x;
+        sacc[jn][e + 1] = v.y;
+      }
+  }
   auto write_state_smem = [&]() {
 #pragma unroll
     for (int jn = 0; jn < NS; ++jn)
@@ -250,17 +284,18 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
       }
   };
   write_state_smem();
-  if (nch > 0) issue(nch - 1, 0);
+  if (c_last >= c_begin) issue(c_last, 0);
 
-  for (int64_t ci = nch - 1; ci >= 0; --ci) {
-    const int s = static_cast<int>((nch - 1 - ci) & 1);
+  for (int64_t ci = c_last; ci >= c_begin; --ci) {
+    const int s = static_cast<int>((c_last - ci) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const bool out = outputs && ci < c_end;  // not a warm-up chunk
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; every shared buffer of the previous chunk consumed
     if (threadIdx.x < C) Bs[threadIdx.x] = beta_pre;
-    if (ci > 0) issue(ci - 1, s ^ 1);
-    {  // dh: dS leaving chunk ci
+    if (ci > c_begin) issue(ci - 1, s ^ 1);
+    if (out) {  // dh: dS leaving chunk ci
       float* dst = p.dh + ((chunk0 + ci) * p.Hv + h) * D * D;
 #pragma unroll
       for (int jn = 0; jn < NS; ++jn)
@@ -276,7 +311,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
       const In* dO = dOst(s);
       for (int e = threadIdx.x; e < C * BW; e += NT) {
         const int r = e / BW, c = e % BW;
-        const float x = to_f(dO[r * LDO + c]);
+        const float x = identity ? 0.f : to_f(dO[r * LDO + c]);  // the transition: dO = 0
         dOt[c * LDA + r] = x;  // 16-bit values are exact tf32
         Xt[c * LDA + r] = round_tf32(p.scale * __expf(G[r]) * x);
       }
@@ -338,7 +373,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
-          if (r < L)
+          if (out && r < L)
             __stcg(reinterpret_cast<float2*>(p.dVt + ((tok0 + r) * p.Hv + h) * D + vb + c),
                    make_float2(dv[jj][e], dv[jj][e + 1]));
           const float bg = -Bs[r] * __expf(G[r]);
@@ -374,14 +409,17 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
       write_state_smem();
     }
   }
-  if (p.dh0) {
+  // ---- the dS leaving the segment: dh0 (the first segment), or this block's summary
+  float* dst = nullptr;
+  if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
+  else if (j == 0 && p.dh0) dst = p.dh0 + state_off;
+  if (dst) {
 #pragma unroll
     for (int jn = 0; jn < NS; ++jn)
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
-        __stcg(reinterpret_cast<float2*>(p.dh0 + state_off + i * D + c),
-               make_float2(sacc[jn][e], sacc[jn][e + 1]));
+        __stcg(reinterpret_cast<float2*>(dst + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
       }
   }
 }

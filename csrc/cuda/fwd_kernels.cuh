@@ -31,7 +31,7 @@
 //   writes o, final state (phase 0); seg_L, seg_M (phase 1); for the backward's
 //   recomputation (p.h set) the state entering every chunk (h) and U = U0 - W S
 //
-// seg_combine_kernel  grid (N, H_v, 128 / 32): see its definition.
+// seg_combine_kernel  grid (N, H_v, 128 / 16): see its definition.
 #pragma once
 
 #include "../planner.h"
@@ -47,9 +47,24 @@ constexpr int LDA = 72;   // fp32 [.][64] tiles
 constexpr float kLogEps = -16.f;  // warm-up accepted when the bound is below e^-16 ~ 1.1e-7
 constexpr int kWarmupMax = 16;    // most chunks of warm-up a segment may use
 
-struct FwdParams {
+// Sequences, heads and the segments of the context-parallel sequential passes: shared by
+// the forward's state pass (FwdParams) and the backward's reverse pass (BwdParams).
+struct SegParams {
   SeqLayout seqs;
   int64_t Hqk, Hv;
+  float* Lb;                      // [max_chunks, Hv] warm-up bound of every chunk (wy_kernel)
+  int64_t seg_chunks;             // chunks per segment (when seg_chunks_dev is null)
+  const int64_t* seg_chunks_dev;  // varlen, device-chosen segment length (plan_kernel)
+  int64_t segs_per_seq;           // fixed-length inputs: segments of every sequence
+  const int64_t* seg_offsets;     // varlen: [N + 1] first segment of each sequence
+  float* seg_L;   // [segments, Hv, D, D] state (or dS) leaving a segment, from its own start
+                  //   (zero for an exact segment, else h0 / dht / warm-up)
+  float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
+  float* seg_in;  // [segments, Hv, D, D] exact state (or dS) entering an exact segment
+  int phase;      // sequential passes: 0 outputs, 1 segment summaries (L, M)
+};
+
+struct FwdParams : SegParams {
   float scale;
   const void *q, *k, *v, *g, *beta;
   int g_dtype, beta_dtype;
@@ -61,21 +76,10 @@ struct FwdParams {
   float* U0;         // [TT, Hv, D]
   float* Tmat;       // [TT, Hv, C] or null
   float* Pmat;       // [TT, Hv, C]
-  float* Lb;         // [max_chunks, Hv] or null
   // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
-  // segments of the context-parallel forward
-  int64_t seg_chunks;           // chunks per segment (when seg_chunks_dev is null)
-  const int64_t* seg_chunks_dev;  // varlen, device-chosen segment length (plan_kernel)
-  int64_t segs_per_seq;         // fixed-length inputs: segments of every sequence
-  const int64_t* seg_offsets;   // varlen: [N + 1] first segment of each sequence
-  float* seg_L;                 // [segments, Hv, D, D] state leaving a segment, from its own
-                                //   start (zero for an exact segment, else h0 / warm-up)
-  float* seg_M;                 // [segments, Hv, D, D] transition of an exact segment
-  float* seg_in;                // [segments, Hv, D, D] exact state entering an exact segment
-  int phase;                    // state_fwd_kernel: 0 outputs, 1 segment summaries (L, M)
-  int debug;                    // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
+  int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
 };
 
 // ---------------------------------------------------------------------------------------
@@ -179,31 +183,50 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
     if (lane == 0) p.Lb[blockIdx.x * p.Hv + h] = Gs[L - 1] + acc;
   }
 
-  // T = (I + A)^-1 by forward substitution, T[r, j] = delta_rj - sum_{s < r} A[r, s] T[s, j]:
-  // one column per thread (two warps), the column in registers, the loops fully unrolled;
-  // every thread reads the same A row at the same time (broadcast float4 loads).
-  if (threadIdx.x < C) {
-    const int j = threadIdx.x;
-    float t[C];
+  // T = (I + A)^-1 blockwise over 16 x 16 blocks (A strictly lower triangular):
+  //   diagonal blocks by forward substitution, T_ii[r, j] = delta_rj - sum_{s<r} A_ii[r, s] T_ii[s, j]
+  //   (one column per thread, 64 threads, chains of at most 15 steps);
+  //   then block rows i = 1..3 in turn: X_ij = sum_{k=j}^{i-1} A_ik T_kj (Tv as scratch) and
+  //   T_ij = -T_ii X_ij for every j < i, all 256 threads; blocks above the diagonal are zero.
+  //   fp32 throughout: the dependent chain is ~250 FMAs instead of 2016 for a whole column.
+  {
+    constexpr int B = 16;
+    if (threadIdx.x < C) {
+      const int b = threadIdx.x / B, jj = threadIdx.x % B, r0 = b * B;
+      float t[B];
 #pragma unroll
-    for (int r = 0; r < C; ++r) t[r] = 0.f;
+      for (int r = 0; r < B; ++r) {
+        float acc = r == jj ? 1.f : 0.f;
 #pragma unroll
-    for (int r = 0; r < C; ++r) {
-      float acc = r == j ? 1.f : 0.f;
-#pragma unroll
-      for (int s = 0; s < r; s += 4) {  // A[r, s'] = 0 for s' >= r, t[s'] still 0 there
-        const float4 a = *reinterpret_cast<const float4*>(As + r * LDA + s);
-        acc -= a.x * t[s];
-        acc -= a.y * t[s + 1];
-        acc -= a.z * t[s + 2];
-        acc -= a.w * t[s + 3];
+        for (int s = 0; s < r; ++s) acc -= As[(r0 + r) * LDA + r0 + s] * t[s];
+        t[r] = acc;
       }
-      t[r] = acc;
-    }
 #pragma unroll
-    for (int r = 0; r < C; ++r) Ts[r * LDA + j] = t[r];
+      for (int r = 0; r < B; ++r) Ts[(r0 + r) * LDA + r0 + jj] = t[r];
+    }
+    for (int e = threadIdx.x; e < C * C; e += NT) {  // zero blocks above the diagonal
+      const int r = e / C, c = e % C;
+      if (c / B > r / B) Ts[r * LDA + c] = 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int bi = 1; bi < C / B; ++bi) {
+      for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // X_ij for j < bi
+        const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+        float x = 0.f;
+        for (int s = bj * B; s < bi * B; ++s) x += As[r * LDA + s] * Ts[s * LDA + c];
+        Tv[r * LDA + c] = x;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // T_ij = -T_ii X_ij
+        const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+        float x = 0.f;
+        for (int s = bi * B; s <= r; ++s) x += Ts[r * LDA + s] * Tv[s * LDA + c];
+        Ts[r * LDA + c] = -x;
+      }
+      __syncthreads();
+    }
   }
-  __syncthreads();
   // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
   for (int e = threadIdx.x; e < C * C; e += NT) {
     const int r = e / C, s = e % C;
@@ -260,40 +283,59 @@ struct StateFwdSmem {
 };
 
 // Where the state entering a segment comes from (context parallelism; docs/algorithm.md).
+// The backward's reverse pass walks the chunks last first: its segments "enter" at their
+// last chunk, from the dS of the segment after them, and H0 stands for dht there.
 enum class SegSource {
-  H0,      // the sequence's initial state (segment 0, or a recomputation from chunk 0)
-  Warmup,  // zero at chunk c_first < c_begin: the gates forget the earlier state
-  Exact,   // seg_in, formed by seg_combine_kernel from the predecessors' L and M
+  H0,      // the sequence's initial state (forward) or dht (reverse): exact
+  Warmup,  // zero, a few chunks before the segment: the gates forget what came earlier
+  Exact,   // seg_in, formed by seg_combine_kernel from the neighbours' L and M
 };
 struct SegStart {
   SegSource src;
-  int64_t c_first;  // first chunk the pass processes
+  int64_t c_first;  // first chunk the pass processes (the last one, for the reverse pass)
 };
 
-// Segment j of the sequence whose first chunk (in the Lb table) is chunk0. A warm-up is
-// accepted when the product of the bounds of the chunks it skips, exp(sum Lb), is below
-// exp(kLogEps) within kWarmupMax chunks; reaching chunk 0 first means recomputing from h0.
-__device__ __forceinline__ int64_t seg_chunks(const FwdParams& p) {
+__device__ __forceinline__ int64_t seg_chunks(const SegParams& p) {
   return p.seg_chunks_dev != nullptr ? *p.seg_chunks_dev : p.seg_chunks;
 }
 
-__device__ __forceinline__ SegStart segment_start(const FwdParams& p, int64_t chunk0, int64_t h,
-                                                  int64_t j) {
-  const int64_t c_begin = j * seg_chunks(p);
-  if (j == 0) return {SegSource::H0, 0};
+// Segment j of a sequence with nch chunks whose first chunk (in the Lb table) is chunk0.
+// A warm-up is accepted when the product of the bounds of the chunks it runs before the
+// segment, exp(sum Lb), is below exp(kLogEps) within kWarmupMax chunks (the bound holds for
+// a chunk's transition and for its transpose alike); reaching the sequence's end first
+// means starting from h0 (forward) or dht (reverse), which is exact.
+__device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t chunk0,
+                                                  int64_t nch, int64_t h, int64_t j,
+                                                  bool reverse = false) {
+  const int64_t seg = seg_chunks(p);
+  if (!reverse) {
+    const int64_t c_begin = j * seg;
+    if (j == 0) return {SegSource::H0, 0};
+    float bound = 0.f;
+    int64_t c = c_begin;
+    while (c > 0 && c_begin - c < kWarmupMax && bound > kLogEps) {
+      --c;
+      bound += p.Lb[(chunk0 + c) * p.Hv + h];
+    }
+    if (bound <= kLogEps) return {c == 0 ? SegSource::H0 : SegSource::Warmup, c};
+    if (c == 0) return {SegSource::H0, 0};
+    return {SegSource::Exact, c_begin};
+  }
+  const int64_t c_last = (j + 1) * seg < nch ? (j + 1) * seg - 1 : nch - 1;
+  if (c_last == nch - 1) return {SegSource::H0, c_last};
   float bound = 0.f;
-  int64_t c = c_begin;
-  while (c > 0 && c_begin - c < kWarmupMax && bound > kLogEps) {
-    --c;
+  int64_t c = c_last;
+  while (c < nch - 1 && c - c_last < kWarmupMax && bound > kLogEps) {
+    ++c;
     bound += p.Lb[(chunk0 + c) * p.Hv + h];
   }
-  if (bound <= kLogEps) return {c == 0 ? SegSource::H0 : SegSource::Warmup, c};
-  if (c == 0) return {SegSource::H0, 0};
-  return {SegSource::Exact, c_begin};
+  if (bound <= kLogEps) return {c == nch - 1 ? SegSource::H0 : SegSource::Warmup, c};
+  if (c == nch - 1) return {SegSource::H0, c};
+  return {SegSource::Exact, c_last};
 }
 
 // Segments of sequence n: the first one's index z0 and their count.
-__device__ __forceinline__ void sequence_segments(const FwdParams& p, int64_t n, int64_t& z0,
+__device__ __forceinline__ void sequence_segments(const SegParams& p, int64_t n, int64_t& z0,
                                                   int64_t& count) {
   if (p.seg_offsets != nullptr) {
     z0 = p.seg_offsets[n];
@@ -303,6 +345,26 @@ __device__ __forceinline__ void sequence_segments(const FwdParams& p, int64_t n,
     const int64_t nch = (p.seqs.seq_len(n) + C - 1) / C;
     count = segments_of(nch, seg_chunks(p));
   }
+}
+
+// The sequence n and segment j of block z of a sequential pass (grid z = segments);
+// false when z is past the last segment.
+__device__ __forceinline__ bool locate_segment(const SegParams& p, int64_t z, int64_t& n,
+                                               int64_t& j) {
+  if (p.seg_offsets != nullptr) {
+    if (z >= p.seg_offsets[p.seqs.N]) return false;
+    int64_t lo = 0, hi = p.seqs.N - 1;  // last n with seg_offsets[n] <= z
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (p.seg_offsets[mid] <= z) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+    j = z - p.seg_offsets[n];
+    return true;
+  }
+  n = z / p.segs_per_seq;
+  j = z % p.segs_per_seq;
+  return n < p.seqs.N;
 }
 
 template <typename In, int BW>
@@ -316,20 +378,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   // ---- which segment of which sequence
   const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
   int64_t n, j;
-  if (p.seg_offsets != nullptr) {
-    if (z >= p.seg_offsets[p.seqs.N]) return;
-    int64_t lo = 0, hi = p.seqs.N - 1;  // last n with seg_offsets[n] <= z
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (p.seg_offsets[mid] <= z) lo = mid; else hi = mid - 1;
-    }
-    n = lo;
-    j = z - p.seg_offsets[n];
-  } else {
-    n = z / p.segs_per_seq;
-    j = z % p.segs_per_seq;
-    if (n >= p.seqs.N) return;
-  }
+  if (!locate_segment(p, z, n, j)) return;
   const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
   const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
   const int64_t seg = seg_chunks(p);
@@ -340,12 +389,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   // ---- where the state comes from (phase 0), or which summary this block forms (phase 1:
   // blocks x < D / BW the state leaving the segment from its own start, zero for an exact
   // segment; blocks x >= D / BW the columns of an exact segment's transition M, from I)
-  const SegStart ss = segment_start(p, chunk0, h, j);
+  const SegStart ss = segment_start(p, chunk0, nch, h, j);
   const int cb = static_cast<int>(blockIdx.x) % CBN, vb = cb * BW;
   bool identity = false;
   if (p.phase == 1) {
     if (c_end >= nch) return;  // no successor
-    if (segment_start(p, chunk0, h, j + 1).src != SegSource::Exact) return;  // nobody needs it
+    if (segment_start(p, chunk0, nch, h, j + 1).src != SegSource::Exact) return;  // nobody needs it
     identity = static_cast<int>(blockIdx.x) >= CBN;
     if (identity && ss.src != SegSource::Exact) return;
   }
@@ -582,36 +631,40 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// seg_combine_kernel  grid (N, H_v, D / 32), 256 threads, 80 KB smem
-//   Walks the segments of one sequence in order for 32 state columns of one head and
-//   forms the exact state entering every segment that starts from its predecessor
-//   (SegSource::Exact): S_in(j+1) = M_j S_in(j) + L_j when segment j is exact itself, else
-//   L_j (the state leaving segment j from its own start, h0 or a warm-up). fp32 FMA.
+// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 72 KB smem
+//   Walks the segments of one sequence in pass order (first to last for the forward,
+//   last to first for the backward's reverse pass, `reverse`) for kCombineCols state
+//   columns of one head and forms the exact state entering every segment that starts from
+//   its neighbour (SegSource::Exact): S_in(next) = M_prev S_in(prev) + L_prev when the
+//   previous segment is exact itself, else L_prev (what it leaves from its own start:
+//   h0 / dht or a warm-up). fp32 FMA.
 //   reads  Lb, seg_L, seg_M     writes seg_in
 
-constexpr int kCombineCols = 32;
+constexpr int kCombineCols = 16;
+constexpr int kCombineRows = D * kCombineCols / NT;  // rows of S_in per thread
 constexpr size_t kCombineSmem = sizeof(float) * (D * D + D * kCombineCols);
 
-__global__ void __launch_bounds__(NT) seg_combine_kernel(FwdParams p) {
+__global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
   const int64_t h = blockIdx.y, n = blockIdx.x;
   const int vb = blockIdx.z * kCombineCols;
   if (n >= p.seqs.N) return;
   int64_t z0, count;
   sequence_segments(p, n, z0, count);
-  const int64_t chunk0 = p.seqs.first_chunk(n);
+  const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M_j
-  float* Sc = Ms + D * D;                         // [D][32] S_in(j)
-  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * 16;
-  bool prev_exact = false;  // segment j is exact (its S_in is in Sc)
-  for (int64_t j = 0; j + 1 < count; ++j) {
-    const bool next_exact = segment_start(p, chunk0, h, j + 1).src == SegSource::Exact;
+  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M of the previous segment
+  float* Sc = Ms + D * D;                         // [D][kCombineCols] S_in of the previous one
+  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
+  bool prev_exact = false;  // the previous segment is exact (its S_in is in Sc)
+  for (int64_t t = 0; t + 1 < count; ++t) {
+    const int64_t prev = reverse ? count - 1 - t : t, next = reverse ? prev - 1 : prev + 1;
+    const bool next_exact = segment_start(p, chunk0, nch, h, next, reverse).src == SegSource::Exact;
     if (next_exact) {
-      const size_t base = static_cast<size_t>((z0 + j) * p.Hv + h) * D * D;
-      float acc[16];
+      const size_t base = static_cast<size_t>((z0 + prev) * p.Hv + h) * D * D;
+      float acc[kCombineRows];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) acc[i] = __ldcg(p.seg_L + base + (r0 + i) * D + vb + col);
+      for (int i = 0; i < kCombineRows; ++i) acc[i] = __ldcg(p.seg_L + base + (r0 + i) * D + vb + col);
       if (prev_exact) {
         for (int e = threadIdx.x; e < D * D / 4; e += NT)
           reinterpret_cast<float4*>(Ms)[e] = __ldcg(reinterpret_cast<const float4*>(p.seg_M + base) + e);
@@ -620,16 +673,16 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(FwdParams p) {
           const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
           const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
+          for (int i = 0; i < kCombineRows; ++i) {
             const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
             acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
           }
         }
         __syncthreads();  // Ms and Sc read
       }
-      float* out = p.seg_in + static_cast<size_t>((z0 + j + 1) * p.Hv + h) * D * D;
+      float* out = p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < kCombineRows; ++i) {
         Sc[(r0 + i) * kCombineCols + col] = acc[i];
         __stcg(out + (r0 + i) * D + vb + col, acc[i]);
       }

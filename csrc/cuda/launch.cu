@@ -211,11 +211,11 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
 }
 
-void launch_seg_combine(const Problem& p, const FwdParams& f, cudaStream_t st) {
+void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
   seg_combine_kernel<<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols),
-                       NT, kCombineSmem, st>>>(f);
+                       NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
@@ -230,13 +230,33 @@ void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
 }
 
 template <typename In, int BW>
-void launch_state_bwd_tc(const Problem& p, const BwdParams& g, cudaStream_t st) {
+void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdParams& g,
+                         cudaStream_t st) {
   constexpr size_t smem = StateBwdSmem<In, BW>::kBytes;
   static std::once_flag once;
   std::call_once(once, [] { set_smem(state_bwd_tc_kernel<In, BW>, smem); });
-  state_bwd_tc_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
+  const unsigned blocks_x = (g.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
+  state_bwd_tc_kernel<In, BW><<<dim3(blocks_x, static_cast<unsigned>(p.Hv),
+                                     static_cast<unsigned>(plan.max_segments)),
                                 NT, smem, st>>>(g);
   check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
+}
+
+// The reverse pass over the forward's segments (last to first), with the summaries and
+// their chaining first when a segment starts exactly from its successor.
+template <typename In>
+void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
+  auto launch = [&] {
+    if (plan.col_block == 16) launch_state_bwd_tc<In, 16>(plan, p, g, st);
+    else launch_state_bwd_tc<In, 32>(plan, p, g, st);
+  };
+  if (plan.split) {
+    g.phase = 1;
+    launch();
+    launch_seg_combine(p, g, true, st);
+  }
+  g.phase = 0;
+  launch();
 }
 
 template <typename In, int BW>
@@ -277,7 +297,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
       f.phase = 1;
       if (plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
       else launch_state_fwd<In, 32>(plan, p, f, st);
-      launch_seg_combine(p, f, st);
+      launch_seg_combine(p, f, false, st);
       f.phase = 0;
     }
     if (plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
@@ -326,9 +346,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   run_state_pass<In>(p, plan, b.f, f, st);
 
   BwdParams g{};
-  g.seqs = s;
-  g.Hqk = p.Hqk;
-  g.Hv = p.Hv;
+  static_cast<SegParams&>(g) = f;  // sequences, heads, the forward's segments and buffers
   g.scale = p.scale;
   g.q = p.q;
   g.k = p.k;
@@ -358,10 +376,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
       if (bw == 32) launch_state_bwd<In, 32>(p, g, st);
       else if (bw == 16) launch_state_bwd<In, 16>(p, g, st);
       else launch_state_bwd<In, 8>(p, g, st);
-    } else if (unsplit_col_block(p.N, p.Hv, sm_count(p.device_id)) == 16) {
-      launch_state_bwd_tc<In, 16>(p, g, st);
     } else {
-      launch_state_bwd_tc<In, 32>(p, g, st);
+      run_reverse_pass<In>(p, plan, g, st);
     }
   }
   if (p.max_chunks() > 0) {
