@@ -322,17 +322,25 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
     float du[NJ][4] = {}, kd[NJ][4] = {};
     {
       const In* K = Kst(s);
-#pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t a[4];
+      float kd2[NJ][4] = {};  // odd k steps: shorter dependent chains
+#pragma unroll 2
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a[4], a2[4];
         frag_a(a, K, LDH, m0, k0);
+        frag_a(a2, K, LDH, m0, k0 + 8);
 #pragma unroll
         for (int jj = 0; jj < NJ; ++jj) {
-          uint32_t b[2];
+          uint32_t b[2], b2[2];
           frag_b(b, dSs, LDW, n0 + 8 * jj, k0);
+          frag_b(b2, dSs, LDW, n0 + 8 * jj, k0 + 8);
           mma_tf32(kd[jj], a, b);
+          mma_tf32(kd2[jj], a2, b2);
         }
       }
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) kd[jj][e] += kd2[jj][e];
       const float* P = Pst(s);
       for (int k0 = m0; k0 < C; k0 += 8) {
         uint32_t a[4];
@@ -392,6 +400,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
         for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
       const In* Q = Qst(s);
       const In* K = Kst(s);
+      float sb[NS][4] = {};  // K^T Y in its own accumulators: two dependent chains, not one
 #pragma unroll 2
       for (int k0 = 0; k0 < C; k0 += 8) {
         uint32_t aq[4], ak[4];
@@ -403,9 +412,13 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
           frag_b(bx, Xt, LDA, 8 * jn, k0);
           frag_b(by, Yt, LDA, 8 * jn, k0);
           mma_tf32(sacc[jn], aq, bx);
-          mma_tf32(sacc[jn], ak, by);
+          mma_tf32(sb[jn], ak, by);
         }
       }
+#pragma unroll
+      for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] += sb[jn][e];
       write_state_smem();
     }
   }

@@ -228,12 +228,15 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
     }
   }
   // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
-  for (int e = threadIdx.x; e < C * C; e += NT) {
-    const int r = e / C, s = e % C;
-    const float t = Ts[r * LDA + s];
-    As[r * LDA + s] = round_tf32(t * bs[s] * __expf(Gs[s]));
-    Tv[r * LDA + s] = round_tf32(t * bs[s]);
-    if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
+  {  // each thread keeps one column s, so its factors are computed once
+    const int s = threadIdx.x % C;
+    const float fb = bs[s], fe = fb * __expf(Gs[s]);
+    for (int r = threadIdx.x / C; r < C; r += NT / C) {
+      const float t = Ts[r * LDA + s];
+      As[r * LDA + s] = round_tf32(t * fe);
+      Tv[r * LDA + s] = round_tf32(t * fb);
+      if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
+    }
   }
   if (threadIdx.x < L) p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
   __syncthreads();
@@ -519,36 +522,58 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     const float* G = Gst(s);
     const float gl = G[C - 1];
 
-    // U = U0 - W S and QS = Q S
+    // U = U0 - W S and QS = Q S. Even and odd k steps go to separate accumulators (summed
+    // at the end) so that each dependent mma chain is half as long.
     float ua[NJ][4] = {}, qa[NJ][4] = {};
-    if (out) {
-      const In* Q = Qst(s);
-#pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t aw[4], aq[4];
-        frag_a(aw, W, LDW, m0, k0);
-        frag_a(aq, Q, LDH, m0, k0);
+    {
+      float ub[NJ][4] = {}, qb[NJ][4] = {};
+      if (out) {
+        const In* Q = Qst(s);
+#pragma unroll 2
+        for (int k0 = 0; k0 < D; k0 += 16) {
+          uint32_t aw[4], aq[4], aw2[4], aq2[4];
+          frag_a(aw, W, LDW, m0, k0);
+          frag_a(aq, Q, LDH, m0, k0);
+          frag_a(aw2, W, LDW, m0, k0 + 8);
+          frag_a(aq2, Q, LDH, m0, k0 + 8);
 #pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) {
-          uint32_t b[2];
-          frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
-          mma_tf32(ua[jj], aw, b);
-          mma_tf32(qa[jj], aq, b);
+          for (int jj = 0; jj < NJ; ++jj) {
+            uint32_t b[2], b2[2];
+            frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
+            frag_b(b2, Ss, LDW, n0 + 8 * jj, k0 + 8);
+            mma_tf32(ua[jj], aw, b);
+            mma_tf32(qa[jj], aq, b);
+            mma_tf32(ub[jj], aw2, b2);
+            mma_tf32(qb[jj], aq2, b2);
+          }
+        }
+      } else {
+#pragma unroll 2
+        for (int k0 = 0; k0 < D; k0 += 16) {
+          uint32_t aw[4], aw2[4];
+          frag_a(aw, W, LDW, m0, k0);
+          frag_a(aw2, W, LDW, m0, k0 + 8);
+#pragma unroll
+          for (int jj = 0; jj < NJ; ++jj) {
+            uint32_t b[2], b2[2];
+            frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
+            frag_b(b2, Ss, LDW, n0 + 8 * jj, k0 + 8);
+            mma_tf32(ua[jj], aw, b);
+            mma_tf32(ub[jj], aw2, b2);
+          }
         }
       }
-    } else {
-#pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t aw[4];
-        frag_a(aw, W, LDW, m0, k0);
 #pragma unroll
-        for (int jj = 0; jj < NJ; ++jj) {
-          uint32_t b[2];
-          frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
-          mma_tf32(ua[jj], aw, b);
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ua[jj][e] += ub[jj][e];
+          qa[jj][e] += qb[jj][e];
         }
-      }
     }
+    // per-row gate factors of this thread's two rows (g, g + 8): exp(G_r), exp(G_last - G_r)
+    const float eg_lo = __expf(G[m0 + acc_row(0)]), eg_hi = __expf(G[m0 + acc_row(2)]);
+    const float el_lo = __expf(gl - G[m0 + acc_row(0)]), el_hi = __expf(gl - G[m0 + acc_row(2)]);
 #pragma unroll
     for (int jj = 0; jj < NJ; ++jj)
 #pragma unroll
@@ -559,8 +584,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
           __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
                  make_float2(u, u0[jj][e + 1] - ua[jj][e + 1]));
         Us[c * LDA + r] = round_tf32(u);
-        Ue[c * LDA + r] = round_tf32(u * __expf(gl - G[r]));
-        qa[jj][e] *= __expf(G[r]);
+        Ue[c * LDA + r] = round_tf32(u * (e < 2 ? el_lo : el_hi));
+        qa[jj][e] *= e < 2 ? eg_lo : eg_hi;
       }
     __syncthreads();  // U complete
 
@@ -596,17 +621,25 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
       const In* K = Kst(s);
+      float sb[NS][4] = {};  // odd k steps (shorter dependent chains), added at the end
 #pragma unroll
-      for (int k0 = 0; k0 < C; k0 += 8) {
-        uint32_t ak[4];
+      for (int k0 = 0; k0 < C; k0 += 16) {
+        uint32_t ak[4], ak2[4];
         frag_a_trans(ak, K, LDH, 16 * warp, k0);
+        frag_a_trans(ak2, K, LDH, 16 * warp, k0 + 8);
 #pragma unroll
         for (int jn = 0; jn < NS; ++jn) {
-          uint32_t b[2];
+          uint32_t b[2], b2[2];
           frag_b(b, Ue, LDA, 8 * jn, k0);
+          frag_b(b2, Ue, LDA, 8 * jn, k0 + 8);
           mma_tf32(sacc[jn], ak, b);
+          mma_tf32(sb[jn], ak2, b2);
         }
       }
+#pragma unroll
+      for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] += sb[jn][e];
       write_state_smem();
     }
   };
