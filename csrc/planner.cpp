@@ -85,6 +85,7 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
       if (s.est_us < best_split.est_us) best_split = s;
     }
   }
+  const bool lengths_unknown = q.fixed_chunks < 0 && q.N > 1 && !forced_bw;
   if (best_split.split && best_split.est_us < (1.0 - cost.min_gain) * best_unsplit.est_us) {
     if (q.fixed_chunks < 0 && q.N > 1) {
       // varlen: the estimate took the total as the longest sequence; size the grids for the
@@ -92,10 +93,14 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
       SegmentPlan d = with_length(q, kMinSegChunks, best_split.col_block);
       d.est_us = best_split.est_us;
       d.device_choice = true;
+      d.device_col_block = lengths_unknown;
       return d;
     }
     return best_split;
   }
+  // 16 columns only pay when one long sequence is the critical path, which the host
+  // cannot tell for packed sequences: the device decides
+  best_unsplit.device_col_block = lengths_unknown && best_unsplit.col_block == 16;
   return best_unsplit;
 }
 

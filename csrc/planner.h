@@ -30,6 +30,11 @@ struct SegmentPlan {
   // the grids for segments of seg_chunks (the shortest candidate) and the device
   // (plan_kernel) picks the segment length, or none, from the actual lengths.
   bool device_choice = false;
+  // varlen Auto with several sequences: the host's column block assumed the worst case (one
+  // sequence holding every token); the device picks 16 or 32 from the actual lengths, both
+  // kernels are launched and the one not chosen returns at once. Also set with
+  // device_choice (then the device picks the column block with the segment length).
+  bool device_col_block = false;
 };
 
 struct SegmentQuery {

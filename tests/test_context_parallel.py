@@ -209,3 +209,41 @@ def test_cp_backward_auto_engages():
     for n, a, b in zip(NAMES, split, unsplit):
         print(f"  d{n}: auto vs off {rel_err(a, b):.2e}")
         assert rel_err(a, b) < 3e-3, f"d{n}: {rel_err(a, b):.3e}"
+
+
+def test_device_picks_column_block_for_packed_sequences():
+    """Eight packed 1024-token sequences at 16/16 heads: the host, which cannot see the
+    lengths, leaves the column block to the device (csrc/planner.h, device_col_block); with
+    16 chunks per sequence it must pick 32 columns, so forward and backward are bit-equal to
+    a forced 32-column unsplit run, and the backward's reverse pass follows the same plan."""
+    from test_backward import NAMES
+    case = Case("packed_short", [1024] * 8, 16, 16, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=34)
+    gen = torch.Generator().manual_seed(35)
+    do = torch.randn(inp["v"].shape, generator=gen).to(inp["v"].dtype).cuda()
+    dht = torch.randn(inp["initial_state"].shape, generator=gen).cuda()
+
+    def run(env):
+        old = {k: os.environ.get(k) for k in ("FLASHGDN_CP", "FLASHGDN_FWD_BW")}
+        os.environ.update(env)
+        try:
+            leaves = {n: inp[n].clone().requires_grad_() for n in NAMES}
+            o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                    output_final_state=True)
+            grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), list(leaves.values()))
+            return [o.detach(), ht.detach(), *grads]
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    auto = run({"FLASHGDN_CP": "auto"})
+    bw32 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "32"})
+    bw16 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "16"})
+    for name, a, b, c in zip(["o", "ht"] + [f"d{n}" for n in NAMES], auto, bw32, bw16):
+        assert torch.equal(a, b), f"{name}: auto is not the 32-column pass"
+        assert rel_err(c, b) < 2e-3, f"{name}: 16 and 32 columns differ by {rel_err(c, b):.3e}"
+    ro, rh = reference(inp)
+    assert rel_err(auto[0], ro) < O_TOL and rel_err(auto[1], rh) < STATE_TOL

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   using SM = StateBwdSmem<In, BW>;
   constexpr int NJ = BW / 16, NS = BW / 8, LDO = SM::LDO, CBN = D / BW;
-  if (p.seqs.failed()) return;
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
   const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
   int64_t n, j;
   if (!locate_segment(p, z, n, j)) return;

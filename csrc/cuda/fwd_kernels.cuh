@@ -62,7 +62,15 @@ struct SegParams {
   float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
   float* seg_in;  // [segments, Hv, D, D] exact state (or dS) entering an exact segment
   int phase;      // sequential passes: 0 outputs, 1 segment summaries (L, M)
+  const int64_t* col_block_dev;  // varlen: the device-chosen column block; the kernel of the
+                                 //   other column block returns at once (null: host's choice)
 };
+
+// Whether a sequential pass compiled for column block BW runs in this call.
+template <int BW>
+__device__ __forceinline__ bool col_block_chosen(const SegParams& p) {
+  return p.col_block_dev == nullptr || *p.col_block_dev == BW;
+}
 
 struct FwdParams : SegParams {
   float scale;
@@ -376,7 +384,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   constexpr int NJ = BW / 16;  // n tiles per warp of the 64 x BW products
   constexpr int NS = BW / 8;   // n tiles per warp of the 128 x BW state update
   constexpr int CBN = D / BW;
-  if (p.seqs.failed()) return;
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
 
   // ---- which segment of which sequence
   const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;

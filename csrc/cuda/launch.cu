@@ -45,7 +45,7 @@ struct FwdBuffers {
   int* error;
   float *G, *W, *U0, *P, *Lb;
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
-  int64_t* seg_chunks;             // context parallelism, varlen: the device's segment length
+  int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
 };
 struct BwdBuffers {
   FwdBuffers f;
@@ -73,8 +73,8 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
     b.seg_L = c.take<float>(segheads * D * D);
     b.seg_M = c.take<float>(segheads * D * D);
     b.seg_in = c.take<float>(segheads * D * D);
-    if (plan.device_choice) b.seg_chunks = c.take<int64_t>(1);
   }
+  if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(2);
   return b;
 }
 
@@ -246,9 +246,9 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
 // their chaining first when a segment starts exactly from its successor.
 template <typename In>
 void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
-  auto launch = [&] {
-    if (plan.col_block == 16) launch_state_bwd_tc<In, 16>(plan, p, g, st);
-    else launch_state_bwd_tc<In, 32>(plan, p, g, st);
+  auto launch = [&] {  // both column blocks when the device picks one (the other returns)
+    if (plan.device_col_block || plan.col_block == 16) launch_state_bwd_tc<In, 16>(plan, p, g, st);
+    if (plan.device_col_block || plan.col_block == 32) launch_state_bwd_tc<In, 32>(plan, p, g, st);
   };
   if (plan.split) {
     g.phase = 1;
@@ -274,10 +274,12 @@ template <typename In>
 void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   DeviceSegChoice choice{};
-  if (plan.device_choice) {
+  if (plan.device_choice || plan.device_col_block) {
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);
     choice.col_block = plan.col_block;
+    choice.pick_col_block = plan.device_col_block;
+    choice.allow_split = plan.device_choice;
     choice.min_seg = plan.seg_chunks;
     choice.chosen = b.seg_chunks;
   }
@@ -287,21 +289,24 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.segs_per_seq = p.varlen() ? 0 : std::max<int64_t>(1, (nch + f.seg_chunks - 1) / f.seg_chunks);
   f.seg_offsets = b.seg_offsets;
   f.seg_chunks_dev = plan.device_choice ? b.seg_chunks : nullptr;
+  f.col_block_dev = plan.device_col_block ? b.seg_chunks + 1 : nullptr;
   if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
   f.seg_L = b.seg_L;
   f.seg_M = b.seg_M;
   f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
+  auto launch = [&] {
+    if (plan.device_col_block || plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
+    if (plan.device_col_block || plan.col_block == 32) launch_state_fwd<In, 32>(plan, p, f, st);
+  };
   if (p.N > 0) {
     if (plan.split) {  // exact entering states of the segments that need them
       f.phase = 1;
-      if (plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
-      else launch_state_fwd<In, 32>(plan, p, f, st);
+      launch();
       launch_seg_combine(p, f, false, st);
       f.phase = 0;
     }
-    if (plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
-    else launch_state_fwd<In, 32>(plan, p, f, st);
+    launch();
   }
 }
 

@@ -7,8 +7,9 @@
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
 //          seg_offsets [N + 1] (prefix sum of max(1, ceil(chunks / seg_chunks)): the
 //          context-parallel segments of every sequence, see csrc/planner.h); with a
-//          DeviceSegChoice, first picks seg_chunks from the actual lengths under the
-//          planner's cost model and writes it to choice.chosen
+//          DeviceSegChoice, first picks seg_chunks (and, if asked, the column block)
+//          from the actual lengths under the planner's cost model and writes them to
+//          choice.chosen [2]
 // poison_kernel grid-stride
 //   writes NaN into an output when error is set, so a bad cu_seqlens is never
 //   silent garbage (the compute kernels skip all work in that case).
@@ -31,8 +32,10 @@ struct DeviceSegChoice {
   ForwardCost cost;
   double heads = 0;
   int sms = 0, col_block = 32;
+  bool pick_col_block = false;  // also choose the column block (16 or 32)
+  bool allow_split = true;      // false: only the column block is chosen (unsplit plan)
   int64_t min_seg = 0;
-  int64_t* chosen = nullptr;  // writes the chosen chunks per segment here
+  int64_t* chosen = nullptr;  // writes [chunks per segment, column block] here
 };
 
 __global__ void __launch_bounds__(kPlanThreads)
@@ -80,11 +83,18 @@ __global__ void __launch_bounds__(kPlanThreads)
     LoadStats st;
     st.longest = static_cast<double>(longest);
     st.total = static_cast<double>(carry);
-    double best = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms,
-                                         choice.col_block, 0.0);
-    int64_t best_seg = carry + 1;  // unsplit: longer than any sequence
+    // unsplit (longer than any sequence) at each column block, then the splits, each of
+    // which must beat the best unsplit plan by min_gain
+    int best_bw = choice.col_block;
+    double best = 1e300;
+    for (int bw = 16; bw <= 32; bw += 16) {
+      if (!choice.pick_col_block && bw != choice.col_block) continue;
+      const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms, bw, 0.0);
+      if (t < best) best = t, best_bw = bw;
+    }
+    int64_t best_seg = carry + 1;
     const double bar = (1.0 - choice.cost.min_gain) * best;
-    for (int64_t seg = choice.min_seg; seg > 0 && seg < longest; seg *= 2) {
+    for (int64_t seg = choice.min_seg; choice.allow_split && seg > 0 && seg < longest; seg *= 2) {
       int64_t segs = 0;
       for (int64_t n = threadIdx.x; n < s.N; n += kPlanThreads) {
         const int64_t c = chunks_of(n);
@@ -96,13 +106,19 @@ __global__ void __launch_bounds__(kPlanThreads)
       __syncthreads();
       st.segs = static_cast<double>(seg_shared);
       st.max_segs_per_seq = static_cast<double>(segments_of(longest, seg));
-      const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms,
-                                              choice.col_block, static_cast<double>(seg));
-      if (t < bar && t < best) best = t, best_seg = seg;
+      for (int bw = 16; bw <= 32; bw += 16) {
+        if (!choice.pick_col_block && bw != choice.col_block) continue;
+        const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms, bw,
+                                                static_cast<double>(seg));
+        if (t < bar && t < best) best = t, best_seg = seg, best_bw = bw;
+      }
       __syncthreads();
     }
-    seg_chunks = best_seg;
-    if (threadIdx.x == 0) *choice.chosen = best_seg;
+    if (choice.allow_split) seg_chunks = best_seg;
+    if (threadIdx.x == 0) {
+      choice.chosen[0] = choice.allow_split ? best_seg : seg_chunks;
+      choice.chosen[1] = best_bw;
+    }
   }
   if (seg_offsets) {
     int64_t seg_carry = 0;

@@ -90,6 +90,20 @@ TEST(Planner, VarlenBoundCoversEverySplit) {
   }
 }
 
+TEST(Planner, DeviceChoosesColumnBlockForPackedSequences) {
+  // 8 x 1024 tokens at 16/16 heads: under the host's worst case (one sequence of all 128
+  // chunks) 16 columns would win, so the device picks from the actual lengths
+  const auto p = plan_segments(query(8, 16, 16, /*varlen=*/true));
+  EXPECT_FALSE(p.split);
+  EXPECT_TRUE(p.device_col_block);
+  EXPECT_FALSE(plan_segments(query(1, 128, 16, /*varlen=*/true)).device_col_block);  // N = 1
+  EXPECT_FALSE(plan_segments(query(8, 16, 16)).device_col_block);  // fixed length: known
+  auto q = query(8, 16, 16, /*varlen=*/true);
+  q.forced_col_block = 16;
+  EXPECT_FALSE(plan_segments(q).device_col_block);  // forced
+  EXPECT_TRUE(plan_segments(query(2, 256, 8, /*varlen=*/true)).device_col_block);  // split too
+}
+
 TEST(Planner, ForcedModes) {
   auto q = query(1, 512, 64);
   q.mode = CpMode::On;
