@@ -23,14 +23,16 @@ O_TOL = 4.3e-3
 STATE_TOL = 3.7e-3
 
 
+ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW")
+
+
 @contextmanager
-def cp_env(mode: str, seg: int = 0):
-    old = {k: os.environ.get(k) for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG")}
-    os.environ["FLASHGDN_CP"] = mode
-    if seg:
-        os.environ["FLASHGDN_CP_SEG"] = str(seg)
-    else:
-        os.environ.pop("FLASHGDN_CP_SEG", None)
+def env_vars(settings: dict):
+    """The planner's switches set to `settings` (the others unset) for the scope."""
+    old = {k: os.environ.get(k) for k in ENV_KEYS}
+    for k in ENV_KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(settings)
     try:
         yield
     finally:
@@ -39,6 +41,10 @@ def cp_env(mode: str, seg: int = 0):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def cp_env(mode: str, seg: int = 0):
+    return env_vars({"FLASHGDN_CP": mode, **({"FLASHGDN_CP_SEG": str(seg)} if seg else {})})
 
 
 CP_CASES = [
@@ -224,20 +230,12 @@ def test_device_picks_column_block_for_packed_sequences():
     dht = torch.randn(inp["initial_state"].shape, generator=gen).cuda()
 
     def run(env):
-        old = {k: os.environ.get(k) for k in ("FLASHGDN_CP", "FLASHGDN_FWD_BW")}
-        os.environ.update(env)
-        try:
+        with env_vars(env):
             leaves = {n: inp[n].clone().requires_grad_() for n in NAMES}
             o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
                                                     output_final_state=True)
             grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), list(leaves.values()))
             return [o.detach(), ht.detach(), *grads]
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     auto = run({"FLASHGDN_CP": "auto"})
     bw32 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "32"})

@@ -255,35 +255,16 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
     cp_async_commit();
   };
 
-  // dS registers: rows 16 warp + (g, g + 8), columns 8 jn + (2t, 2t + 1)
+  // dS registers (load_acc_state's layout)
   float sacc[NS][4];
   const int64_t state_off = (n * p.Hv + h) * D * D;
   {
     const float* src = nullptr;
     if (ss.src == SegSource::H0 && p.dht) src = p.dht + state_off;
     if (p.phase == 0 && ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
-#pragma unroll
-    for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
-        float2 v = make_float2(0.f, 0.f);
-        if (identity) v = make_float2(i == vb + c ? 1.f : 0.f, i == vb + c + 1 ? 1.f : 0.f);
-        else if (src) v = __ldcg(reinterpret_cast<const float2*>(src + i * D + vb + c));
-        sacc[jn][e] = v.x;
-        sacc[jn][e + 1] = v.y;
-      }
+    load_acc_state(sacc, src, vb, identity);
   }
-  auto write_state_smem = [&]() {
-#pragma unroll
-    for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
-        dSs[c * LDW + i] = round_tf32(sacc[jn][e]);
-      }
-  };
-  write_state_smem();
+  store_acc_state_smem_t(dSs, LDW, sacc);
   if (c_last >= c_begin) issue(c_last, 0);
 
   for (int64_t ci = c_last; ci >= c_begin; --ci) {
@@ -295,16 +276,8 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
     __syncthreads();  // stage s landed; every shared buffer of the previous chunk consumed
     if (threadIdx.x < C) Bs[threadIdx.x] = beta_pre;
     if (ci > c_begin) issue(ci - 1, s ^ 1);
-    if (out) {  // dh: dS leaving chunk ci
-      float* dst = p.dh + ((chunk0 + ci) * p.Hv + h) * D * D;
-#pragma unroll
-      for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
-          __stcg(reinterpret_cast<float2*>(dst + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
-        }
-    }
+    if (out)  // dh: dS leaving chunk ci
+      store_acc_state(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
     const float* G = Gst(s);
     const float gl = G[C - 1];
     {  // dO^T and (scale gam dO)^T as fp32 B tiles
@@ -419,22 +392,14 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
       for (int jn = 0; jn < NS; ++jn)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sacc[jn][e] += sb[jn][e];
-      write_state_smem();
+      store_acc_state_smem_t(dSs, LDW, sacc);
     }
   }
   // ---- the dS leaving the segment: dh0 (the first segment), or this block's summary
   float* dst = nullptr;
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (j == 0 && p.dh0) dst = p.dh0 + state_off;
-  if (dst) {
-#pragma unroll
-    for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
-        __stcg(reinterpret_cast<float2*>(dst + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
-      }
-  }
+  if (dst) store_acc_state(dst, sacc, vb);
 }
 
 constexpr size_t kGradSmem =

@@ -34,6 +34,8 @@
 // seg_combine_kernel  grid (N, H_v, 128 / 16): see its definition.
 #pragma once
 
+#include <type_traits>
+
 #include "../planner.h"
 #include "common.cuh"
 #include "mma.cuh"
@@ -469,34 +471,15 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       }
   };
 
-  // ---- initial state: registers (rows 16 warp + (g, g + 8), columns 8 jn + (2t, 2t + 1))
+  // ---- initial state: registers (load_acc_state's layout)
   float sacc[NS][4];
   {
     const float* src = nullptr;
     if (p.phase == 0 && ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
     if (ss.src == SegSource::H0 && p.h0 != nullptr) src = p.h0 + (n * p.Hv + h) * D * D;
-#pragma unroll
-    for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
-        float2 v = make_float2(0.f, 0.f);
-        if (identity) v = make_float2(i == vb + c ? 1.f : 0.f, i == vb + c + 1 ? 1.f : 0.f);
-        else if (src) v = __ldcg(reinterpret_cast<const float2*>(src + i * D + vb + c));
-        sacc[jn][e] = v.x;
-        sacc[jn][e + 1] = v.y;
-      }
+    load_acc_state(sacc, src, vb, identity);
   }
-  auto write_state_smem = [&]() {
-#pragma unroll
-    for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
-        Ss[c * LDW + i] = round_tf32(sacc[jn][e]);
-      }
-  };
-  write_state_smem();
+  store_acc_state_smem_t(Ss, LDW, sacc);
 
   // U0 registers alternate between two sets (the loop is unrolled by two), so a chunk's
   // U0 loads are issued one whole step before their use and nothing waits on them.
@@ -516,16 +499,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       load_u0(u0n, ci + 1);  // used one step later: no wait here
     }
     const bool out = want_o && ci >= c_begin;
-    if (record && ci >= c_begin) {  // the state entering chunk ci
-      float* hs = p.h + ((chunk0 + ci) * p.Hv + h) * D * D;
-#pragma unroll
-      for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
-          __stcg(reinterpret_cast<float2*>(hs + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
-        }
-    }
+    if (record && ci >= c_begin)  // the state entering chunk ci
+      store_acc_state(p.h + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
     const float* W = Wst(s);
     const float* G = Gst(s);
     const float gl = G[C - 1];
@@ -535,42 +510,30 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     float ua[NJ][4] = {}, qa[NJ][4] = {};
     {
       float ub[NJ][4] = {}, qb[NJ][4] = {};
-      if (out) {
+      auto products = [&](auto with_q) {  // with_q: Q S as well (chunks with outputs)
+        constexpr bool kQ = decltype(with_q)::value;
         const In* Q = Qst(s);
 #pragma unroll 2
         for (int k0 = 0; k0 < D; k0 += 16) {
           uint32_t aw[4], aq[4], aw2[4], aq2[4];
           frag_a(aw, W, LDW, m0, k0);
-          frag_a(aq, Q, LDH, m0, k0);
+          if constexpr (kQ) frag_a(aq, Q, LDH, m0, k0);
           frag_a(aw2, W, LDW, m0, k0 + 8);
-          frag_a(aq2, Q, LDH, m0, k0 + 8);
+          if constexpr (kQ) frag_a(aq2, Q, LDH, m0, k0 + 8);
 #pragma unroll
           for (int jj = 0; jj < NJ; ++jj) {
             uint32_t b[2], b2[2];
             frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
             frag_b(b2, Ss, LDW, n0 + 8 * jj, k0 + 8);
             mma_tf32(ua[jj], aw, b);
-            mma_tf32(qa[jj], aq, b);
+            if constexpr (kQ) mma_tf32(qa[jj], aq, b);
             mma_tf32(ub[jj], aw2, b2);
-            mma_tf32(qb[jj], aq2, b2);
+            if constexpr (kQ) mma_tf32(qb[jj], aq2, b2);
           }
         }
-      } else {
-#pragma unroll 2
-        for (int k0 = 0; k0 < D; k0 += 16) {
-          uint32_t aw[4], aw2[4];
-          frag_a(aw, W, LDW, m0, k0);
-          frag_a(aw2, W, LDW, m0, k0 + 8);
-#pragma unroll
-          for (int jj = 0; jj < NJ; ++jj) {
-            uint32_t b[2], b2[2];
-            frag_b(b, Ss, LDW, n0 + 8 * jj, k0);
-            frag_b(b2, Ss, LDW, n0 + 8 * jj, k0 + 8);
-            mma_tf32(ua[jj], aw, b);
-            mma_tf32(ub[jj], aw2, b2);
-          }
-        }
-      }
+      };
+      if (out) products(std::true_type{});
+      else products(std::false_type{});
 #pragma unroll
       for (int jj = 0; jj < NJ; ++jj)
 #pragma unroll
@@ -648,7 +611,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       for (int jn = 0; jn < NS; ++jn)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sacc[jn][e] += sb[jn][e];
-      write_state_smem();
+      store_acc_state_smem_t(Ss, LDW, sacc);
     }
   };
   for (int64_t ci = c_first; ci < c_end; ci += 2) {
@@ -660,15 +623,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   float* dst = nullptr;
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
-  if (dst) {
-#pragma unroll
-    for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
-        __stcg(reinterpret_cast<float2*>(dst + i * D + c), make_float2(sacc[jn][e], sacc[jn][e + 1]));
-      }
-  }
+  if (dst) store_acc_state(dst, sacc, vb);
 }
 
 // ---------------------------------------------------------------------------------------

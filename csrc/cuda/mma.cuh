@@ -121,6 +121,52 @@ __device__ __forceinline__ void frag_b_trans(uint32_t (&b)[2], const T* s, int l
 __device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
 
+// The 128 x (8 NS) block of a state (or dS) that the sequential passes keep in the
+// accumulator registers of their 8 warps: warp w holds rows 16 w + (g, g + 8), columns
+// 8 jn + (2t, 2t + 1) of the block, whose first column in the full 128 x 128 state is vb.
+// Loads from src (row stride 128; null: zero) or, with `identity`, the identity's columns.
+template <int NS>
+__device__ __forceinline__ void load_acc_state(float (&acc)[NS][4], const float* src, int vb,
+                                               bool identity) {
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+      float2 v = make_float2(0.f, 0.f);
+      if (identity) v = make_float2(i == vb + c ? 1.f : 0.f, i == vb + c + 1 ? 1.f : 0.f);
+      else if (src) v = __ldcg(reinterpret_cast<const float2*>(src + i * 128 + vb + c));
+      acc[jn][e] = v.x;
+      acc[jn][e + 1] = v.y;
+    }
+}
+// Stores the block into dst (row stride 128), bypassing L1.
+template <int NS>
+__device__ __forceinline__ void store_acc_state(float* dst, const float (&acc)[NS][4], int vb) {
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int i = 16 * warp + acc_row(e), c = vb + 8 * jn + acc_col(e);
+      __stcg(reinterpret_cast<float2*>(dst + i * 128 + c), make_float2(acc[jn][e], acc[jn][e + 1]));
+    }
+}
+// Writes the block transposed and tf32-rounded into a shared tile [8 NS][ld] (column c of
+// the block is row c of the tile): the B operand of the next chunk's products.
+template <int NS>
+__device__ __forceinline__ void store_acc_state_smem_t(float* st, int ld, const float (&acc)[NS][4]) {
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+      st[c * ld + i] = round_tf32(acc[jn][e]);
+    }
+}
+
 // An M x N fp32 result computed on TF32 tensor cores from fp32 shared-memory operands,
 // with the interface of common.cuh's Tile (a[i][j] at row(i), col(j); mma<TA, TB, KD>).
 // Warps tile the result as (M / 16) x (8 / (M / 16)) blocks of 16 x N / WN; each thread
