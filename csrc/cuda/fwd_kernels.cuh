@@ -4,7 +4,8 @@
 // wy_kernel      grid (max_chunks, H_v), 256 threads, ~108 KB smem (2 blocks per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
 //   cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r), T = (I + A)^-1
-//   by forward substitution, W = T diag(beta exp G) K, U0 = T diag(beta) V,
+//   blockwise (16 x 16 diagonal blocks by substitution, then block rows),
+//   W = T diag(beta exp G) K, U0 = T diag(beta) V,
 //   P = (Q K^T) . Dec (Dec[r,s] = exp(G_r - G_s), s <= r), and the chunk's warm-up bound
 //   Lb = sum_r g_r + log max(1, |1 - beta_r |k_r|^2|) (log of a bound on how much the
 //   chunk's transition can keep of an earlier state; used by the context-parallel pass).
@@ -27,6 +28,8 @@
 //   leaving it from its own start, L, and, if it is exact itself, its transition M: the
 //   same pass run on the identity with U0 = 0, no outputs); seg_combine_kernel chains the
 //   summaries, S_in(j+1) = M_j S_in(j) + L_j; phase 0 then runs every segment with outputs.
+//   For packed sequences the device may choose the column block (col_block_dev): both
+//   instantiations are launched and the one not chosen returns at once.
 //   reads  k, q, W, U0, P, G, Lb, initial state, seg_in
 //   writes o, final state (phase 0); seg_L, seg_M (phase 1); for the backward's
 //   recomputation (p.h set) the state entering every chunk (h) and U = U0 - W S
