@@ -242,13 +242,17 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
   check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
 }
 
+// Whether the sequential passes launch their bw-column kernel: the planner's column block,
+// or both when the device picks one (the other returns at once).
+bool launches(const SegmentPlan& plan, int bw) { return plan.device_col_block || plan.col_block == bw; }
+
 // The reverse pass over the forward's segments (last to first), with the summaries and
 // their chaining first when a segment starts exactly from its successor.
 template <typename In>
 void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
-  auto launch = [&] {  // both column blocks when the device picks one (the other returns)
-    if (plan.device_col_block || plan.col_block == 16) launch_state_bwd_tc<In, 16>(plan, p, g, st);
-    if (plan.device_col_block || plan.col_block == 32) launch_state_bwd_tc<In, 32>(plan, p, g, st);
+  auto launch = [&] {
+    if (launches(plan, 16)) launch_state_bwd_tc<In, 16>(plan, p, g, st);
+    if (launches(plan, 32)) launch_state_bwd_tc<In, 32>(plan, p, g, st);
   };
   if (plan.split) {
     g.phase = 1;
@@ -296,8 +300,8 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
   auto launch = [&] {
-    if (plan.device_col_block || plan.col_block == 16) launch_state_fwd<In, 16>(plan, p, f, st);
-    if (plan.device_col_block || plan.col_block == 32) launch_state_fwd<In, 32>(plan, p, f, st);
+    if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, st);
+    if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, st);
   };
   if (p.N > 0) {
     if (plan.split) {  // exact entering states of the segments that need them
