@@ -310,10 +310,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
           mma_tf32(kd2[jj], a2, b2);
         }
       }
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) kd[jj][e] += kd2[jj][e];
+      add_acc(kd, kd2);
       const float* P = Pst(s);
       for (int k0 = m0; k0 < C; k0 += 8) {
         uint32_t a[4];
@@ -388,10 +385,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
           mma_tf32(sb[jn], ak, by);
         }
       }
-#pragma unroll
-      for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[jn][e] += sb[jn][e];
+      add_acc(sacc, sb);
       store_acc_state_smem_t(dSs, LDW, sacc);
     }
   }

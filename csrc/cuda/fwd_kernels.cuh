@@ -537,13 +537,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       };
       if (out) products(std::true_type{});
       else products(std::false_type{});
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          ua[jj][e] += ub[jj][e];
-          qa[jj][e] += qb[jj][e];
-        }
+      add_acc(ua, ub);
+      add_acc(qa, qb);
     }
     // per-row gate factors of this thread's two rows (g, g + 8): exp(G_r), exp(G_last - G_r)
     const float eg_lo = __expf(G[m0 + acc_row(0)]), eg_hi = __expf(G[m0 + acc_row(2)]);
@@ -610,10 +605,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
           mma_tf32(sb[jn], ak2, b2);
         }
       }
-#pragma unroll
-      for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[jn][e] += sb[jn][e];
+      add_acc(sacc, sb);
       store_acc_state_smem_t(Ss, LDW, sacc);
     }
   };

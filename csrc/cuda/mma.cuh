@@ -121,6 +121,16 @@ __device__ __forceinline__ void frag_b_trans(uint32_t (&b)[2], const T* s, int l
 __device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
 
+// a += b over a warp's m16n8 accumulator tiles (the halves of a product whose k steps were
+// split between two accumulator sets to shorten the dependent mma chains).
+template <int N>
+__device__ __forceinline__ void add_acc(float (&a)[N][4], const float (&b)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[j][e] += b[j][e];
+}
+
 // The 128 x (8 NS) block of a state (or dS) that the sequential passes keep in the
 // accumulator registers of their 8 warps: warp w holds rows 16 w + (g, g + 8), columns
 // 8 jn + (2t, 2t + 1) of the block, whose first column in the full 128 x 128 state is vb.
