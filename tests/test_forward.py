@@ -96,3 +96,29 @@ def test_gpu_matches_cpu_backend(case: Case):
     o_g, h_g = flashgdn.chunk_gated_delta_rule(**gpu, output_final_state=True)
     assert rel_err(o_g.cpu(), o_c) < 4e-3
     assert rel_err(h_g.cpu(), h_c) < 1e-3  # TF32 tensor cores on the GPU, fp32 on the CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("bw", ["16", "32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_state_pass_wgmma_vs_mma_sync(monkeypatch, bw: str, dtype: torch.dtype):
+    """The sequential pass runs on warp-level mma.sync by default; FLASHGDN_WGMMA=1 selects
+    the warpgroup (wgmma) kernel. Both use tf32 operands: they must match the float64
+    reference equally well, agree within tf32 rounding, and each must be deterministic.
+    Lengths not multiple of 64, an initial state, g == 0 heads."""
+    case = Case("wg", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
+    inp = make_inputs(case, "cuda", seed=23)
+    monkeypatch.setenv("FLASHGDN_FWD_BW", bw)
+    om, htm = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    monkeypatch.setenv("FLASHGDN_WGMMA", "1")
+    o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    ro, rh = reference(inp)
+    print(f"  BW {bw} {dtype}: wgmma o {rel_err(o, ro):.2e} state {rel_err(ht, rh):.2e}; "
+          f"mma.sync o {rel_err(om, ro):.2e} state {rel_err(htm, rh):.2e}")
+    assert torch.equal(o, o2) and torch.equal(ht, ht2), "two runs differ"
+    assert rel_err(om, ro) < O_TOL and rel_err(htm, rh) < STATE_TOL
+    assert rel_err(o, ro) < max(1.2 * rel_err(om, ro), 2e-3)
+    assert rel_err(ht, rh) < max(1.2 * rel_err(htm, rh), 1e-3)
+    assert rel_err(o, om.double()) < 2e-3 and rel_err(ht, htm.double()) < 1e-3

@@ -42,6 +42,7 @@
 #include "../planner.h"
 #include "common.cuh"
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace flashgdn {
 namespace cuda {
@@ -85,7 +86,7 @@ struct FwdParams : SegParams {
   void* o;           // [TT, Hv, D] or null
   float* ht;         // [N, Hv, D, D] or null
   float* G;          // [TT, Hv]
-  float* W;          // [TT, Hv, D]
+  __half* W;         // [TT, Hv, D] fp16: tf32's 10-bit mantissa in 16 bits (|W| ~ 1 / |k|)
   float* U0;         // [TT, Hv, D]
   float* Tmat;       // [TT, Hv, C] or null
   float* Pmat;       // [TT, Hv, C]
@@ -279,8 +280,7 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
         const int r = m0 + acc_row(e), c = n0 + 8 * j + acc_col(e);
         if (r < L) {
           const int64_t idx = (row_off + r * p.Hv) * D + c;
-          *reinterpret_cast<float2*>(p.W + idx) =
-              make_float2(round_tf32(w[j][e]), round_tf32(w[j][e + 1]));
+          *reinterpret_cast<__half2*>(p.W + idx) = __floats2half2_rn(w[j][e], w[j][e + 1]);
           *reinterpret_cast<float2*>(p.U0 + idx) =
               make_float2(round_tf32(u[j][e]), round_tf32(u[j][e + 1]));
         }
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
 template <typename In, int BW>
 struct StateFwdSmem {
   static constexpr size_t kStage =
-      sizeof(float) * (C * LDW + C * LDA + C) + sizeof(In) * 2 * C * LDH;
+      sizeof(__half) * C * LDH + sizeof(float) * (C * LDA + C) + sizeof(In) * 2 * C * LDH;
   static constexpr size_t kBytes = 2 * kStage + sizeof(float) * (BW * LDW + 2 * BW * LDA);
 };
 
@@ -384,7 +384,7 @@ __device__ __forceinline__ bool locate_segment(const SegParams& p, int64_t z, in
 }
 
 template <typename In, int BW>
-__global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
+__global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   constexpr int NJ = BW / 16;  // n tiles per warp of the 64 x BW products
   constexpr int NS = BW / 8;   // n tiles per warp of the 128 x BW state update
@@ -418,8 +418,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* stage_base = reinterpret_cast<float*>(smem_raw);
-  auto Wst = [&](int s) { return reinterpret_cast<float*>(smem_raw + s * StateFwdSmem<In, BW>::kStage); };
-  auto Pst = [&](int s) { return Wst(s) + C * LDW; };
+  auto Wst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * StateFwdSmem<In, BW>::kStage); };
+  auto Pst = [&](int s) { return reinterpret_cast<float*>(Wst(s) + C * LDH); };
   auto Gst = [&](int s) { return Pst(s) + C * LDA; };
   auto Kst = [&](int s) { return reinterpret_cast<In*>(Gst(s) + C); };
   auto Qst = [&](int s) { return Kst(s) + C * LDH; };
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
-    cp_async_tile<C, D, LDW>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
     cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (want_o && ci >= c_begin) {
       cp_async_tile<C, D, LDH>(Qst(s), qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
@@ -504,7 +504,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     const bool out = want_o && ci >= c_begin;
     if (record && ci >= c_begin)  // the state entering chunk ci
       store_acc_state(p.h + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
-    const float* W = Wst(s);
+    const __half* W = Wst(s);
     const float* G = Gst(s);
     const float gl = G[C - 1];
 
@@ -519,9 +519,9 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 #pragma unroll 2
         for (int k0 = 0; k0 < D; k0 += 16) {
           uint32_t aw[4], aq[4], aw2[4], aq2[4];
-          frag_a(aw, W, LDW, m0, k0);
+          frag_a(aw, W, LDH, m0, k0);
           if constexpr (kQ) frag_a(aq, Q, LDH, m0, k0);
-          frag_a(aw2, W, LDW, m0, k0 + 8);
+          frag_a(aw2, W, LDH, m0, k0 + 8);
           if constexpr (kQ) frag_a(aq2, Q, LDH, m0, k0 + 8);
 #pragma unroll
           for (int jj = 0; jj < NJ; ++jj) {
@@ -608,6 +608,239 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
       add_acc(sacc, sb);
       store_acc_state_smem_t(Ss, LDW, sacc);
     }
+  };
+  for (int64_t ci = c_first; ci < c_end; ci += 2) {
+    step(ci, u0a, u0b);
+    if (ci + 1 < c_end) step(ci + 1, u0b, u0a);
+  }
+
+  // ---- the state leaving the segment: the final state, or this block's summary
+  float* dst = nullptr;
+  if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
+  else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
+  if (dst) store_acc_state(dst, sacc, vb);
+}
+
+// ---------------------------------------------------------------------------------------
+// state_fwd_kernel: the sequential pass on warpgroup tensor cores (wgmma, tf32)
+
+template <typename In, int BW>
+struct StateFwdWgSmem {
+  static constexpr size_t kW = sizeof(__half) * C * LDH;  // W: [64][LDH]
+  static constexpr size_t kP = sizeof(float) * C * C;      // P, core-matrix [64][64]
+  static constexpr size_t kH = sizeof(In) * C * LDH;       // K, Q: [64][LDH]
+  static constexpr size_t kStage = kW + kP + 2 * kH + sizeof(float) * C;
+  static_assert(kStage % 128 == 0, "stages keep the core-matrix tiles 128-byte aligned");
+  static constexpr size_t kBytes = 2 * kStage + sizeof(float) * (BW * D + 2 * BW * C);
+};
+
+template <typename In, int BW>
+__global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
+  static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
+  constexpr int NS = BW / 8;  // 8-column accumulator tiles per warp (every product is 64 x BW)
+  constexpr int CBN = D / BW;
+  using Smem = StateFwdWgSmem<In, BW>;
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
+
+  // ---- which segment of which sequence, where its state comes from (see state_fwd_mma_kernel)
+  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
+  int64_t n, j;
+  if (!locate_segment(p, z, n, j)) return;
+  const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
+  const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
+  const int64_t seg = seg_chunks(p);
+  const int64_t c_begin = j * seg;
+  const int64_t c_end = c_begin + seg < nch ? c_begin + seg : nch;
+  if (j > 0 && c_begin >= nch) return;
+  const SegStart ss = segment_start(p, chunk0, nch, h, j);
+  const int cb = static_cast<int>(blockIdx.x) % CBN, vb = cb * BW;
+  bool identity = false;
+  if (p.phase == 1) {
+    if (c_end >= nch) return;
+    if (segment_start(p, chunk0, nch, h, j + 1).src != SegSource::Exact) return;
+    identity = static_cast<int>(blockIdx.x) >= CBN;
+    if (identity && ss.src != SegSource::Exact) return;
+  }
+  const int64_t c_first = ss.c_first;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto Wst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * Smem::kStage); };
+  auto Pst = [&](int s) { return reinterpret_cast<float*>(smem_raw + s * Smem::kStage + Smem::kW); };
+  auto Kst = [&](int s) { return reinterpret_cast<In*>(Pst(s) + C * C); };
+  auto Qst = [&](int s) { return Kst(s) + C * LDH; };
+  auto Gst = [&](int s) { return reinterpret_cast<float*>(Qst(s) + C * LDH); };
+  float* Ss = reinterpret_cast<float*>(smem_raw + 2 * Smem::kStage);  // core [BW][128]: S^T
+  float* Us = Ss + BW * D;  // core [BW][64]: U^T
+  float* Ue = Us + BW * C;  // core [BW][64]: (diag(eL) U)^T, tokens in paired_slot order
+
+  // Warpgroup 0 forms U = U0 - W S; warpgroup 1 the outputs, scale (diag(e^G) Q S + P U);
+  // both update their 64 rows of S. rw: this warp's first row in its warpgroup's products.
+  const int warp = threadIdx.x >> 5, wg = warp >> 2, rw = 16 * (warp & 3);
+  const In* kbase = static_cast<const In*>(p.k);
+  const In* qbase = static_cast<const In*>(p.q);
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const bool record = p.phase == 0 && p.h != nullptr;
+
+  auto issue = [&](int64_t ci, int s) {
+    if (p.debug & 2) return;
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    if (want_o && ci >= c_begin) {
+      cp_async_tile<C, D, LDH>(Qst(s), qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+      cp_async_core_tile<C, C>(Pst(s), p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    }
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
+      cp_async4(Gst(s) + threadIdx.x, p.G + (tok0 + r) * p.Hv + h);
+    }
+    cp_async_commit();
+  };
+  // U0 of this warp's rows rw + (g, g + 8), all BW columns (warpgroup 0 only)
+  auto load_u0 = [&](float (&u)[NS][4], int64_t ci) {
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+#pragma unroll
+    for (int jj = 0; jj < NS; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
+        float2 v = make_float2(0.f, 0.f);
+        if (!identity && r < L)
+          v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c);
+        u[jj][e] = v.x;
+        u[jj][e + 1] = v.y;
+      }
+  };
+
+  // ---- initial state: registers (load_acc_state's layout), S^T in shared memory
+  float sacc[NS][4];
+  {
+    const float* src = nullptr;
+    if (p.phase == 0 && ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
+    if (ss.src == SegSource::H0 && p.h0 != nullptr) src = p.h0 + (n * p.Hv + h) * D * D;
+    load_acc_state(sacc, src, vb, identity);
+  }
+  store_acc_state_core_t(Ss, sacc);
+
+  float u0a[NS][4] = {}, u0b[NS][4] = {};
+  float acc[NS][4] = {};  // warpgroup 0: W S, warpgroup 1: Q S, then the output
+  if (c_first < c_end) {
+    issue(c_first, 0);
+    if (wg == 0) load_u0(u0a, c_first);
+  }
+  auto step = [&](const int64_t ci, const float (&u0)[NS][4], float (&u0n)[NS][4]) {
+    const int s = static_cast<int>((ci - c_first) & 1);
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_wait<0>();
+    fence_proxy_async();  // this thread's cp.async and S^T writes, visible to wgmma
+    __syncthreads();      // stage s landed; S^T complete; Us, Ue free
+    const bool out = want_o && ci >= c_begin;
+    const float* G = Gst(s);
+    const float gl = G[C - 1];
+    const float g_lo = G[rw + acc_row(0)], g_hi = G[rw + acc_row(2)];
+
+    if (wg == 0 || out) {  // warpgroup 0: W S, warpgroup 1: Q S (A from registers)
+      uint32_t af[D / 8][4];
+#pragma unroll
+      for (int k8 = 0; k8 < D / 8; ++k8) {
+        if (wg == 0) frag_a_natural(af[k8], Wst(s), LDH, rw, 8 * k8);
+        else frag_a_natural(af[k8], Qst(s), LDH, rw, 8 * k8);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int k8 = 0; k8 < D / 8; ++k8) wgmma_rs(acc, af[k8], core_desc<D>(Ss, k8), k8 > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(acc);
+#pragma unroll
+      for (int k8 = 0; k8 < D / 8; ++k8) fence_frag(af[k8]);
+    }
+    if (wg == 0) {  // U = U0 - W S
+      const float el_lo = __expf(gl - g_lo), el_hi = __expf(gl - g_hi);
+#pragma unroll
+      for (int jj = 0; jj < NS; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = rw + acc_row(e), c = 8 * jj + acc_col(e);
+          const float u = u0[jj][e] - acc[jj][e];
+          acc[jj][e] = u;  // recorded after the barrier below
+          Us[core_index<C>(c, r)] = round_tf32(u);
+          Ue[core_index<C>(c, paired_slot(r))] = round_tf32(u * (e < 2 ? el_lo : el_hi));
+        }
+    } else if (out) {  // Q S scaled by e^G per row
+      const float eg_lo = __expf(g_lo), eg_hi = __expf(g_hi);
+#pragma unroll
+      for (int jj = 0; jj < NS; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[jj][e] *= e < 2 ? eg_lo : eg_hi;
+    }
+    // The proxy fence waits for every memory access this thread has in flight: the next
+    // chunk's copies and U0 loads and this chunk's global stores come after it.
+    fence_proxy_async();  // Us, Ue visible to wgmma
+    __syncthreads();      // U complete; every read of S^T done
+    if (record && ci >= c_begin)  // the state entering chunk ci
+      store_acc_state(p.h + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
+
+    if (wg == 1 && out) {  // + P U (P lower triangular, zero above the diagonal)
+      wgmma_fence();
+#pragma unroll
+      for (int k8 = 0; k8 < C / 8; ++k8)
+        wgmma_ss(acc, core_desc<C>(Pst(s), k8), core_desc<C>(Us, k8), true);
+      wgmma_commit();
+    }
+    // S <- exp(G_last) S + K^T diag(eL) U, this warp's 16 rows of S
+    const float eg = __expf(gl);
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
+    uint32_t kf[C / 8][4];
+#pragma unroll
+    for (int k8 = 0; k8 < C / 8; ++k8) frag_a_trans(kf[k8], Kst(s), LDH, 16 * warp, 8 * k8);
+    wgmma_fence();
+#pragma unroll
+    for (int k8 = 0; k8 < C / 8; ++k8) wgmma_rs(sacc, kf[k8], core_desc<C>(Ue, k8), true);
+    wgmma_commit();
+
+    // while the tensor cores work: the next chunk's copies and U0, the record of U
+    if (ci + 1 < c_end) {
+      issue(ci + 1, s ^ 1);
+      if (wg == 0) load_u0(u0n, ci + 1);  // used one step later
+    }
+    if (record && ci >= c_begin && wg == 0) {
+#pragma unroll
+      for (int jj = 0; jj < NS; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
+          if (r < L)
+            __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + c),
+                   make_float2(acc[jj][e], acc[jj][e + 1]));
+        }
+    }
+    wgmma_wait<0>();
+    fence_acc(sacc);
+    fence_acc(acc);
+#pragma unroll
+    for (int k8 = 0; k8 < C / 8; ++k8) fence_frag(kf[k8]);
+    if (wg == 1 && out) {
+      In* o = static_cast<In*>(p.o);
+#pragma unroll
+      for (int jj = 0; jj < NS; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
+          if (r < L) {
+            In pair[2] = {from_f<In>(p.scale * acc[jj][e]), from_f<In>(p.scale * acc[jj][e + 1])};
+            *reinterpret_cast<uint32_t*>(o + ((tok0 + r) * p.Hv + h) * D + c) =
+                *reinterpret_cast<const uint32_t*>(pair);
+          }
+        }
+    }
+    store_acc_state_core_t(Ss, sacc);
   };
   for (int64_t ci = c_first; ci < c_end; ci += 2) {
     step(ci, u0a, u0b);

@@ -43,7 +43,8 @@ struct FwdBuffers {
   int64_t* chunk_offsets;
   int64_t* seg_offsets;  // varlen with context parallelism
   int* error;
-  float *G, *W, *U0, *P, *Lb;
+  float *G, *U0, *P, *Lb;
+  __half* W;  // tf32 precision in 16 bits (fwd_kernels.cuh)
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
 };
@@ -58,7 +59,7 @@ FwdBuffers carve_common(const Problem& p, Carver& c) {
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
-  b.W = c.take<float>(tokheads * D);
+  b.W = c.take<__half>(tokheads * D);
   b.U0 = c.take<float>(tokheads * D);
   b.P = c.take<float>(tokheads * C);
   return b;
@@ -199,15 +200,27 @@ SegmentPlan plan_forward(const Problem& p) {
   return plan_segments(q);
 }
 
+// The forward's sequential pass runs on warp-level mma.sync (state_fwd_mma_kernel);
+// FLASHGDN_WGMMA=1 selects the warpgroup (wgmma) kernel, which is slower today
+// (docs/perf-notes.md, version 8) and kept, tested, as the base of the warp-specialized one.
+bool wgmma_state_pass() {
+  const char* v = std::getenv("FLASHGDN_WGMMA");
+  return v != nullptr && std::atoi(v) != 0;
+}
+
 template <typename In, int BW>
 void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams& f, cudaStream_t st) {
-  constexpr size_t smem = StateFwdSmem<In, BW>::kBytes;
+  const bool wg = wgmma_state_pass();
+  const size_t smem = wg ? StateFwdWgSmem<In, BW>::kBytes : StateFwdSmem<In, BW>::kBytes;
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(state_fwd_kernel<In, BW>, smem); });
+  std::call_once(once, [] {
+    set_smem(state_fwd_kernel<In, BW>, StateFwdWgSmem<In, BW>::kBytes);
+    set_smem(state_fwd_mma_kernel<In, BW>, StateFwdSmem<In, BW>::kBytes);
+  });
   const unsigned blocks_x = (f.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
-  state_fwd_kernel<In, BW><<<dim3(blocks_x, static_cast<unsigned>(p.Hv),
-                                  static_cast<unsigned>(plan.max_segments)),
-                             NT, smem, st>>>(f);
+  const dim3 grid(blocks_x, static_cast<unsigned>(p.Hv), static_cast<unsigned>(plan.max_segments));
+  if (wg) state_fwd_kernel<In, BW><<<grid, NT, smem, st>>>(f);
+  else state_fwd_mma_kernel<In, BW><<<grid, NT, smem, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
 }
 
