@@ -612,5 +612,360 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// grad_chunk_tc_kernel  grid (max_chunks, H_qk), 256 threads, ~205 KB smem
+//   grad_chunk_kernel's gradients (same quantities, same order of the value heads) on TF32
+//   mma.sync with register fragments read by paired loads (mma.cuh), not per element:
+//   * 64 x 128 results (dO h^T, dVt h^T, U dS^T, dq, dk) are column strips: warp w holds
+//     columns 16 w .. 16 w + 15 of all 64 rows. The state h and dS of the chunk (fp32,
+//     2 x 64 KB per head) go from global memory straight into B fragments, each element
+//     read once, four k steps ahead; <h, dS> falls out of the same registers.
+//   * 64 x 64 products (dVt U^T, dO U^T, K K^T, Q K^T) are 32 x 16 warp tiles.
+//   * dq += M1 K and dk += M1^T Q + (M2 + M2^T) K from M1, M1^T, M2 + M2^T stored once in
+//     shared memory, K and Q read transposed by ldmatrix.
+//   Row sums across warps go through shared scratch in a fixed order: deterministic.
+//   reads  q, k, v, do, beta, G, U, dVt, h, dh    writes dq, dk, dv, dg, dbeta
+template <typename In>
+struct GradSmem {
+  static constexpr size_t kTiles =
+      sizeof(In) * 3 * C * LDH + sizeof(float) * (2 * C * LDW + 4 * C * LDA);
+  static constexpr size_t kBytes = kTiles + sizeof(float) * (7 * C + 4 * 8 * C + 8);
+};
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
+  constexpr int PF = 4;  // k steps of h / dS fragments in flight
+  if (p.seqs.failed()) return;
+  const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
+  if (ck.L == 0) return;
+  const int64_t chunk = blockIdx.x, hq = blockIdx.y, group = p.Hv / p.Hqk;
+  const int L = ck.L;
+  const int64_t tok0 = ck.tok0;
+  const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3;
+  const int nw = 16 * warp;                       // this warp's column strip
+  const int wm = 32 * (warp >> 2), wn = 16 * (warp & 3);  // its 64 x 64 tile
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  In* Qs = reinterpret_cast<In*>(smem_raw);  // [C][LDH]
+  In* Ks = Qs + C * LDH;
+  In* dOs = Ks + C * LDH;
+  float* Us = reinterpret_cast<float*>(dOs + C * LDH);  // [C][LDW]
+  float* dVs = Us + C * LDW;
+  float* M1 = dVs + C * LDW;    // [C][LDA] dP . Dec (tf32)
+  float* M1t = M1 + C * LDA;    // its transpose
+  float* M2s = M1t + C * LDA;   // M2 + M2^T, M2 = beta dA . Dec (strictly lower)
+  float* E = M2s + C * LDA;     // dA . A + dP . P
+  float* Gs = E + C * LDA;      // [C] each
+  float* gam = Gs + C;
+  float* eL = gam + C;
+  float* bs = eL + C;
+  float* dG = bs + C;
+  float* db = dG + C;
+  float* lastrow = db + C;
+  float* part = lastrow + C;    // [4][8][C] per-warp partial row sums
+  float* red = part + 4 * 8 * C;  // [8] per-warp partial sums of <h, dS>
+
+  const int64_t qk_off = (tok0 * p.Hqk + hq) * D;
+  cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
+  cp_async_tile<C, D, LDH>(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, L);
+  cp_async_commit();
+
+  float dq[4][2][4] = {}, dk[4][2][4] = {};  // rows 16 mt + g (+8), columns nw + 8 nt + 2t (+1)
+  for (int64_t h = hq * group; h < (hq + 1) * group; ++h) {
+    __syncthreads();  // the previous head's tiles, scalars and scratch are no longer read
+    const int64_t v_off = (tok0 * p.Hv + h) * D;
+    cp_async_tile<C, D, LDH>(dOs, static_cast<const In*>(p.d_o) + v_off, p.Hv * D, L);
+    cp_async_tile<C, D, LDW>(Us, p.U + v_off, p.Hv * D, L);
+    cp_async_tile<C, D, LDW>(dVs, p.dVt + v_off, p.Hv * D, L);
+    cp_async_commit();
+    const float* S0 = p.h + (chunk * p.Hv + h) * D * D;
+    const float* dSL = p.dh + (chunk * p.Hv + h) * D * D;
+    // B fragment (k = column c, n = row i) of h or dS: X[i][c], paired k
+    auto ld_b = [&](const float* X, int nt, int k0) {
+      return __ldcs(reinterpret_cast<const float2*>(X + (nw + 8 * nt + g) * D + k0 + 2 * t));
+    };
+    float2 fs[PF][2], fd[PF][2];
+#pragma unroll
+    for (int i = 0; i < PF; ++i)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        fs[i][nt] = ld_b(S0, nt, 8 * i);
+        fd[i][nt] = ld_b(dSL, nt, 8 * i);
+      }
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x;
+      const float G = p.G[(tok0 + (r < L ? r : L - 1)) * p.Hv + h];
+      const float Glast = p.G[(tok0 + L - 1) * p.Hv + h];
+      Gs[r] = G;
+      gam[r] = __expf(G);
+      eL[r] = __expf(Glast - G);
+      bs[r] = r < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + r) * p.Hv + h) : 0.f;
+      dG[r] = 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- Y = dO h^T, Z = dVt h^T, R = U dS^T (column strips), <h, dS>
+    {
+      float Y[4][2][4] = {}, Z[4][2][4] = {}, R[4][2][4] = {};
+      float s0ds = 0.f;
+#pragma unroll 1
+      for (int kk = 0; kk < D / 8; kk += PF)
+#pragma unroll
+      for (int sl = 0; sl < PF; ++sl) {
+        const int k8 = kk + sl, k0 = 8 * k8;
+        uint32_t bS[2][2], bD[2][2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          bS[nt][0] = __float_as_uint(round_tf32(fs[sl][nt].x));
+          bS[nt][1] = __float_as_uint(round_tf32(fs[sl][nt].y));
+          bD[nt][0] = __float_as_uint(round_tf32(fd[sl][nt].x));
+          bD[nt][1] = __float_as_uint(round_tf32(fd[sl][nt].y));
+          s0ds += fs[sl][nt].x * fd[sl][nt].x + fs[sl][nt].y * fd[sl][nt].y;
+          if (k8 + PF < D / 8) {
+            fs[sl][nt] = ld_b(S0, nt, k0 + 8 * PF);
+            fd[sl][nt] = ld_b(dSL, nt, k0 + 8 * PF);
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          uint32_t aO[4], aV[4], aU[4];
+          frag_a(aO, dOs, LDH, 16 * mt, k0);
+          frag_a_rna(aV, dVs, LDW, 16 * mt, k0);
+          frag_a_rna(aU, Us, LDW, 16 * mt, k0);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            mma_tf32(Y[mt][nt], aO, bS[nt]);
+            mma_tf32(Z[mt][nt], aV, bS[nt]);
+            mma_tf32(R[mt][nt], aU, bD[nt]);
+          }
+        }
+      }
+      // dq += scale gam Y, dk += eL R - beta gam Z; row dots Q.Y, K.Z, K.R
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = 16 * mt + g + 8 * hf;
+          const float sg = p.scale * gam[r], bg = bs[r] * gam[r], el = eL[r];
+          float qy = 0.f, kz = 0.f, kr = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
+              const int c = nw + 8 * nt + 2 * t + (e & 1);
+              const float q = to_f(Qs[r * LDH + c]), k = to_f(Ks[r * LDH + c]);
+              qy += q * Y[mt][nt][e];
+              kz += k * Z[mt][nt][e];
+              kr += k * R[mt][nt][e];
+              dq[mt][nt][e] += sg * Y[mt][nt][e];
+              dk[mt][nt][e] += el * R[mt][nt][e] - bg * Z[mt][nt][e];
+            }
+#pragma unroll
+          for (int m = 1; m <= 2; m <<= 1) {
+            qy += __shfl_xor_sync(0xffffffffu, qy, m);
+            kz += __shfl_xor_sync(0xffffffffu, kz, m);
+            kr += __shfl_xor_sync(0xffffffffu, kr, m);
+          }
+          if (t == 0) {
+            part[(0 * 8 + warp) * C + r] = qy;
+            part[(1 * 8 + warp) * C + r] = kz;
+            part[(2 * 8 + warp) * C + r] = kr;
+          }
+        }
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) s0ds += __shfl_xor_sync(0xffffffffu, s0ds, m);
+      if (lane_id() == 0) red[warp] = s0ds;
+    }
+    __syncthreads();
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x;
+      float qy = 0.f, kz = 0.f, kr = 0.f;
+      for (int w = 0; w < 8; ++w) {
+        qy += part[(0 * 8 + w) * C + r];
+        kz += part[(1 * 8 + w) * C + r];
+        kr += part[(2 * 8 + w) * C + r];
+      }
+      dG[r] += p.scale * gam[r] * qy - bs[r] * gam[r] * kz - eL[r] * kr;
+      db[r] = -gam[r] * kz;
+      lastrow[r] = eL[r] * kr;
+    }
+
+    // ---- 64 x 64: dVt U^T, dO U^T, K K^T, Q K^T -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
+    {
+      float t1[2][2][4] = {}, t2[2][2][4] = {}, t3[2][2][4] = {}, t4[2][2][4] = {};
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        uint32_t bU[2][2], bK[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          frag_b_rna(bU[j], Us, LDW, wn + 8 * j, k0);
+          frag_b(bK[j], Ks, LDH, wn + 8 * j, k0);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          uint32_t aV[4], aO[4], aK[4], aQ[4];
+          frag_a_rna(aV, dVs, LDW, wm + 16 * i, k0);
+          frag_a(aO, dOs, LDH, wm + 16 * i, k0);
+          frag_a(aK, Ks, LDH, wm + 16 * i, k0);
+          frag_a(aQ, Qs, LDH, wm + 16 * i, k0);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            mma_tf32(t1[i][j], aV, bU[j]);
+            mma_tf32(t2[i][j], aO, bU[j]);
+            mma_tf32(t3[i][j], aK, bK[j]);
+            mma_tf32(t4[i][j], aQ, bK[j]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = wm + 16 * i + g + 8 * hf;
+          const float gr = Gs[r], br = bs[r];
+          float dbp = 0.f;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
+              const int s = wn + 8 * j + 2 * t + (e & 1);
+              const float dec = s <= r ? __expf(gr - Gs[s]) : 0.f;
+              const float dA = s < r ? -t1[i][j][e] : 0.f;
+              const float dP = s <= r ? p.scale * t2[i][j][e] : 0.f;
+              const float A = s < r ? br * t3[i][j][e] * dec : 0.f;
+              const float P = t4[i][j][e] * dec;
+              const float m1 = round_tf32(dP * dec), m2 = round_tf32(br * dA * dec);
+              M1[r * LDA + s] = m1;
+              M1t[s * LDA + r] = m1;
+              if (s <= r) {
+                M2s[r * LDA + s] = m2;  // zero on the diagonal
+                M2s[s * LDA + r] = m2;
+              }
+              dbp += dA * t3[i][j][e] * dec;
+              E[r * LDA + s] = dA * A + dP * P;
+            }
+          dbp += __shfl_xor_sync(0xffffffffu, dbp, 1);
+          dbp += __shfl_xor_sync(0xffffffffu, dbp, 2);
+          if (t == 0) part[(3 * 8 + (warp & 3)) * C + r] = dbp;
+        }
+    }
+    __syncthreads();
+
+    // ---- per row (four threads each): dG += rowsum(E) - colsum(E); dbeta; dv = beta dVt
+    {
+      const int r = threadIdx.x >> 2, qq = threadIdx.x & 3;
+      float es = 0.f;
+#pragma unroll 4
+      for (int s = 16 * qq; s < 16 * qq + 16; ++s) es += E[r * LDA + s] - E[s * LDA + r];
+      float vd = 0.f;
+      if (r < L) {
+        const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
+        const In* vrow = static_cast<const In*>(p.v) + off;
+        In* dvrow = static_cast<In*>(p.dv) + off;
+        const float br = bs[r];
+#pragma unroll
+        for (int c8 = 0; c8 < 4; ++c8) {
+          const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
+          const In* ve = reinterpret_cast<const In*>(&vv);
+          uint4 out;
+          In* oe = reinterpret_cast<In*>(&out);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float d = dVs[r * LDW + 32 * qq + 8 * c8 + e];
+            vd += to_f(ve[e]) * d;
+            oe[e] = from_f<In>(br * d);
+          }
+          *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
+        }
+      }
+#pragma unroll
+      for (int m = 1; m <= 2; m <<= 1) {
+        es += __shfl_xor_sync(0xffffffffu, es, m);
+        vd += __shfl_xor_sync(0xffffffffu, vd, m);
+      }
+      if (qq == 0) {
+        float dbp = 0.f;
+        for (int w = 0; w < 4; ++w) dbp += part[(3 * 8 + w) * C + r];
+        dG[r] += es;
+        db[r] += dbp + vd;
+      }
+    }
+    // ---- dq += M1 K, dk += M1^T Q + (M2 + M2^T) K
+#pragma unroll 2
+    for (int k0 = 0; k0 < C; k0 += 8) {
+      uint32_t bK[2][2], bQ[2][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        frag_b_trans(bK[nt], Ks, LDH, nw + 8 * nt, k0);
+        frag_b_trans(bQ[nt], Qs, LDH, nw + 8 * nt, k0);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        uint32_t a1[4], a1t[4], a2[4];
+        frag_a(a1, M1, LDA, 16 * mt, k0);
+        frag_a(a1t, M1t, LDA, 16 * mt, k0);
+        frag_a(a2, M2s, LDA, 16 * mt, k0);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          mma_tf32(dq[mt][nt], a1, bK[nt]);
+          mma_tf32(dk[mt][nt], a1t, bQ[nt]);
+          mma_tf32(dk[mt][nt], a2, bK[nt]);
+        }
+      }
+    }
+    __syncthreads();
+    // ---- last-row terms, then dg = reverse cumsum of dG (warp 0, two rows per lane)
+    if (warp == 0) {
+      const int l = lane_id();
+      float last = lastrow[l] + lastrow[l + 32];
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) last += __shfl_xor_sync(0xffffffffu, last, m);
+      float s0ds = 0.f;
+      for (int w = 0; w < 8; ++w) s0ds += red[w];
+      const int r0 = 2 * l, r1 = 2 * l + 1;
+      float x0 = r0 < L ? dG[r0] : 0.f, x1 = r1 < L ? dG[r1] : 0.f;
+      const float tail = last + gam[L - 1] * s0ds;
+      if (r0 == L - 1) x0 += tail;
+      if (r1 == L - 1) x1 += tail;
+      float incl = x0 + x1;  // suffix sums over lanes l' >= l
+#pragma unroll
+      for (int m = 1; m < 32; m <<= 1) {
+        const float y = __shfl_down_sync(0xffffffffu, incl, m);
+        if (l + m < 32) incl += y;
+      }
+      float after = __shfl_down_sync(0xffffffffu, incl, 1);
+      if (l == 31) after = 0.f;
+      const float run1 = x1 + after, run0 = x0 + run1;
+      const int64_t base = tok0 * p.Hv + h;
+      if (r0 < L) {
+        store_scalar(p.dg, p.g_dtype, base + r0 * p.Hv, run0);
+        store_scalar(p.dbeta, p.beta_dtype, base + r0 * p.Hv, db[r0]);
+      }
+      if (r1 < L) {
+        store_scalar(p.dg, p.g_dtype, base + r1 * p.Hv, run1);
+        store_scalar(p.dbeta, p.beta_dtype, base + r1 * p.Hv, db[r1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = 16 * mt + g + 4 * e, c = nw + 8 * nt + 2 * t;
+        if (r < L) {
+          const int64_t idx = ((tok0 + r) * p.Hqk + hq) * D + c;
+          In q2[2] = {from_f<In>(dq[mt][nt][e]), from_f<In>(dq[mt][nt][e + 1])};
+          In k2[2] = {from_f<In>(dk[mt][nt][e]), from_f<In>(dk[mt][nt][e + 1])};
+          *reinterpret_cast<uint32_t*>(static_cast<In*>(p.dq) + idx) =
+              *reinterpret_cast<const uint32_t*>(q2);
+          *reinterpret_cast<uint32_t*>(static_cast<In*>(p.dk) + idx) =
+              *reinterpret_cast<const uint32_t*>(k2);
+        }
+      }
+}
+
 }  // namespace cuda
 }  // namespace flashgdn

@@ -71,6 +71,13 @@ __device__ __forceinline__ void frag_a(uint32_t (&a)[4], const T* s, int ld, int
   widen2(x, a[0], a[2], s);
   widen2(y, a[1], a[3], s);
 }
+// frag_a / frag_b of an fp32 tile whose values are not tf32 yet: rounded to nearest here.
+__device__ __forceinline__ void frag_a_rna(uint32_t (&a)[4], const float* s, int ld, int row0,
+                                           int k0) {
+  frag_a(a, s, ld, row0, k0);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = __float_as_uint(round_tf32(__uint_as_float(a[i])));
+}
 // B fragment (8 columns from col0, k step at k0) of a k-contiguous fp32 tile [col][k].
 __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const float* s, int ld, int col0,
                                        int k0) {
@@ -84,6 +91,13 @@ __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const T* s, int ld, int
   const int g = lane_id() >> 2, t = lane_id() & 3;
   const uint32_t x = *reinterpret_cast<const uint32_t*>(s + (col0 + g) * ld + k0 + 2 * t);
   widen2(x, b[0], b[1], s);
+}
+
+__device__ __forceinline__ void frag_b_rna(uint32_t (&b)[2], const float* s, int ld, int col0,
+                                           int k0) {
+  frag_b(b, s, ld, col0, k0);
+  b[0] = __float_as_uint(round_tf32(__uint_as_float(b[0])));
+  b[1] = __float_as_uint(round_tf32(__uint_as_float(b[1])));
 }
 
 // Fragments of the transpose of a 16-bit tile stored [k][i] (i contiguous): ldmatrix.trans
