@@ -10,7 +10,8 @@
 //     dS <- exp(G_last) dS + (scale diag(exp G) Q)^T dO - (diag(beta exp G) K)^T dVt.
 //   reads  q, k, do, beta, G, T, P, dht    writes dh (dS leaving each chunk), dVt, dh0
 //
-// grad_chunk_kernel<kTc> grid (max_chunks, H_qk), 256 threads, ~213 KB smem
+// grad_chunk_kernel     grid (max_chunks, H_qk), 256 threads, ~213 KB smem (fp32 SIMT;
+//   grad_chunk_tc_kernel at the end of this file is the default, on tensor cores)
 //   All input gradients of one chunk for the value heads of one q/k head (so
 //   dq and dk of grouped heads are summed in registers, deterministically):
 //   dv = beta dVt, dbeta, dg (reverse cumsum of dG), dq, dk.
@@ -397,13 +398,13 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
 }
 
 constexpr size_t kGradSmem =
-    sizeof(float) * (5 * C * LDD + D * LDV + 2 * C * LDC + 8 * C + NT + 2 * C);
+    sizeof(float) * (5 * C * LDD + D * LDV + 2 * C * LDC + 8 * C + NT);
 
-// kTc: the products on TF32 tensor cores (TcTile, mma.cuh), else fp32 FMA (Tile).
-template <typename In, bool kTc>
+// The fp32 SIMT reference (FLASHGDN_GRAD_TC=0) of grad_chunk_tc_kernel below.
+template <typename In>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
-  using T128 = std::conditional_t<kTc, TcTile<C, D>, Tile<C, D, 4, 8>>;  // C x D results
-  using T64 = std::conditional_t<kTc, TcTile<C, C>, Tile<C, C, 4, 4>>;   // C x C results
+  using T128 = Tile<C, D, 4, 8>;  // C x D results
+  using T64 = Tile<C, C, 4, 4>;   // C x C results
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
   if (ck.L == 0) return;
@@ -427,7 +428,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
   float* db = dG + C;
   float* lastrow = db + C;
   float* red = lastrow + 2 * C;  // [NT]
-  float* rs = red + NT;          // [2 C] row sums across warps (TcTile)
   static_assert(C * LDC <= D * LDV, "E must fit in the X buffer");
 
   load_chunk(Qs, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
@@ -482,8 +482,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
           qy += Qs[r * LDD + c] * Y.a[i][j];
           kz += Ks[r * LDD + c] * Z.a[i][j];
         }
-        qy = Y.row_sum_block(qy, i, rs);
-        kz = Y.row_sum_block(kz, i, rs);
+        qy = T128::row_sum(qy);
+        kz = T128::row_sum(kz);
         if (Y.row_leader()) {
           dG[r] += p.scale * gam[r] * qy - bs[r] * gam[r] * kz;
           db[r] -= gam[r] * kz;
@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
           dK.a[i][j] += eL[r] * R.a[i][j];
           kr += Ks[r * LDD + R.col(j)] * R.a[i][j];
         }
-        kr = R.row_sum_block(kr, i, rs);
+        kr = T128::row_sum(kr);
         if (R.row_leader()) {
           dG[r] -= eL[r] * kr;
           lastrow[r] = eL[r] * kr;
@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
           dbp += dA * t3.a[i][j] * dec;
           E[r * LDC + s] = dA * A + dP * P;
         }
-        dbp = t1.row_sum_block(dbp, i, rs);
+        dbp = T64::row_sum(dbp);
         if (t1.row_leader()) db[r] += dbp;
       }
     }

@@ -215,8 +215,6 @@ struct Tile {
     return x;
   }
   __device__ __forceinline__ bool row_leader() const { return threadIdx.x % TX == 0; }
-  // The same interface as TcTile (mma.cuh): a row's threads share one warp here.
-  __device__ __forceinline__ float row_sum_block(float x, int, float*) const { return row_sum(x); }
 };
 
 

@@ -348,16 +348,15 @@ template <typename In>
 void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
-    set_smem(grad_chunk_kernel<In, true>, kGradSmem);
-    set_smem(grad_chunk_kernel<In, false>, kGradSmem);
+    set_smem(grad_chunk_kernel<In>, kGradSmem);
     set_smem(grad_chunk_tc_kernel<In>, GradSmem<In>::kBytes);
   });
   const char* simt_env = std::getenv("FLASHGDN_BWD_SIMT");
   const bool simt = simt_env != nullptr && std::atoi(simt_env) == 1;
-  // grad_chunk_kernel's products run on TF32 tensor cores (TcTile); FLASHGDN_GRAD_TC=0 keeps
-  // the fp32 SIMT products for A/B comparisons.
+  // The per-chunk gradients run on TF32 tensor cores (grad_chunk_tc_kernel);
+  // FLASHGDN_GRAD_TC=0 keeps the fp32 SIMT kernel for A/B comparisons.
   const char* grad_tc_env = std::getenv("FLASHGDN_GRAD_TC");
-  const int grad_tc = simt ? 0 : grad_tc_env != nullptr ? std::atoi(grad_tc_env) : 2;
+  const bool grad_tc = !simt && !(grad_tc_env != nullptr && std::atoi(grad_tc_env) == 0);
   const SegmentPlan plan = plan_forward(p);
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, plan, c);
@@ -405,9 +404,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
-    if (grad_tc == 2) grad_chunk_tc_kernel<In><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
-    else if (grad_tc) grad_chunk_kernel<In, true><<<grid, NT, kGradSmem, st>>>(g);
-    else grad_chunk_kernel<In, false><<<grid, NT, kGradSmem, st>>>(g);
+    if (grad_tc) grad_chunk_tc_kernel<In><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
+    else grad_chunk_kernel<In><<<grid, NT, kGradSmem, st>>>(g);
     check_cuda(cudaGetLastError(), "grad_chunk_kernel launch");
   }
   if (p.varlen()) {
