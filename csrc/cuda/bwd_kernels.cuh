@@ -189,32 +189,18 @@ template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   using SM = StateBwdSmem<In, BW>;
-  constexpr int NJ = BW / 16, NS = BW / 8, LDO = SM::LDO, CBN = D / BW;
+  constexpr int NJ = BW / 16, NS = BW / 8, LDO = SM::LDO;
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
-  int64_t n, j;
-  if (!locate_segment(p, z, n, j)) return;
-  const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
-  const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
-  const int64_t seg = seg_chunks(p);
-  const int64_t c_begin = j * seg;
-  if (j > 0 && c_begin >= nch) return;
-  const int64_t c_end = c_begin + seg < nch ? c_begin + seg : nch;  // chunks [c_begin, c_end)
-
-  // ---- where dS comes from (phase 0), or which summary this block forms (phase 1, for a
-  // segment whose predecessor starts exactly from it: blocks x < D / BW the dS leaving the
-  // segment from its own start, blocks x >= D / BW the columns of its transition, from I)
-  const SegStart ss = segment_start(p, chunk0, nch, h, j, true);
-  const int cb = static_cast<int>(blockIdx.x) % CBN, vb = cb * BW;
-  bool identity = false;
-  if (p.phase == 1) {
-    if (j == 0) return;  // no predecessor
-    if (segment_start(p, chunk0, nch, h, j - 1, true).src != SegSource::Exact) return;
-    identity = static_cast<int>(blockIdx.x) >= CBN;
-    if (identity && ss.src != SegSource::Exact) return;
-  } else if (blockIdx.x >= CBN) {
-    return;
-  }
+  // ---- which segment, where dS comes from (phase 0), or which summary this block forms
+  // (phase 1, for a segment whose predecessor starts exactly from it: the dS leaving the
+  // segment from its own start, or the columns of its transition, from I)
+  SegmentBlock b;
+  if (!segment_block<BW>(p, true, b)) return;
+  const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
+  const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end, j = b.j;
+  const SegStart ss = b.ss;
+  const int vb = b.vb;
+  const bool identity = b.identity;
   const int64_t c_last = ss.c_first;  // the pass runs chunks c_last down to c_begin
   const bool outputs = p.phase == 0;
 

@@ -383,37 +383,64 @@ __device__ __forceinline__ bool locate_segment(const SegParams& p, int64_t z, in
   return n < p.seqs.N;
 }
 
+// One block of a context-parallel sequential pass, grid (D / BW [x 2 in phase 1], H_v,
+// segments): head h (q/k head hq), segment j of sequence n (tokens from `start`, nch chunks,
+// the first at chunk0 in the chunk tables), its chunks [c_begin, c_end), where its state
+// (or dS) comes from, its value columns vb .. vb + BW. Phase 1 forms a segment's summary only
+// where the neighbour in pass order (the next segment forward, the previous one in reverse)
+// starts exactly from it: blocks x < D / BW its local state, blocks x >= D / BW (identity) the
+// columns of its transition, from I, for exact segments. False: this block has nothing to do.
+struct SegmentBlock {
+  int64_t h, hq, z, n, j, start, len, nch, chunk0, c_begin, c_end;
+  SegStart ss;
+  int vb;
+  bool identity;
+};
+template <int BW>
+__device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, SegmentBlock& b) {
+  constexpr int CBN = D / BW;
+  b.h = blockIdx.y;
+  b.hq = b.h / (p.Hv / p.Hqk);
+  b.z = blockIdx.z;
+  if (!locate_segment(p, b.z, b.n, b.j)) return false;
+  b.start = p.seqs.seq_start(b.n);
+  b.len = p.seqs.seq_len(b.n);
+  b.nch = (b.len + C - 1) / C;
+  b.chunk0 = p.seqs.first_chunk(b.n);
+  const int64_t seg = seg_chunks(p);
+  b.c_begin = b.j * seg;
+  if (b.j > 0 && b.c_begin >= b.nch) return false;
+  b.c_end = b.c_begin + seg < b.nch ? b.c_begin + seg : b.nch;
+  b.ss = segment_start(p, b.chunk0, b.nch, b.h, b.j, reverse);
+  b.vb = (static_cast<int>(blockIdx.x) % CBN) * BW;
+  b.identity = false;
+  if (p.phase == 1) {
+    if (reverse ? b.j == 0 : b.c_end >= b.nch) return false;  // no neighbour
+    const int64_t nb = reverse ? b.j - 1 : b.j + 1;
+    if (segment_start(p, b.chunk0, b.nch, b.h, nb, reverse).src != SegSource::Exact) return false;
+    b.identity = static_cast<int>(blockIdx.x) >= CBN;
+    if (b.identity && b.ss.src != SegSource::Exact) return false;
+  } else if (static_cast<int>(blockIdx.x) >= CBN) {
+    return false;
+  }
+  return true;
+}
+
 template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   constexpr int NJ = BW / 16;  // n tiles per warp of the 64 x BW products
   constexpr int NS = BW / 8;   // n tiles per warp of the 128 x BW state update
-  constexpr int CBN = D / BW;
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-
-  // ---- which segment of which sequence
-  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
-  int64_t n, j;
-  if (!locate_segment(p, z, n, j)) return;
-  const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
-  const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
-  const int64_t seg = seg_chunks(p);
-  const int64_t c_begin = j * seg;
-  const int64_t c_end = c_begin + seg < nch ? c_begin + seg : nch;
-  if (j > 0 && c_begin >= nch) return;
-
-  // ---- where the state comes from (phase 0), or which summary this block forms (phase 1:
-  // blocks x < D / BW the state leaving the segment from its own start, zero for an exact
-  // segment; blocks x >= D / BW the columns of an exact segment's transition M, from I)
-  const SegStart ss = segment_start(p, chunk0, nch, h, j);
-  const int cb = static_cast<int>(blockIdx.x) % CBN, vb = cb * BW;
-  bool identity = false;
-  if (p.phase == 1) {
-    if (c_end >= nch) return;  // no successor
-    if (segment_start(p, chunk0, nch, h, j + 1).src != SegSource::Exact) return;  // nobody needs it
-    identity = static_cast<int>(blockIdx.x) >= CBN;
-    if (identity && ss.src != SegSource::Exact) return;
-  }
+  // ---- which segment of which sequence, where its state comes from (phase 0), or which
+  // summary this block forms (phase 1; the local state is zero-based for an exact segment)
+  SegmentBlock b;
+  if (!segment_block<BW>(p, false, b)) return;
+  const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
+  const int64_t nch = b.nch, chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
+  const SegStart ss = b.ss;
+  const int vb = b.vb;
+  const bool identity = b.identity;
   const int64_t c_first = ss.c_first;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -638,29 +665,15 @@ template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   constexpr int NS = BW / 8;  // 8-column accumulator tiles per warp (every product is 64 x BW)
-  constexpr int CBN = D / BW;
   using Smem = StateFwdWgSmem<In, BW>;
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-
-  // ---- which segment of which sequence, where its state comes from (see state_fwd_mma_kernel)
-  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk), z = blockIdx.z;
-  int64_t n, j;
-  if (!locate_segment(p, z, n, j)) return;
-  const int64_t start = p.seqs.seq_start(n), len = p.seqs.seq_len(n);
-  const int64_t nch = (len + C - 1) / C, chunk0 = p.seqs.first_chunk(n);
-  const int64_t seg = seg_chunks(p);
-  const int64_t c_begin = j * seg;
-  const int64_t c_end = c_begin + seg < nch ? c_begin + seg : nch;
-  if (j > 0 && c_begin >= nch) return;
-  const SegStart ss = segment_start(p, chunk0, nch, h, j);
-  const int cb = static_cast<int>(blockIdx.x) % CBN, vb = cb * BW;
-  bool identity = false;
-  if (p.phase == 1) {
-    if (c_end >= nch) return;
-    if (segment_start(p, chunk0, nch, h, j + 1).src != SegSource::Exact) return;
-    identity = static_cast<int>(blockIdx.x) >= CBN;
-    if (identity && ss.src != SegSource::Exact) return;
-  }
+  SegmentBlock b;  // the block's segment, as in state_fwd_mma_kernel
+  if (!segment_block<BW>(p, false, b)) return;
+  const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
+  const int64_t nch = b.nch, chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
+  const SegStart ss = b.ss;
+  const int vb = b.vb;
+  const bool identity = b.identity;
   const int64_t c_first = ss.c_first;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
