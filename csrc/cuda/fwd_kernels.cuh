@@ -739,6 +739,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 
   float u0a[NS][4] = {}, u0b[NS][4] = {};
   float acc[NS][4] = {};  // warpgroup 0: W S, warpgroup 1: Q S, then the output
+  float urec[NS][4] = {};  // warpgroup 0: U = U0 - W S, for the backward's record
   if (c_first < c_end) {
     issue(c_first, 0);
     if (wg == 0) load_u0(u0a, c_first);
@@ -779,7 +780,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
         for (int e = 0; e < 4; ++e) {
           const int r = rw + acc_row(e), c = 8 * jj + acc_col(e);
           const float u = u0[jj][e] - acc[jj][e];
-          acc[jj][e] = u;  // recorded after the barrier below
+          urec[jj][e] = u;  // recorded while the S update runs
           Us[core_index<C>(c, r)] = round_tf32(u);
           Ue[core_index<C>(c, paired_slot(r))] = round_tf32(u * (e < 2 ? el_lo : el_hi));
         }
@@ -797,19 +798,26 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     if (record && ci >= c_begin)  // the state entering chunk ci
       store_acc_state(p.h + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
 
-    if (wg == 1 && out) {  // + P U (P lower triangular, zero above the diagonal)
+    // S <- exp(G_last) S + K^T diag(eL) U, this warp's 16 rows of S. The decay is applied
+    // before any wgmma of this stage is issued: an accumulator touched by other instructions
+    // while a wgmma is in flight makes ptxas serialise every wgmma of the kernel (C7514).
+    const float eg = __expf(gl);
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
+    // + P U (P lower triangular, zero above the diagonal): used by warpgroup 1 on output
+    // chunks only, but issued by both warpgroups on every chunk. A wgmma issued under a
+    // condition leaves its accumulators merged with the other path's values in flight, and
+    // ptxas then serialises every wgmma of the kernel (C7515); warpgroup 0's acc is dead here
+    // (U is in urec) and the next chunk's first product overwrites it.
+    {
       wgmma_fence();
 #pragma unroll
       for (int k8 = 0; k8 < C / 8; ++k8)
         wgmma_ss(acc, core_desc<C>(Pst(s), k8), core_desc<C>(Us, k8), true);
       wgmma_commit();
     }
-    // S <- exp(G_last) S + K^T diag(eL) U, this warp's 16 rows of S
-    const float eg = __expf(gl);
-#pragma unroll
-    for (int jn = 0; jn < NS; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
     uint32_t kf[C / 8][4];
 #pragma unroll
     for (int k8 = 0; k8 < C / 8; ++k8) frag_a_trans(kf[k8], Kst(s), LDH, 16 * warp, 8 * k8);
@@ -831,7 +839,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
           const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
           if (r < L)
             __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + c),
-                   make_float2(acc[jj][e], acc[jj][e + 1]));
+                   make_float2(urec[jj][e], urec[jj][e + 1]));
         }
     }
     wgmma_wait<0>();
