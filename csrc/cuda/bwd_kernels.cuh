@@ -696,34 +696,35 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       float Y[4][2][4] = {}, Z[4][2][4] = {}, R[4][2][4] = {};
       float s0ds = 0.f;
 #pragma unroll 1
-      for (int kk = 0; kk < D / 8; kk += PF)
+      for (int kk = 0; kk < D / 8; kk += PF) {
 #pragma unroll
-      for (int sl = 0; sl < PF; ++sl) {
-        const int k8 = kk + sl, k0 = 8 * k8;
-        uint32_t bS[2][2], bD[2][2];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          bS[nt][0] = __float_as_uint(round_tf32(fs[sl][nt].x));
-          bS[nt][1] = __float_as_uint(round_tf32(fs[sl][nt].y));
-          bD[nt][0] = __float_as_uint(round_tf32(fd[sl][nt].x));
-          bD[nt][1] = __float_as_uint(round_tf32(fd[sl][nt].y));
-          s0ds += fs[sl][nt].x * fd[sl][nt].x + fs[sl][nt].y * fd[sl][nt].y;
-          if (k8 + PF < D / 8) {
-            fs[sl][nt] = ld_b(S0, nt, k0 + 8 * PF);
-            fd[sl][nt] = ld_b(dSL, nt, k0 + 8 * PF);
-          }
-        }
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-          uint32_t aO[4], aV[4], aU[4];
-          frag_a(aO, dOs, LDH, 16 * mt, k0);
-          frag_a_rna(aV, dVs, LDW, 16 * mt, k0);
-          frag_a_rna(aU, Us, LDW, 16 * mt, k0);
+        for (int sl = 0; sl < PF; ++sl) {
+          const int k8 = kk + sl, k0 = 8 * k8;
+          uint32_t bS[2][2], bD[2][2];
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-            mma_tf32(Y[mt][nt], aO, bS[nt]);
-            mma_tf32(Z[mt][nt], aV, bS[nt]);
-            mma_tf32(R[mt][nt], aU, bD[nt]);
+            bS[nt][0] = __float_as_uint(round_tf32(fs[sl][nt].x));
+            bS[nt][1] = __float_as_uint(round_tf32(fs[sl][nt].y));
+            bD[nt][0] = __float_as_uint(round_tf32(fd[sl][nt].x));
+            bD[nt][1] = __float_as_uint(round_tf32(fd[sl][nt].y));
+            s0ds += fs[sl][nt].x * fd[sl][nt].x + fs[sl][nt].y * fd[sl][nt].y;
+            if (k8 + PF < D / 8) {
+              fs[sl][nt] = ld_b(S0, nt, k0 + 8 * PF);
+              fd[sl][nt] = ld_b(dSL, nt, k0 + 8 * PF);
+            }
+          }
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) {
+            uint32_t aO[4], aV[4], aU[4];
+            frag_a(aO, dOs, LDH, 16 * mt, k0);
+            frag_a_rna(aV, dVs, LDW, 16 * mt, k0);
+            frag_a_rna(aU, Us, LDW, 16 * mt, k0);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              mma_tf32(Y[mt][nt], aO, bS[nt]);
+              mma_tf32(Z[mt][nt], aV, bS[nt]);
+              mma_tf32(R[mt][nt], aU, bD[nt]);
+            }
           }
         }
       }
