@@ -1,0 +1,160 @@
+"""Which operand precisions can the chunked forward afford? A CPU study, no GPU needed.
+
+Runs the chunked WY forward of docs/algorithm.md in float64, rounding the operands of each
+product to a chosen format (tf32, bf16, fp16) and every product's result to fp32 (fp32
+accumulation), and measures o and the final state against the float64 token-by-token
+reference (python/flashgdn/reference.py). The rows are candidate designs for the tensor-core
+kernels: what each of W S, Q S, P U and K^T U may take as operands (bf16 wgmma runs at twice
+the tf32 rate and halves the shared-memory bytes) while staying under FLA 0.5's errors
+(o 4.3e-3, final state 3.7e-3 on bf16 inputs).
+
+    python bench/precision_study.py                 # 2 x 4096 tokens, 8 heads, ~1 minute
+    python bench/precision_study.py --tokens 8192 --gates hard
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+from flashgdn.reference import recurrent_gated_delta_rule_ref
+
+C = 64
+F64 = torch.float64
+
+
+def rnd(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x rounded to fmt (round to nearest even), returned as float64."""
+    if fmt == "f64":
+        return x
+    if fmt == "f32":
+        return x.float().double()
+    if fmt == "bf16":
+        return x.bfloat16().double()
+    if fmt == "f16":
+        return x.half().double()
+    if fmt == "tf32":  # 10 explicit mantissa bits: clear the low 13 bits of the fp32 pattern
+        b = x.float().view(torch.int32)
+        b = (b + 0x0FFF + ((b >> 13) & 1)) & ~0x1FFF
+        return b.view(torch.float32).double()
+    raise ValueError(fmt)
+
+
+@dataclass(frozen=True)
+class Design:
+    name: str
+    w: str     # W = T diag(beta e^G) K as stored between kernels
+    u0: str    # U0 = T diag(beta) V as stored
+    p: str     # P = (Q K^T) . Dec as stored
+    s_ws: str  # S as the B operand of W S
+    s_qs: str  # S as the B operand of Q S
+    u: str     # U = U0 - W S as the operand of P U and of K^T (eL U)
+
+
+DESIGNS = (
+    Design("today: tf32 operands, W fp16", "f16", "tf32", "tf32", "tf32", "tf32", "tf32"),
+    Design("fp32 everywhere (the TF32 floor removed)", "f32", "f32", "f32", "f32", "f32", "f32"),
+    Design("bf16 S for Q S only (output path)", "f16", "tf32", "tf32", "tf32", "bf16", "tf32"),
+    Design("bf16 S, tf32 U", "f16", "tf32", "tf32", "bf16", "bf16", "tf32"),
+    Design("bf16 W, U0, P, S, U (FLA-like)", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16"),
+    Design("fp16 W, U0, P, S, U", "f16", "f16", "f16", "f16", "f16", "f16"),
+)
+
+
+def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
+                    ranges: Dict[str, float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, one head: q, k, v [T, 128], g, beta [T] (float64); returns o, S.
+    `ranges` collects the largest magnitude of each stored or shared operand."""
+    T = q.shape[0]
+    S = torch.zeros(q.shape[1], v.shape[1], dtype=F64)
+    out = []
+    f32 = lambda x: rnd(x, "f32")  # noqa: E731 - a product's fp32 result
+    for c0 in range(0, T, C):
+        Q, K, V = q[c0:c0 + C], k[c0:c0 + C], v[c0:c0 + C]
+        G = f32(torch.cumsum(g[c0:c0 + C], 0))
+        b = beta[c0:c0 + C]
+        n = K.shape[0]
+        dec = torch.tril(torch.exp(G[:, None] - G[None, :]))
+        A = f32(torch.tril(b[:, None] * dec * f32(K @ K.T), -1))
+        Tm = f32(torch.linalg.inv(torch.eye(n, dtype=F64) + A))
+        W = rnd(f32(rnd(Tm * (b * torch.exp(G))[None, :], "tf32") @ K), d.w)
+        U0 = rnd(f32(rnd(Tm * b[None, :], "tf32") @ V), d.u0)
+        P = rnd(f32(Q @ K.T) * dec, d.p)
+        U = f32(U0 - f32(W @ rnd(S, d.s_ws)))
+        Ur = rnd(U, d.u)
+        O = f32(scale * (torch.exp(G)[:, None] * f32(Q @ rnd(S, d.s_qs)) + f32(P @ Ur)))
+        eL = torch.exp(G[-1] - G)
+        S = f32(torch.exp(G[-1]) * S + f32(K.T @ rnd(eL[:, None] * U, d.u)))
+        for name, x in (("W", W), ("U0", U0), ("P", P), ("S", S), ("U", U)):
+            ranges[name] = max(ranges.get(name, 0.0), float(x.abs().max()))
+        out.append(O)
+    return torch.cat(out), S
+
+
+def make_inputs(tokens: int, heads: int, gates: str, seed: int,
+                qk_norm: bool) -> Dict[str, torch.Tensor]:
+    """bench/bench_gdn.py's inputs (bf16 q, k, v; l2-normalised q, k; every 4th head g == 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    norm = (lambda x: torch.nn.functional.normalize(x, dim=-1)) if qk_norm else (lambda x: x / 16)
+    q = norm(rn(tokens, heads, 128)).bfloat16().double()
+    k = norm(rn(tokens, heads, 128)).bfloat16().double()
+    v = rn(tokens, heads, 128).bfloat16().double()
+    g = torch.nn.functional.logsigmoid(rn(tokens, heads)).double()
+    g = g / 16 if gates == "bench" else g * 8  # "hard": gates down to about -25
+    g[:, ::4] = 0.0
+    beta = torch.sigmoid(rn(tokens, heads)).double()
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).norm() / ref.norm())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seqs", type=int, default=2, help="independent sequences (seeds)")
+    ap.add_argument("--gates", choices=("bench", "hard"), default="bench")
+    ap.add_argument("--no-qk-norm", action="store_true",
+                    help="q, k not l2-normalised (randn / 16: |k| about 0.7, norms spread)")
+    args = ap.parse_args()
+    scale = 128 ** -0.5
+    errs: Dict[str, Tuple[list, list]] = {d.name: ([], []) for d in DESIGNS}
+    ranges: Dict[str, float] = {}
+    o_refs, s_refs = [], []
+    for seed in range(args.seqs):
+        x = make_inputs(args.tokens, args.heads, args.gates, seed, not args.no_qk_norm)
+        ro, rs = recurrent_gated_delta_rule_ref(
+            x["q"][None], x["k"][None], x["v"][None], x["g"][None], x["beta"][None], scale)
+        o_refs.append(ro[0])
+        s_refs.append(rs[0])
+        for d in DESIGNS:
+            os_, ss = [], []
+            for h in range(args.heads):
+                o, s = chunked_forward(x["q"][:, h], x["k"][:, h], x["v"][:, h], x["g"][:, h],
+                                       x["beta"][:, h], scale, d, ranges)
+                os_.append(o)
+                ss.append(s)
+            errs[d.name][0].append(torch.stack(os_, 1))
+            errs[d.name][1].append(torch.stack(ss))
+    ro, rs = torch.stack(o_refs), torch.stack(s_refs)
+    o_floor = rel(ro.bfloat16().double(), ro)
+    print(f"{args.seqs} x {args.tokens} tokens, {args.heads} heads, gates '{args.gates}', "
+          f"q/k {'raw' if args.no_qk_norm else 'l2-normalised'}; bf16 rounding of o itself: "
+          f"{o_floor:.2e}; largest |x|: " + ", ".join(f"{k} {v:.3g}" for k, v in ranges.items())
+          + " (fp16 max 65504)\n")
+    print("| design | o (fp32) | o (bf16 output) | final state |\n|---|---|---|---|")
+    for d in DESIGNS:
+        o = torch.stack(errs[d.name][0])
+        s = torch.stack(errs[d.name][1])
+        print(f"| {d.name} | {rel(o, ro):.2e} | {rel(o.bfloat16().double(), ro):.2e} | "
+              f"{rel(s, rs):.2e} |")
+
+
+if __name__ == "__main__":
+    main()
