@@ -51,11 +51,12 @@ class Design:
     s_ws: str  # S as the B operand of W S
     s_qs: str  # S as the B operand of Q S
     u: str     # U = U0 - W S as the operand of P U and of K^T (eL U)
+    t: str = "tf32"  # T diag(beta e^G) and T diag(beta) as operands of W and U0
 
 
 DESIGNS = (
     Design("today: tf32 operands, W fp16", "f16", "tf32", "tf32", "tf32", "tf32", "tf32"),
-    Design("fp32 everywhere (the TF32 floor removed)", "f32", "f32", "f32", "f32", "f32", "f32"),
+    Design("fp32 operands everywhere", "f32", "f32", "f32", "f32", "f32", "f32", t="f32"),
     Design("bf16 S for Q S only (output path)", "f16", "tf32", "tf32", "tf32", "bf16", "tf32"),
     Design("bf16 S, tf32 U", "f16", "tf32", "tf32", "bf16", "bf16", "tf32"),
     Design("bf16 W, U0, P, S, U (FLA-like)", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16"),
@@ -79,8 +80,8 @@ def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
         dec = torch.tril(torch.exp(G[:, None] - G[None, :]))
         A = f32(torch.tril(b[:, None] * dec * f32(K @ K.T), -1))
         Tm = f32(torch.linalg.inv(torch.eye(n, dtype=F64) + A))
-        W = rnd(f32(rnd(Tm * (b * torch.exp(G))[None, :], "tf32") @ K), d.w)
-        U0 = rnd(f32(rnd(Tm * b[None, :], "tf32") @ V), d.u0)
+        W = rnd(f32(rnd(Tm * (b * torch.exp(G))[None, :], d.t) @ K), d.w)
+        U0 = rnd(f32(rnd(Tm * b[None, :], d.t) @ V), d.u0)
         P = rnd(f32(Q @ K.T) * dec, d.p)
         U = f32(U0 - f32(W @ rnd(S, d.s_ws)))
         Ur = rnd(U, d.u)

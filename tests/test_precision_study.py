@@ -1,0 +1,59 @@
+"""bench/precision_study.py's chunked forward (the formulas of docs/algorithm.md in float64,
+operands rounded per design) must be the operator: with float64 operands it equals the
+token-by-token reference, and each rounding lands where its mantissa says. CPU only."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import rel_err
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "bench", "precision_study.py")
+_spec = importlib.util.spec_from_file_location("precision_study", _PATH)
+study = importlib.util.module_from_spec(_spec)
+sys.modules["precision_study"] = study  # dataclasses look their module up there
+_spec.loader.exec_module(study)
+
+
+def _run(design, tokens: int = 200, heads: int = 2, gates: str = "hard", qk_norm: bool = True):
+    x = study.make_inputs(tokens, heads, gates, seed=3, qk_norm=qk_norm)
+    ro, rs = study.recurrent_gated_delta_rule_ref(
+        x["q"][None], x["k"][None], x["v"][None], x["g"][None], x["beta"][None], 128 ** -0.5)
+    outs, states = [], []
+    for h in range(heads):
+        o, s = study.chunked_forward(x["q"][:, h], x["k"][:, h], x["v"][:, h], x["g"][:, h],
+                                     x["beta"][:, h], 128 ** -0.5, design, {})
+        outs.append(o)
+        states.append(s)
+    return rel_err(torch.stack(outs, 1), ro[0]), rel_err(torch.stack(states), rs[0])
+
+
+def test_rounding_formats():
+    x = torch.tensor([1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1.0 + 2.0 ** -10, 3.0e38],
+                     dtype=torch.float64)
+    t = study.rnd(x, "tf32")
+    assert t[0] == 1.0 and t[1] == 1.0 + 2.0 ** -9  # ties to even
+    assert t[2] == 1.0 + 2.0 ** -10  # 10 mantissa bits kept
+    assert torch.equal(study.rnd(x[:3], "f16"), t[:3])  # fp16: the same 10 bits
+    assert study.rnd(x, "bf16")[2] == 1.0  # bf16: 7 bits
+    assert study.rnd(x, "f16")[3] == float("inf") and study.rnd(x, "bf16")[3] < float("inf")
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_float64_design_is_the_operator(qk_norm: bool):
+    exact = study.Design("f64", *(["f64"] * 6), t="f64")
+    eo, es = _run(exact, qk_norm=qk_norm)
+    assert eo < 1e-6 and es < 1e-6, (eo, es)  # only the fp32 rounding of each product
+
+
+def test_designs_order_by_mantissa():
+    by = {d.name: _run(d) for d in study.DESIGNS}
+    today, fla_like = by[study.DESIGNS[0].name], by[study.DESIGNS[4].name]
+    fp16 = by[study.DESIGNS[5].name]
+    assert today[0] < 2e-3 and today[1] < 2e-3
+    assert fla_like[0] > 2 * today[0]  # bf16's 7-bit mantissa costs over twice the error
+    assert abs(fp16[0] - today[0]) < 0.2 * today[0]  # fp16 and tf32: the same 10 bits
