@@ -426,6 +426,15 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   return true;
 }
 
+// The state entering a forward segment's first chunk: seg_in for an exact segment (phase 0),
+// h0 at the sequence's start, else null (zero: warm-ups, phase-1 local states, no h0).
+__device__ __forceinline__ const float* entering_state(const FwdParams& p, const SegmentBlock& b) {
+  const float* src = nullptr;
+  if (p.phase == 0 && b.ss.src == SegSource::Exact) src = p.seg_in + (b.z * p.Hv + b.h) * D * D;
+  if (b.ss.src == SegSource::H0 && p.h0 != nullptr) src = p.h0 + (b.n * p.Hv + b.h) * D * D;
+  return src;
+}
+
 template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
@@ -504,10 +513,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   // ---- initial state: registers (load_acc_state's layout)
   float sacc[NS][4];
   {
-    const float* src = nullptr;
-    if (p.phase == 0 && ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
-    if (ss.src == SegSource::H0 && p.h0 != nullptr) src = p.h0 + (n * p.Hv + h) * D * D;
-    load_acc_state(sacc, src, vb, identity);
+    load_acc_state(sacc, entering_state(p, b), vb, identity);
   }
   store_acc_state_smem_t(Ss, LDW, sacc);
 
@@ -730,10 +736,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   // ---- initial state: registers (load_acc_state's layout), S^T in shared memory
   float sacc[NS][4];
   {
-    const float* src = nullptr;
-    if (p.phase == 0 && ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
-    if (ss.src == SegSource::H0 && p.h0 != nullptr) src = p.h0 + (n * p.Hv + h) * D * D;
-    load_acc_state(sacc, src, vb, identity);
+    load_acc_state(sacc, entering_state(p, b), vb, identity);
   }
   store_acc_state_core_t(Ss, sacc);
 
