@@ -512,9 +512,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 
   // ---- initial state: registers (load_acc_state's layout)
   float sacc[NS][4];
-  {
-    load_acc_state(sacc, entering_state(p, b), vb, identity);
-  }
+  load_acc_state(sacc, entering_state(p, b), vb, identity);
   store_acc_state_smem_t(Ss, LDW, sacc);
 
   // U0 registers alternate between two sets (the loop is unrolled by two), so a chunk's
@@ -735,9 +733,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 
   // ---- initial state: registers (load_acc_state's layout), S^T in shared memory
   float sacc[NS][4];
-  {
-    load_acc_state(sacc, entering_state(p, b), vb, identity);
-  }
+  load_acc_state(sacc, entering_state(p, b), vb, identity);
   store_acc_state_core_t(Ss, sacc);
 
   float u0a[NS][4] = {}, u0b[NS][4] = {};
