@@ -2,8 +2,8 @@
 
 For each row, in one process on one GPU, times flashgdn's forward with
 FLASHGDN_CP=off (one segment per sequence) and =auto (the planner's split), plus any
-`--sweep` settings (FLASHGDN_FWD_BW / FLASHGDN_CP_SEG), with `--wgmma` the
-warpgroup state pass (FLASHGDN_WGMMA=1), and FLA's forward when it is
+`--sweep` settings (FLASHGDN_FWD_BW / FLASHGDN_CP_SEG), with `--passes tf32,wgmma` the
+other state-pass kernels (FLASHGDN_FWD_PASS), and FLA's forward when it is
 installed; prints a markdown table with the CP speedup and FLA / flashgdn, and the
 relative difference of each CP setting's outputs from the unsplit pass. Inputs and
 timing (CUDA graphs, median of replays) as bench/bench_gdn.py.
@@ -24,7 +24,8 @@ import bench_gdn as bg  # noqa: E402
 
 ROWS = ("1x32768", "1x16384", "28672+4096", "1x8192", "8192x4")
 MODELS = ("2/8", "4/16")
-ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_WGMMA")
+ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_WGMMA",
+            "FLASHGDN_FWD_PASS")
 
 
 @contextmanager
@@ -43,10 +44,10 @@ def env(settings: Dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def settings_list(sweep: Optional[str], wgmma: bool) -> List[Tuple[str, Dict[str, str]]]:
+def settings_list(sweep: Optional[str], passes: List[str]) -> List[Tuple[str, Dict[str, str]]]:
     out = [("CP off", {"FLASHGDN_CP": "off"}), ("CP auto", {"FLASHGDN_CP": "auto"})]
-    if wgmma:
-        out.append(("CP auto wgmma", {"FLASHGDN_CP": "auto", "FLASHGDN_WGMMA": "1"}))
+    for name in passes:
+        out.append((f"CP auto {name}", {"FLASHGDN_CP": "auto", "FLASHGDN_FWD_PASS": name}))
     for item in (sweep.split(",") if sweep else []):
         bw, seg = item.split(":")
         out.append((f"BW{bw} seg{seg}", {"FLASHGDN_CP": "on", "FLASHGDN_FWD_BW": bw,
@@ -62,7 +63,10 @@ def main() -> None:
     ap.add_argument("--sweep", default=None, help="extra BW:SEG settings, e.g. 16:64,32:128")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--wgmma", action="store_true",
-                    help="also time the warpgroup (wgmma) state pass (FLASHGDN_WGMMA=1)")
+                    help="also time the warpgroup (wgmma) state pass (= --passes wgmma)")
+    ap.add_argument("--passes", default="",
+                    help="other state passes to time with CP auto (FLASHGDN_FWD_PASS), "
+                         "e.g. tf32,wgmma; the default columns use the default pass (f16)")
     args = ap.parse_args()
 
     import torch
@@ -75,7 +79,10 @@ def main() -> None:
         print(f"FLA not available ({exc}): no FLA column")
     timer = bg.Timer(warmup=5, reps=args.reps, max_seconds=4.0)
     rows = bg.build_rows("fwd", args.models.split(","), args.seqs.split(","), seed=0)
-    settings = settings_list(args.sweep, args.wgmma)
+    passes = [x for x in args.passes.split(",") if x]
+    if args.wgmma and "wgmma" not in passes:
+        passes.append("wgmma")
+    settings = settings_list(args.sweep, passes)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashgdn "
           f"{flashgdn.__version__}")
     head = ["h_qk/h_v", "sequences"] + [f"{n} ms" for n, _ in settings] + \

@@ -100,25 +100,39 @@ def test_gpu_matches_cpu_backend(case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("other", ["tf32", "wgmma"])
 @pytest.mark.parametrize("bw", ["16", "32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_state_pass_wgmma_vs_mma_sync(monkeypatch, bw: str, dtype: torch.dtype):
-    """The sequential pass runs on warp-level mma.sync by default; FLASHGDN_WGMMA=1 selects
-    the warpgroup (wgmma) kernel. Both use tf32 operands: they must match the float64
-    reference equally well, agree within tf32 rounding, and each must be deterministic.
-    Lengths not multiple of 64, an initial state, g == 0 heads."""
+def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch.dtype):
+    """The sequential pass runs on fp16 operands by default (state_fwd_f16_kernel);
+    FLASHGDN_FWD_PASS=tf32 selects the tf32 mma.sync kernel, =wgmma the warpgroup one.
+    fp16 and tf32 operands share a 10-bit mantissa: every pass must match the float64
+    reference equally well, the passes agree within that rounding, and each is
+    deterministic. Lengths not multiple of 64, an initial state, g == 0 heads."""
     case = Case("wg", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
     inp = make_inputs(case, "cuda", seed=23)
     monkeypatch.setenv("FLASHGDN_FWD_BW", bw)
-    om, htm = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    monkeypatch.setenv("FLASHGDN_WGMMA", "1")
+    of, htf = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    of2, htf2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    monkeypatch.setenv("FLASHGDN_FWD_PASS", other)
     o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     ro, rh = reference(inp)
-    print(f"  BW {bw} {dtype}: wgmma o {rel_err(o, ro):.2e} state {rel_err(ht, rh):.2e}; "
-          f"mma.sync o {rel_err(om, ro):.2e} state {rel_err(htm, rh):.2e}")
-    assert torch.equal(o, o2) and torch.equal(ht, ht2), "two runs differ"
-    assert rel_err(om, ro) < O_TOL and rel_err(htm, rh) < STATE_TOL
-    assert rel_err(o, ro) < max(1.2 * rel_err(om, ro), 2e-3)
-    assert rel_err(ht, rh) < max(1.2 * rel_err(htm, rh), 1e-3)
-    assert rel_err(o, om.double()) < 2e-3 and rel_err(ht, htm.double()) < 1e-3
+    print(f"  BW {bw} {dtype}: {other} o {rel_err(o, ro):.2e} state {rel_err(ht, rh):.2e}; "
+          f"f16 o {rel_err(of, ro):.2e} state {rel_err(htf, rh):.2e}")
+    assert torch.equal(o, o2) and torch.equal(ht, ht2), f"two {other} runs differ"
+    assert torch.equal(of, of2) and torch.equal(htf, htf2), "two f16 runs differ"
+    assert rel_err(of, ro) < O_TOL and rel_err(htf, rh) < STATE_TOL
+    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
+    assert rel_err(of, ro) < max(1.2 * rel_err(o, ro), 2e-3)
+    assert rel_err(htf, rh) < max(1.2 * rel_err(ht, rh), 1e-3)
+    assert rel_err(o, of.double()) < 2e-3 and rel_err(ht, htf.double()) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_unknown_forward_pass_is_an_error(monkeypatch):
+    inp = make_inputs(Case("bad", [100], 1, 2), "cuda", seed=2)
+    monkeypatch.setenv("FLASHGDN_FWD_PASS", "fp8")
+    with pytest.raises(Exception, match="FLASHGDN_FWD_PASS"):
+        flashgdn.chunk_gated_delta_rule(**inp)

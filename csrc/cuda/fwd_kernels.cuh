@@ -89,7 +89,10 @@ struct FwdParams : SegParams {
   __half* W;         // [TT, Hv, D] fp16: tf32's 10-bit mantissa in 16 bits (|W| ~ 1 / |k|)
   float* U0;         // [TT, Hv, D]
   float* Tmat;       // [TT, Hv, C] or null
-  float* Pmat;       // [TT, Hv, C]
+  float* Pmat;       // [TT, Hv, C] or null: tf32 P for the tf32 passes and the backward
+  __half* P16;       // [TT, Hv, C] or null: fp16 P for the fp16 pass
+  const __half *Kh, *Qh;  // [TT, Hqk, D] fp16 k and q of the fp16 pass (the inputs, or wy's copies)
+  __half *Kh_w, *Qh_w;    // bf16 inputs: where wy_kernel writes the fp16 copies (else null)
   // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
@@ -145,6 +148,21 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   cp_async_wait<0>();
   __syncthreads();
   if (warp == 1) Gs[threadIdx.x] += Gs[31];
+  if (p.Kh_w != nullptr && h % (p.Hv / p.Hqk) == 0) {
+    // fp16 copies of this chunk's k and q rows for the fp16 state pass (bf16 inputs; exact
+    // for |x| in [2^-14, 65504], the range of l2-normalised q and k)
+    constexpr int kPieces = D / 8;  // 8 values per 16-byte piece
+    for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
+      const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
+      if (r >= L) continue;
+      const In* src = (which ? Qs : Ks) + r * LDH + c;
+      float f[8];
+      unpack8(f, *reinterpret_cast<const uint4*>(src), src);
+      const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
+                                   pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
+      *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
+    }
+  }
   __syncthreads();
 
   // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
@@ -178,9 +196,12 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
           pv[d] = round_tf32(qk[j][e + d] * dec);
           if (sc == r) kn[r] = kk[j][e + d];
         }
-        if (r < L)
+        if (r < L && p.Pmat != nullptr)
           *reinterpret_cast<float2*>(p.Pmat + (row_off + r * p.Hv) * C + s) =
               make_float2(pv[0], pv[1]);
+        if (r < L && p.P16 != nullptr)  // exact: tf32 and fp16 share the 10-bit mantissa
+          *reinterpret_cast<uint32_t*>(p.P16 + (row_off + r * p.Hv) * C + s) =
+              pack_half2(pv[0], pv[1]);
       }
     }
   }
@@ -646,6 +667,243 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   }
 
   // ---- the state leaving the segment: the final state, or this block's summary
+  float* dst = nullptr;
+  if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
+  else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
+  if (dst) store_acc_state(dst, sacc, vb);
+}
+
+// ---------------------------------------------------------------------------------------
+// state_fwd_f16_kernel: the sequential pass on fp16 operands (m16n8k16, fp32 accumulation)
+//
+// The default forward pass. Same grid, segments, phases and records as
+// state_fwd_mma_kernel (header above); only the operand format differs: W, K, Q, P and the
+// per-chunk copies of S, U and diag(eL) U are fp16 (tf32's 10-bit mantissa, so the same
+// rounding; docs/perf-notes.md, operand precision), so each product takes half the mma
+// instructions of tf32 and every fragment comes whole from one ldmatrix. S stays in fp32
+// accumulators across chunks; its fp16 copy [128][BW] feeds W S and Q S.
+//   reads  Kh, Qh (fp16 k, q: the inputs, or wy_kernel's copies of bf16 inputs), W, U0,
+//          P16, G, Lb, initial state, seg_in
+//   writes as state_fwd_mma_kernel
+
+template <int BW>
+struct StateFwdF16Smem {
+  static constexpr int LDP = C + 8;   // P [C][LDP]: rows 144 bytes apart, ldmatrix conflict free
+  static constexpr int LDS = BW + 8;  // S [D][LDS], U and diag(eL) U [C][LDS]: idem (80 / 48 B)
+  static constexpr size_t kTile = sizeof(__half) * C * LDH;  // W, K, Q
+  static constexpr size_t kStage = 3 * kTile + sizeof(__half) * C * LDP + sizeof(float) * C;
+  static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (D + 2 * C) * LDS;
+};
+
+template <typename In, int BW>
+__global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
+  static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
+  using Sm = StateFwdF16Smem<BW>;
+  constexpr int NJ = BW / 16;  // n8 tiles per warp of the 64 x BW products
+  constexpr int NS = BW / 8;   // n8 tiles per warp of the 128 x BW state update
+  constexpr int LDS = Sm::LDS, LDP = Sm::LDP;
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
+  SegmentBlock b;
+  if (!segment_block<BW>(p, false, b)) return;
+  const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
+  const int64_t nch = b.nch, chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
+  const int vb = b.vb;
+  const bool identity = b.identity;
+  const int64_t c_first = b.ss.c_first;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto Wst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * Sm::kStage); };
+  auto Kst = [&](int s) { return Wst(s) + C * LDH; };
+  auto Qst = [&](int s) { return Kst(s) + C * LDH; };
+  auto Pst = [&](int s) { return Qst(s) + C * LDH; };
+  auto Gst = [&](int s) { return reinterpret_cast<float*>(Pst(s) + C * LDP); };
+  __half* Sh = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage);  // [D][LDS] S
+  __half* Uh = Sh + D * LDS;                                           // [C][LDS] U
+  __half* Ueh = Uh + C * LDS;                                          // [C][LDS] diag(eL) U
+
+  const int warp = threadIdx.x >> 5;
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const bool record = p.phase == 0 && p.h != nullptr;  // the backward's recomputation
+
+  auto issue = [&](int64_t ci, int s) {
+    if (p.debug & 2) return;
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    if (want_o && ci >= c_begin) {
+      cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+      cp_async_tile<C, C, LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    }
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
+      cp_async4(Gst(s) + threadIdx.x, p.G + (tok0 + r) * p.Hv + h);
+    }
+    cp_async_commit();
+  };
+  // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
+  const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
+  auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) {
+    if (identity) {  // the transition: U0 = 0
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) u[jj][e] = 0.f;
+      return;
+    }
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
+        float2 v = make_float2(0.f, 0.f);
+        if (r < L) v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c);
+        u[jj][e] = v.x;
+        u[jj][e + 1] = v.y;
+      }
+  };
+  // B fragments of the warp's NJ n8 tiles (columns n0 ..) of a [k][LDS] tile, k0..k0+15
+  auto frag_b_cols = [&](uint32_t (&bf)[NJ][2], const __half* t, int k0) {
+    if constexpr (NJ == 2) frag_b16_trans2(bf[0], bf[1], t, LDS, n0, k0);
+    else frag_b16_trans(bf[0], t, LDS, n0, k0);
+  };
+
+  float sacc[NS][4];
+  load_acc_state(sacc, entering_state(p, b), vb, identity);
+  store_acc_state_smem_h(Sh, LDS, sacc);
+
+  float u0a[NJ][4], u0b[NJ][4];
+  if (c_first < c_end) {
+    issue(c_first, 0);
+    load_u0(u0a, c_first);
+  }
+  auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
+    const int s = static_cast<int>((ci - c_first) & 1);
+    const int64_t tok0 = start + ci * C;
+    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    cp_async_wait<0>();
+    __syncthreads();  // stage s landed; Sh, Uh, Ueh of the previous chunk complete
+    if (ci + 1 < c_end) {
+      issue(ci + 1, s ^ 1);
+      load_u0(u0n, ci + 1);
+    }
+    const bool out = want_o && ci >= c_begin;
+    if (record && ci >= c_begin)  // the state entering chunk ci
+      store_acc_state(p.h + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
+    const __half* W = Wst(s);
+    const float* G = Gst(s);
+    const float gl = G[C - 1];
+
+    // U = U0 - W S and QS = Q S (even and odd k16 steps in separate accumulators)
+    float ua[NJ][4] = {}, qa[NJ][4] = {};
+    {
+      float ub[NJ][4] = {}, qb[NJ][4] = {};
+      auto products = [&](auto with_q) {
+        constexpr bool kQ = decltype(with_q)::value;
+        const __half* Q = Qst(s);
+#pragma unroll
+        for (int k0 = 0; k0 < D; k0 += 32) {
+          uint32_t aw[4], aw2[4], aq[4], aq2[4], bs[NJ][2], bs2[NJ][2];
+          frag_a16(aw, W, LDH, m0, k0);
+          frag_a16(aw2, W, LDH, m0, k0 + 16);
+          if constexpr (kQ) {
+            frag_a16(aq, Q, LDH, m0, k0);
+            frag_a16(aq2, Q, LDH, m0, k0 + 16);
+          }
+          frag_b_cols(bs, Sh, k0);
+          frag_b_cols(bs2, Sh, k0 + 16);
+#pragma unroll
+          for (int jj = 0; jj < NJ; ++jj) {
+            mma_f16(ua[jj], aw, bs[jj]);
+            mma_f16(ub[jj], aw2, bs2[jj]);
+            if constexpr (kQ) {
+              mma_f16(qa[jj], aq, bs[jj]);
+              mma_f16(qb[jj], aq2, bs2[jj]);
+            }
+          }
+        }
+      };
+      if (out) products(std::true_type{});
+      else products(std::false_type{});
+      add_acc(ua, ub);
+      add_acc(qa, qb);
+    }
+    const float eg_lo = __expf(G[m0 + acc_row(0)]), eg_hi = __expf(G[m0 + acc_row(2)]);
+    const float el_lo = __expf(gl - G[m0 + acc_row(0)]), el_hi = __expf(gl - G[m0 + acc_row(2)]);
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
+        const float x0 = u0[jj][e] - ua[jj][e], x1 = u0[jj][e + 1] - ua[jj][e + 1];
+        if (record && ci >= c_begin && r < L)
+          __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
+                 make_float2(x0, x1));
+        const float el = e < 2 ? el_lo : el_hi, eg = e < 2 ? eg_lo : eg_hi;
+        *reinterpret_cast<uint32_t*>(Uh + r * LDS + c) = pack_half2(x0, x1);
+        *reinterpret_cast<uint32_t*>(Ueh + r * LDS + c) = pack_half2(x0 * el, x1 * el);
+        qa[jj][e] *= eg;
+        qa[jj][e + 1] *= eg;
+      }
+    __syncthreads();  // U complete
+
+    if (out) {  // O = diag(e^G) Q S + P U; P is lower triangular
+      const __half* P = Pst(s);
+      for (int k0 = 0; k0 < m0 + 16; k0 += 16) {
+        uint32_t ap[4], bu[NJ][2];
+        frag_a16(ap, P, LDP, m0, k0);
+        frag_b_cols(bu, Uh, k0);
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) mma_f16(qa[jj], ap, bu[jj]);
+      }
+      In* o = static_cast<In*>(p.o);
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
+          if (r < L) {
+            In pair[2] = {from_f<In>(p.scale * qa[jj][e]), from_f<In>(p.scale * qa[jj][e + 1])};
+            *reinterpret_cast<uint32_t*>(o + ((tok0 + r) * p.Hv + h) * D + c) =
+                *reinterpret_cast<const uint32_t*>(pair);
+          }
+        }
+    }
+    {  // S <- exp(G_last) S + K^T diag(eL) U: warp w rows 16 w .. +16, all BW columns
+      const float eg = __expf(gl);
+#pragma unroll
+      for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] *= eg;
+      const __half* K = Kst(s);
+      float sb[NS][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < C; k0 += 32) {
+        uint32_t ak[4], ak2[4];
+        frag_a16_trans(ak, K, LDH, 16 * warp, k0);
+        frag_a16_trans(ak2, K, LDH, 16 * warp, k0 + 16);
+#pragma unroll
+        for (int jp = 0; jp < NS / 2; ++jp) {
+          uint32_t b0[2], b1[2], c0[2], c1[2];
+          frag_b16_trans2(b0, b1, Ueh, LDS, 16 * jp, k0);
+          frag_b16_trans2(c0, c1, Ueh, LDS, 16 * jp, k0 + 16);
+          mma_f16(sacc[2 * jp], ak, b0);
+          mma_f16(sacc[2 * jp + 1], ak, b1);
+          mma_f16(sb[2 * jp], ak2, c0);
+          mma_f16(sb[2 * jp + 1], ak2, c1);
+        }
+      }
+      add_acc(sacc, sb);
+      store_acc_state_smem_h(Sh, LDS, sacc);
+    }
+  };
+  for (int64_t ci = c_first; ci < c_end; ci += 2) {
+    step(ci, u0a, u0b);
+    if (ci + 1 < c_end) step(ci + 1, u0b, u0a);
+  }
+
   float* dst = nullptr;
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;

@@ -39,12 +39,29 @@ struct Carver {
   }
 };
 
+// Which kernel runs the forward's sequential pass: state_fwd_f16_kernel (fp16 operands,
+// the default), state_fwd_mma_kernel (tf32 operands, FLASHGDN_FWD_PASS=tf32) or the
+// warpgroup state_fwd_kernel (tf32, FLASHGDN_FWD_PASS=wgmma or FLASHGDN_WGMMA=1; slower,
+// docs/perf-notes.md version 8). All three are tested against each other and the reference.
+enum class FwdPass { F16, Tf32, Wgmma };
+FwdPass fwd_pass() {
+  if (const char* v = std::getenv("FLASHGDN_WGMMA"); v != nullptr && std::atoi(v) != 0)
+    return FwdPass::Wgmma;
+  const char* v = std::getenv("FLASHGDN_FWD_PASS");
+  if (v == nullptr || std::string(v) == "f16" || std::string(v).empty()) return FwdPass::F16;
+  if (std::string(v) == "tf32") return FwdPass::Tf32;
+  if (std::string(v) == "wgmma") return FwdPass::Wgmma;
+  throw Error(std::string("FLASHGDN_FWD_PASS: expected f16, tf32 or wgmma, got '") + v + "'");
+}
+
 struct FwdBuffers {
   int64_t* chunk_offsets;
   int64_t* seg_offsets;  // varlen with context parallelism
   int* error;
-  float *G, *U0, *P, *Lb;
+  float *G, *U0, *P, *Lb;  // P: tf32 (the tf32 passes and the backward), else null
   __half* W;  // tf32 precision in 16 bits (fwd_kernels.cuh)
+  __half* P16;       // the fp16 pass's P (forward only), else null
+  __half *Kh, *Qh;   // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
 };
@@ -53,20 +70,28 @@ struct BwdBuffers {
   float *Tmat, *U, *dVt, *h, *dh;
 };
 
-FwdBuffers carve_common(const Problem& p, Carver& c) {
+// `backward`: the recomputation (no outputs: P only in tf32, for the backward's kernels).
+FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   FwdBuffers b{};
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
+  const FwdPass pass = fwd_pass();
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
   b.W = c.take<__half>(tokheads * D);
   b.U0 = c.take<float>(tokheads * D);
-  b.P = c.take<float>(tokheads * C);
+  if (backward || pass != FwdPass::F16) b.P = c.take<float>(tokheads * C);
+  if (!backward && pass == FwdPass::F16) b.P16 = c.take<__half>(tokheads * C);
+  if (pass == FwdPass::F16 && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {
+    b.Kh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
+    b.Qh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
+  }
   return b;
 }
 
-FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
-  FwdBuffers b = carve_common(p, c);
+FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
+                     bool backward = false) {
+  FwdBuffers b = carve_common(p, backward, c);
   b.Lb = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv));
   b.seg_offsets = p.varlen() ? c.take<int64_t>(p.N + 1) : nullptr;
   if (plan.split) {
@@ -81,7 +106,7 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
 
 BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   BwdBuffers b;
-  b.f = carve_fwd(p, plan, c);  // the recomputation runs the forward's state pass
+  b.f = carve_fwd(p, plan, c, true);  // the recomputation runs the forward's state pass
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D;
   b.Tmat = c.take<float>(tokheads * C);
@@ -162,6 +187,14 @@ FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) 
   f.W = b.W;
   f.U0 = b.U0;
   f.Pmat = b.P;
+  f.P16 = b.P16;
+  if (b.Kh != nullptr) {  // bf16 inputs: wy_kernel writes fp16 copies for the fp16 pass
+    f.Kh = f.Kh_w = b.Kh;
+    f.Qh = f.Qh_w = b.Qh;
+  } else if (p.qkv_dtype == FLASHGDN_DTYPE_F16) {
+    f.Kh = static_cast<const __half*>(p.k);
+    f.Qh = static_cast<const __half*>(p.q);
+  }
   f.Lb = b.Lb;
   return f;
 }
@@ -200,27 +233,23 @@ SegmentPlan plan_forward(const Problem& p) {
   return plan_segments(q);
 }
 
-// The forward's sequential pass runs on warp-level mma.sync (state_fwd_mma_kernel);
-// FLASHGDN_WGMMA=1 selects the warpgroup (wgmma) kernel, which is slower today
-// (docs/perf-notes.md, version 8) and kept, tested, as the base of the warp-specialized one.
-bool wgmma_state_pass() {
-  const char* v = std::getenv("FLASHGDN_WGMMA");
-  return v != nullptr && std::atoi(v) != 0;
-}
-
 template <typename In, int BW>
 void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams& f, cudaStream_t st) {
-  const bool wg = wgmma_state_pass();
-  const size_t smem = wg ? StateFwdWgSmem<In, BW>::kBytes : StateFwdSmem<In, BW>::kBytes;
+  const FwdPass pass = fwd_pass();
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(state_fwd_kernel<In, BW>, StateFwdWgSmem<In, BW>::kBytes);
     set_smem(state_fwd_mma_kernel<In, BW>, StateFwdSmem<In, BW>::kBytes);
+    set_smem(state_fwd_f16_kernel<In, BW>, StateFwdF16Smem<BW>::kBytes);
   });
   const unsigned blocks_x = (f.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
   const dim3 grid(blocks_x, static_cast<unsigned>(p.Hv), static_cast<unsigned>(plan.max_segments));
-  if (wg) state_fwd_kernel<In, BW><<<grid, NT, smem, st>>>(f);
-  else state_fwd_mma_kernel<In, BW><<<grid, NT, smem, st>>>(f);
+  if (pass == FwdPass::Wgmma)
+    state_fwd_kernel<In, BW><<<grid, NT, StateFwdWgSmem<In, BW>::kBytes, st>>>(f);
+  else if (pass == FwdPass::Tf32)
+    state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(f);
+  else
+    state_fwd_f16_kernel<In, BW><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
 }
 

@@ -1,5 +1,6 @@
 // Warp-level tensor-core helpers of the forward kernels: TF32 mma.sync (m16n8k8,
-// fp32 accumulate), fragment loads from shared memory, cp.async copies.
+// fp32 accumulate), fp16 mma.sync (m16n8k16) with ldmatrix fragments, fragment loads
+// from shared memory, cp.async copies.
 //
 // Fragment convention ("paired k"): inside one 8-wide k step, a thread (g = lane / 4,
 // t = lane % 4) holds the k elements 2t and 2t + 1 of its rows (A) or column (B) as the
@@ -131,6 +132,68 @@ __device__ __forceinline__ void frag_b_trans(uint32_t (&b)[2], const T* s, int l
   widen2(r0, b[0], b[1], s);
 }
 
+// ---- fp16 operands (m16n8k16, fp32 accumulation): the 10-bit mantissa of tf32 at twice
+// its tensor rate, and whole fragments from ldmatrix (no widening). Standard fragment
+// layout: A a0 = (g, 2t..2t+1), a1 = (g + 8, ..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..);
+// B b0 = (k 2t..2t+1, n g), b1 = (k 2t + 8.., n g).
+
+// d += a b, m16n8k16, fp16 inputs, fp32 accumulators
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4],
+                                        const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// A fragment (rows row0..row0+15, k0..k0+15) of a 16-bit tile stored [row][k].
+__device__ __forceinline__ void frag_a16(uint32_t (&a)[4], const __half* s, int ld, int row0,
+                                         int k0) {
+  const int l = lane_id();
+  const __half* p = s + (row0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + k0 + (l >> 4) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(smem_addr(p)));
+}
+// A fragment of A(i, k) = X[k][i] (the transpose of a tile stored [k][i], i contiguous),
+// rows i0..i0+15, k0..k0+15.
+__device__ __forceinline__ void frag_a16_trans(uint32_t (&a)[4], const __half* s, int ld, int i0,
+                                               int k0) {
+  const int l = lane_id(), m = l >> 3;
+  const __half* p = s + (k0 + (l & 7) + (m >> 1) * 8) * ld + i0 + (m & 1) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(smem_addr(p)));
+}
+// B fragments of B(k, n) = X[k][n] (a tile stored [k][n], n contiguous), k0..k0+15:
+// columns n0..n0+7 (x2) or n0..n0+7 and n0+8..n0+15 (x4: b0 then b1).
+__device__ __forceinline__ void frag_b16_trans(uint32_t (&b)[2], const __half* s, int ld, int n0,
+                                               int k0) {
+  const int l = lane_id();
+  const __half* p = s + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(b[0]), "=r"(b[1])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void frag_b16_trans2(uint32_t (&b0)[2], uint32_t (&b1)[2],
+                                                const __half* s, int ld, int n0, int k0) {
+  const int l = lane_id(), m = l >> 3;
+  const __half* p = s + (k0 + (l & 7) + (m & 1) * 8) * ld + n0 + (m >> 1) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1])
+               : "r"(smem_addr(p)));
+}
+// Two fp32 values -> one register of two fp16 (round to nearest).
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // Accumulator element e (0..3) of an m16n8 tile: row g (+8 for e >= 2), column 2t (+1 odd e).
 __device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
@@ -188,6 +251,20 @@ __device__ __forceinline__ void store_acc_state_smem_t(float* st, int ld, const 
     for (int e = 0; e < 4; ++e) {
       const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
       st[c * ld + i] = round_tf32(acc[jn][e]);
+    }
+}
+
+// Writes the block as fp16 into a shared tile [128][ld] (row i of the state is row i of the
+// tile, columns contiguous): the B operand (ldmatrix.trans) of the fp16 pass's products.
+template <int NS>
+__device__ __forceinline__ void store_acc_state_smem_h(__half* st, int ld, const float (&acc)[NS][4]) {
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int i = 16 * warp + acc_row(e), c = 8 * jn + acc_col(e);
+      *reinterpret_cast<uint32_t*>(st + i * ld + c) = pack_half2(acc[jn][e], acc[jn][e + 1]);
     }
 }
 
