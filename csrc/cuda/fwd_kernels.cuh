@@ -1,5 +1,7 @@
-// Forward kernels of the chunked WY algorithm (docs/algorithm.md), on TF32 tensor cores
-// (mma.cuh: fp32 accumulation; bf16/fp16 inputs are exact tf32 operands).
+// Forward kernels of the chunked WY algorithm (docs/algorithm.md) on tensor cores with fp32
+// accumulation (mma.cuh): wy_kernel and the default state pass on fp16 operands (m16n8k16;
+// fp16 has tf32's 10-bit mantissa, bf16 inputs convert exactly), the opt-in tf32 passes on
+// m16n8k8 / wgmma tf32.
 //
 // wy_kernel      grid (max_chunks, H_v), 256 threads, ~108 KB smem (2 blocks per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
@@ -10,7 +12,8 @@
 //   Lb = sum_r g_r + log max(1, |1 - beta_r |k_r|^2|) (log of a bound on how much the
 //   chunk's transition can keep of an earlier state; used by the context-parallel pass).
 //   reads  q, k, v, g, beta
-//   writes G, W, U0, P (tf32-rounded fp32 workspace), Lb; T when the backward asks
+//   writes G, W and U0 (fp16: tf32's 10-bit mantissa), P (tf32-rounded fp32 and/or fp16),
+//   Lb; T when the backward asks; fp16 copies of bf16 k and q for the fp16 state pass
 //
 // state_fwd_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments), 256 threads,
 //   ~208 KB smem (BW 32)
@@ -87,7 +90,7 @@ struct FwdParams : SegParams {
   float* ht;         // [N, Hv, D, D] or null
   float* G;          // [TT, Hv]
   __half* W;         // [TT, Hv, D] fp16: tf32's 10-bit mantissa in 16 bits (|W| ~ 1 / |k|)
-  float* U0;         // [TT, Hv, D]
+  __half* U0;        // [TT, Hv, D] fp16, as W
   float* Tmat;       // [TT, Hv, C] or null
   float* Pmat;       // [TT, Hv, C] or null: tf32 P for the tf32 passes and the backward
   __half* P16;       // [TT, Hv, C] or null: fp16 P for the fp16 pass
@@ -148,38 +151,46 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   cp_async_wait<0>();
   __syncthreads();
   if (warp == 1) Gs[threadIdx.x] += Gs[31];
-  if (p.Kh_w != nullptr && h % (p.Hv / p.Hqk) == 0) {
-    // fp16 copies of this chunk's k and q rows for the fp16 state pass (bf16 inputs; exact
-    // for |x| in [2^-14, 65504], the range of l2-normalised q and k)
+  // K, V and Q as fp16 (bf16 inputs converted in place: exact for |x| in [2^-14, 65504], the
+  // range of l2-normalised q and k; below it fp16 keeps an absolute error under 2^-25), the
+  // operands of every product here; with p.Kh_w set, this value head's group leader also
+  // writes the fp16 k and q rows for the fp16 state pass.
+  const __half* Kf = reinterpret_cast<const __half*>(Ks);
+  const __half* Vf = reinterpret_cast<const __half*>(Vs);
+  const __half* Qf = reinterpret_cast<const __half*>(Qs);
+  if constexpr (!std::is_same<In, __half>::value) {
     constexpr int kPieces = D / 8;  // 8 values per 16-byte piece
-    for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
+    const bool copy = p.Kh_w != nullptr && h % (p.Hv / p.Hqk) == 0;
+    for (int e = threadIdx.x; e < 3 * C * kPieces; e += NT) {
       const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
-      if (r >= L) continue;
-      const In* src = (which ? Qs : Ks) + r * LDH + c;
+      In* x = (which == 0 ? Ks : which == 1 ? Vs : Qs) + r * LDH + c;
       float f[8];
-      unpack8(f, *reinterpret_cast<const uint4*>(src), src);
-      const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
-                                   pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
-      *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
+      unpack8(f, *reinterpret_cast<const uint4*>(x), x);
+      const uint4 h8 = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
+                                  pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
+      *reinterpret_cast<uint4*>(x) = h8;
+      if (copy && which != 1 && r < L)
+        *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = h8;
     }
   }
   __syncthreads();
 
-  // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
+  // K K^T and Q K^T (fp16 m16n8k16): warp w owns rows 16 (w % 4) .. +16, columns
+  // 32 (w / 4) .. +32
   {
     const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
     float kk[4][4] = {}, qk[4][4] = {};
 #pragma unroll 4
-    for (int k0 = 0; k0 < D; k0 += 8) {
-      uint32_t ak[4], aq[4];
-      frag_a(ak, Ks, LDH, m0, k0);
-      frag_a(aq, Qs, LDH, m0, k0);
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      uint32_t ak[4], aq[4], b[4][2];
+      frag_a16(ak, Kf, LDH, m0, k0);
+      frag_a16(aq, Qf, LDH, m0, k0);
+      frag_b16_pair(b[0], b[1], Kf, LDH, n0, k0);
+      frag_b16_pair(b[2], b[3], Kf, LDH, n0 + 16, k0);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        uint32_t b[2];
-        frag_b(b, Ks, LDH, n0 + 8 * j, k0);
-        mma_tf32(kk[j], ak, b);
-        mma_tf32(qk[j], aq, b);
+        mma_f16(kk[j], ak, b[j]);
+        mma_f16(qk[j], aq, b[j]);
       }
     }
 #pragma unroll
@@ -262,14 +273,18 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
       __syncthreads();
     }
   }
-  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
+  // fp16 T diag(beta exp G) over As and fp16 T diag(beta) over Tv (the A operands of W and
+  // U0; [C][LDF], rows 144 bytes apart): neither fp32 tile is read again
+  constexpr int LDF = C + 8;
+  __half* Ah = reinterpret_cast<__half*>(As);
+  __half* Th = reinterpret_cast<__half*>(Tv);
   {  // each thread keeps one column s, so its factors are computed once
     const int s = threadIdx.x % C;
     const float fb = bs[s], fe = fb * __expf(Gs[s]);
     for (int r = threadIdx.x / C; r < C; r += NT / C) {
       const float t = Ts[r * LDA + s];
-      As[r * LDA + s] = round_tf32(t * fe);
-      Tv[r * LDA + s] = round_tf32(t * fb);
+      Ah[r * LDF + s] = __float2half_rn(t * fe);
+      Th[r * LDF + s] = __float2half_rn(t * fb);
       if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
     }
   }
@@ -281,17 +296,19 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   {
     const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
     float w[8][4] = {}, u[8][4] = {};
-    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+    for (int k0 = 0; k0 < m0 + 16; k0 += 16) {
       uint32_t aw[4], au[4];
-      frag_a(aw, As, LDA, m0, k0);
-      frag_a(au, Tv, LDA, m0, k0);
+      frag_a16(aw, Ah, LDF, m0, k0);
+      frag_a16(au, Th, LDF, m0, k0);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bk[2], bv[2];
-        frag_b_trans(bk, Ks, LDH, n0 + 8 * j, k0);
-        frag_b_trans(bv, Vs, LDH, n0 + 8 * j, k0);
-        mma_tf32(w[j], aw, bk);
-        mma_tf32(u[j], au, bv);
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t bk[2][2], bv[2][2];
+        frag_b16_trans2(bk[0], bk[1], Kf, LDH, n0 + 8 * j, k0);
+        frag_b16_trans2(bv[0], bv[1], Vf, LDH, n0 + 8 * j, k0);
+        mma_f16(w[j], aw, bk[0]);
+        mma_f16(w[j + 1], aw, bk[1]);
+        mma_f16(u[j], au, bv[0]);
+        mma_f16(u[j + 1], au, bv[1]);
       }
     }
 #pragma unroll
@@ -302,8 +319,7 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
         if (r < L) {
           const int64_t idx = (row_off + r * p.Hv) * D + c;
           *reinterpret_cast<__half2*>(p.W + idx) = __floats2half2_rn(w[j][e], w[j][e + 1]);
-          *reinterpret_cast<float2*>(p.U0 + idx) =
-              make_float2(round_tf32(u[j][e]), round_tf32(u[j][e + 1]));
+          *reinterpret_cast<__half2*>(p.U0 + idx) = __floats2half2_rn(u[j][e], u[j][e + 1]);
         }
       }
   }
@@ -525,7 +541,9 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
       for (int e = 0; e < 4; e += 2) {
         const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
         float2 v = make_float2(0.f, 0.f);
-        if (r < L) v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c);
+        if (r < L)
+          v = __half22float2(
+              *reinterpret_cast<const __half2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c));
         u[jj][e] = v.x;
         u[jj][e + 1] = v.y;
       }
@@ -759,7 +777,9 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
       for (int e = 0; e < 4; e += 2) {
         const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
         float2 v = make_float2(0.f, 0.f);
-        if (r < L) v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c);
+        if (r < L)
+          v = __half22float2(
+              *reinterpret_cast<const __half2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c));
         u[jj][e] = v.x;
         u[jj][e + 1] = v.y;
       }
@@ -983,7 +1003,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
         const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
         float2 v = make_float2(0.f, 0.f);
         if (!identity && r < L)
-          v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c);
+          v = __half22float2(
+              *reinterpret_cast<const __half2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c));
         u[jj][e] = v.x;
         u[jj][e + 1] = v.y;
       }
