@@ -525,12 +525,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   };
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
-  auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) {
+  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) {
     if (identity) {  // the transition: U0 = 0
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) u[jj][e] = 0.f;
+      for (int jj = 0; jj < NJ; ++jj) u[jj][0] = u[jj][1] = 0u;
       return;
     }
     const int64_t tok0 = start + ci * C;
@@ -540,12 +538,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
-        float2 v = make_float2(0.f, 0.f);
-        if (r < L)
-          v = __half22float2(
-              *reinterpret_cast<const __half2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c));
-        u[jj][e] = v.x;
-        u[jj][e + 1] = v.y;
+        u[jj][e >> 1] =
+            r < L ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c) : 0u;
       }
   };
 
@@ -556,12 +550,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 
   // U0 registers alternate between two sets (the loop is unrolled by two), so a chunk's
   // U0 loads are issued one whole step before their use and nothing waits on them.
-  float u0a[NJ][4], u0b[NJ][4];
+  uint32_t u0a[NJ][2], u0b[NJ][2];
   if (c_first < c_end) {
     issue(c_first, 0);
     load_u0(u0a, c_first);
   }
-  auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
+  auto step = [&](const int64_t ci, const uint32_t (&u0)[NJ][2], uint32_t (&u0n)[NJ][2]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -569,7 +563,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
     __syncthreads();  // stage s landed; Ss, Us, Ue of the previous chunk complete
     if (ci + 1 < c_end) {
       issue(ci + 1, s ^ 1);
-      load_u0(u0n, ci + 1);  // used one step later: no wait here
+      load_u0(u0n, ci + 1);  // raw fp16 pairs, converted at their use one step later: no wait
     }
     const bool out = want_o && ci >= c_begin;
     if (record && ci >= c_begin)  // the state entering chunk ci
@@ -618,10 +612,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
-        const float u = u0[jj][e] - ua[jj][e];
+        const float u = half2_elem(u0[jj][e >> 1], e & 1) - ua[jj][e];
         if (record && (e & 1) == 0 && ci >= c_begin && r < L)
           __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
-                 make_float2(u, u0[jj][e + 1] - ua[jj][e + 1]));
+                 make_float2(u, half2_elem(u0[jj][e >> 1], 1) - ua[jj][e + 1]));
         Us[c * LDA + r] = round_tf32(u);
         Ue[c * LDA + r] = round_tf32(u * (e < 2 ? el_lo : el_hi));
         qa[jj][e] *= e < 2 ? eg_lo : eg_hi;
@@ -761,12 +755,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   };
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
-  auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) {
+  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) {
     if (identity) {  // the transition: U0 = 0
 #pragma unroll
-      for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) u[jj][e] = 0.f;
+      for (int jj = 0; jj < NJ; ++jj) u[jj][0] = u[jj][1] = 0u;
       return;
     }
     const int64_t tok0 = start + ci * C;
@@ -776,12 +768,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
-        float2 v = make_float2(0.f, 0.f);
-        if (r < L)
-          v = __half22float2(
-              *reinterpret_cast<const __half2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c));
-        u[jj][e] = v.x;
-        u[jj][e + 1] = v.y;
+        u[jj][e >> 1] =
+            r < L ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c) : 0u;
       }
   };
   // B fragments of the warp's NJ n8 tiles (columns n0 ..) of a [k][LDS] tile, k0..k0+15
@@ -794,12 +782,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   load_acc_state(sacc, entering_state(p, b), vb, identity);
   store_acc_state_smem_h(Sh, LDS, sacc);
 
-  float u0a[NJ][4], u0b[NJ][4];
+  uint32_t u0a[NJ][2], u0b[NJ][2];
   if (c_first < c_end) {
     issue(c_first, 0);
     load_u0(u0a, c_first);
   }
-  auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
+  auto step = [&](const int64_t ci, const uint32_t (&u0)[NJ][2], uint32_t (&u0n)[NJ][2]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -857,7 +845,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
-        const float x0 = u0[jj][e] - ua[jj][e], x1 = u0[jj][e + 1] - ua[jj][e + 1];
+        const float2 u0f = __half22float2(*reinterpret_cast<const __half2*>(&u0[jj][e >> 1]));
+        const float x0 = u0f.x - ua[jj][e], x1 = u0f.y - ua[jj][e + 1];
         if (record && ci >= c_begin && r < L)
           __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
                  make_float2(x0, x1));
@@ -993,7 +982,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     cp_async_commit();
   };
   // U0 of this warp's rows rw + (g, g + 8), all BW columns (warpgroup 0 only)
-  auto load_u0 = [&](float (&u)[NS][4], int64_t ci) {
+  auto load_u0 = [&](uint32_t (&u)[NS][2], int64_t ci) {
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
 #pragma unroll
@@ -1001,12 +990,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
-        float2 v = make_float2(0.f, 0.f);
-        if (!identity && r < L)
-          v = __half22float2(
-              *reinterpret_cast<const __half2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c));
-        u[jj][e] = v.x;
-        u[jj][e + 1] = v.y;
+        u[jj][e >> 1] = !identity && r < L
+            ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c) : 0u;
       }
   };
 
@@ -1015,14 +1000,14 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   load_acc_state(sacc, entering_state(p, b), vb, identity);
   store_acc_state_core_t(Ss, sacc);
 
-  float u0a[NS][4] = {}, u0b[NS][4] = {};
+  uint32_t u0a[NS][2] = {}, u0b[NS][2] = {};
   float acc[NS][4] = {};  // warpgroup 0: W S, warpgroup 1: Q S, then the output
   float urec[NS][4] = {};  // warpgroup 0: U = U0 - W S, for the backward's record
   if (c_first < c_end) {
     issue(c_first, 0);
     if (wg == 0) load_u0(u0a, c_first);
   }
-  auto step = [&](const int64_t ci, const float (&u0)[NS][4], float (&u0n)[NS][4]) {
+  auto step = [&](const int64_t ci, const uint32_t (&u0)[NS][2], uint32_t (&u0n)[NS][2]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -1057,7 +1042,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = rw + acc_row(e), c = 8 * jj + acc_col(e);
-          const float u = u0[jj][e] - acc[jj][e];
+          const float u = half2_elem(u0[jj][e >> 1], e & 1) - acc[jj][e];
           urec[jj][e] = u;  // recorded while the S update runs
           Us[core_index<C>(c, r)] = round_tf32(u);
           Ue[core_index<C>(c, paired_slot(r))] = round_tf32(u * (e < 2 ? el_lo : el_hi));
