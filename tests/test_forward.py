@@ -136,3 +136,20 @@ def test_unknown_forward_pass_is_an_error(monkeypatch):
     monkeypatch.setenv("FLASHGDN_FWD_PASS", "fp8")
     with pytest.raises(Exception, match="FLASHGDN_FWD_PASS"):
         flashgdn.chunk_gated_delta_rule(**inp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_fp16_operands_with_large_values():
+    """The default pass copies S, U and P to fp16 per chunk: values a thousand times the
+    usual ones (|v| ~ 1e3, initial state ~ 1e2) must stay inside fp16's range and keep the
+    usual relative accuracy, g == 0 heads (no decay, the largest states) included."""
+    case = Case("big", [1000, 333], 1, 4, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=5)
+    inp["v"] = (inp["v"].float() * 1000).to(inp["v"].dtype)
+    inp["initial_state"] = inp["initial_state"] * 1000
+    o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    ro, rh = reference(inp)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    print(f"  |v| x 1000: o {rel_err(o, ro):.2e} state {rel_err(ht, rh):.2e}")
+    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
