@@ -60,8 +60,8 @@ struct FwdBuffers {
   int* error;
   float *G, *P, *Lb;  // P: tf32 (the tf32 passes and the backward), else null
   __half *W, *U0;     // tf32 precision in 16 bits (fwd_kernels.cuh)
-  __half* P16;       // the fp16 pass's P (forward only), else null
-  __half *Kh, *Qh;   // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
+  __half* P16;        // the fp16 pass's P (forward only), else null
+  __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
 };
