@@ -472,6 +472,55 @@ __device__ __forceinline__ const float* entering_state(const FwdParams& p, const
   return src;
 }
 
+// Where the state leaving a forward segment goes: this block's summary (phase 1: L, or M for
+// the identity's columns), the final state after the sequence's last chunk, else nowhere.
+__device__ __forceinline__ float* leaving_state(const FwdParams& p, const SegmentBlock& b) {
+  if (p.phase == 1) return (b.identity ? p.seg_M : p.seg_L) + (b.z * p.Hv + b.h) * D * D;
+  if (b.c_end >= b.nch && p.ht) return p.ht + (b.n * p.Hv + b.h) * D * D;
+  return nullptr;
+}
+
+// U0 of chunk ci, rows m0 + (g, g + 8), columns b.vb + n0 + 8 jj + (2t, 2t + 1), as raw fp16
+// pairs straight into registers (zero past the chunk's end and for the transition, U0 = 0).
+template <int NJ>
+__device__ __forceinline__ void load_u0_pairs(uint32_t (&u)[NJ][2], const FwdParams& p,
+                                              const SegmentBlock& b, int64_t ci, int m0, int n0) {
+  if (b.identity) {
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) u[jj][0] = u[jj][1] = 0u;
+    return;
+  }
+  const int64_t tok0 = b.start + ci * C;
+  const int L = static_cast<int>(b.len - ci * C < C ? b.len - ci * C : C);
+#pragma unroll
+  for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int r = m0 + acc_row(e), c = b.vb + n0 + 8 * jj + acc_col(e);
+      u[jj][e >> 1] =
+          r < L ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + b.h) * D + c) : 0u;
+    }
+}
+
+// Writes scale * acc, a warp's 16 x 8 NJ block of the outputs (rows m0 .. of the chunk at
+// token tok0 with L rows, columns col0 ..), as In pairs.
+template <typename In, int NJ>
+__device__ __forceinline__ void store_o_block(const FwdParams& p, const float (&acc)[NJ][4],
+                                              int64_t tok0, int L, int64_t h, int m0, int col0) {
+  In* o = static_cast<In*>(p.o);
+#pragma unroll
+  for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int r = m0 + acc_row(e), c = col0 + 8 * jj + acc_col(e);
+      if (r < L) {
+        In pair[2] = {from_f<In>(p.scale * acc[jj][e]), from_f<In>(p.scale * acc[jj][e + 1])};
+        *reinterpret_cast<uint32_t*>(o + ((tok0 + r) * p.Hv + h) * D + c) =
+            *reinterpret_cast<const uint32_t*>(pair);
+      }
+    }
+}
+
 template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
@@ -482,8 +531,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   // summary this block forms (phase 1; the local state is zero-based for an exact segment)
   SegmentBlock b;
   if (!segment_block<BW>(p, false, b)) return;
-  const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
-  const int64_t nch = b.nch, chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
+  const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
+  const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
   const SegStart ss = b.ss;
   const int vb = b.vb;
   const bool identity = b.identity;
@@ -525,23 +574,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   };
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
-  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) {
-    if (identity) {  // the transition: U0 = 0
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) u[jj][0] = u[jj][1] = 0u;
-      return;
-    }
-    const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
-#pragma unroll
-    for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
-        u[jj][e >> 1] =
-            r < L ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c) : 0u;
-      }
-  };
+  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) { load_u0_pairs(u, p, b, ci, m0, n0); };
 
   // ---- initial state: registers (load_acc_state's layout)
   float sacc[NS][4];
@@ -634,18 +667,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
           mma_tf32(qa[jj], ap, b);
         }
       }
-      In* o = static_cast<In*>(p.o);
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
-          if (r < L) {
-            In pair[2] = {from_f<In>(p.scale * qa[jj][e]), from_f<In>(p.scale * qa[jj][e + 1])};
-            *reinterpret_cast<uint32_t*>(o + ((tok0 + r) * p.Hv + h) * D + c) =
-                *reinterpret_cast<const uint32_t*>(pair);
-          }
-        }
+      store_o_block<In>(p, qa, tok0, L, h, m0, vb + n0);
     }
     {  // S <- exp(G_last) S + K^T Ue^T
       const float eg = __expf(gl);
@@ -679,10 +701,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   }
 
   // ---- the state leaving the segment: the final state, or this block's summary
-  float* dst = nullptr;
-  if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
-  else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
-  if (dst) store_acc_state(dst, sacc, vb);
+  if (float* dst = leaving_state(p, b)) store_acc_state(dst, sacc, vb);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -717,8 +736,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
   SegmentBlock b;
   if (!segment_block<BW>(p, false, b)) return;
-  const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
-  const int64_t nch = b.nch, chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
+  const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
+  const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
   const int vb = b.vb;
   const bool identity = b.identity;
   const int64_t c_first = b.ss.c_first;
@@ -755,23 +774,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   };
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
-  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) {
-    if (identity) {  // the transition: U0 = 0
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj) u[jj][0] = u[jj][1] = 0u;
-      return;
-    }
-    const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
-#pragma unroll
-    for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
-        u[jj][e >> 1] =
-            r < L ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c) : 0u;
-      }
-  };
+  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) { load_u0_pairs(u, p, b, ci, m0, n0); };
   // B fragments of the warp's NJ n8 tiles (columns n0 ..) of a [k][LDS] tile, k0..k0+15
   auto frag_b_cols = [&](uint32_t (&bf)[NJ][2], const __half* t, int k0) {
     if constexpr (NJ == 2) frag_b16_trans2(bf[0], bf[1], t, LDS, n0, k0);
@@ -867,18 +870,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
 #pragma unroll
         for (int jj = 0; jj < NJ; ++jj) mma_f16(qa[jj], ap, bu[jj]);
       }
-      In* o = static_cast<In*>(p.o);
-#pragma unroll
-      for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int r = m0 + acc_row(e), c = vb + n0 + 8 * jj + acc_col(e);
-          if (r < L) {
-            In pair[2] = {from_f<In>(p.scale * qa[jj][e]), from_f<In>(p.scale * qa[jj][e + 1])};
-            *reinterpret_cast<uint32_t*>(o + ((tok0 + r) * p.Hv + h) * D + c) =
-                *reinterpret_cast<const uint32_t*>(pair);
-          }
-        }
+      store_o_block<In>(p, qa, tok0, L, h, m0, vb + n0);
     }
     {  // S <- exp(G_last) S + K^T diag(eL) U: warp w rows 16 w .. +16, all BW columns
       const float eg = __expf(gl);
@@ -913,10 +905,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
     if (ci + 1 < c_end) step(ci + 1, u0b, u0a);
   }
 
-  float* dst = nullptr;
-  if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
-  else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
-  if (dst) store_acc_state(dst, sacc, vb);
+  if (float* dst = leaving_state(p, b)) store_acc_state(dst, sacc, vb);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -940,8 +929,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
   SegmentBlock b;  // the block's segment, as in state_fwd_mma_kernel
   if (!segment_block<BW>(p, false, b)) return;
-  const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
-  const int64_t nch = b.nch, chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
+  const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
+  const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
   const SegStart ss = b.ss;
   const int vb = b.vb;
   const bool identity = b.identity;
@@ -1132,10 +1121,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   }
 
   // ---- the state leaving the segment: the final state, or this block's summary
-  float* dst = nullptr;
-  if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
-  else if (c_end >= nch && p.ht) dst = p.ht + (n * p.Hv + h) * D * D;
-  if (dst) store_acc_state(dst, sacc, vb);
+  if (float* dst = leaving_state(p, b)) store_acc_state(dst, sacc, vb);
 }
 
 // ---------------------------------------------------------------------------------------
