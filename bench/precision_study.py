@@ -55,12 +55,15 @@ class Design:
 
 
 DESIGNS = (
-    Design("today: tf32 operands, W fp16", "f16", "tf32", "tf32", "tf32", "tf32", "tf32"),
+    Design("session 12: tf32 operands, W fp16", "f16", "tf32", "tf32", "tf32", "tf32", "tf32"),
     Design("fp32 operands everywhere", "f32", "f32", "f32", "f32", "f32", "f32", t="f32"),
     Design("bf16 S for Q S only (output path)", "f16", "tf32", "tf32", "tf32", "bf16", "tf32"),
     Design("bf16 S, tf32 U", "f16", "tf32", "tf32", "bf16", "bf16", "tf32"),
     Design("bf16 W, U0, P, S, U (FLA-like)", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16"),
     Design("fp16 W, U0, P, S, U", "f16", "f16", "f16", "f16", "f16", "f16"),
+    # what the kernels do since version 10 (docs/perf-notes.md): wy_kernel's T operands fp16
+    Design("shipped: fp16 pass (default)", "f16", "f16", "f16", "f16", "f16", "f16", t="f16"),
+    Design("shipped: tf32 pass", "f16", "tf32", "tf32", "tf32", "tf32", "tf32", t="f16"),
 )
 
 
@@ -95,14 +98,15 @@ def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
 
 
 def make_inputs(tokens: int, heads: int, gates: str, seed: int,
-                qk_norm: bool) -> Dict[str, torch.Tensor]:
-    """bench/bench_gdn.py's inputs (bf16 q, k, v; l2-normalised q, k; every 4th head g == 0)."""
+                qk_norm: bool, v_scale: float = 1.0) -> Dict[str, torch.Tensor]:
+    """bench/bench_gdn.py's inputs (bf16 q, k, v; l2-normalised q, k; every 4th head g == 0),
+    v multiplied by v_scale before its bf16 rounding."""
     gen = torch.Generator().manual_seed(seed)
     rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     norm = (lambda x: torch.nn.functional.normalize(x, dim=-1)) if qk_norm else (lambda x: x / 16)
     q = norm(rn(tokens, heads, 128)).bfloat16().double()
     k = norm(rn(tokens, heads, 128)).bfloat16().double()
-    v = rn(tokens, heads, 128).bfloat16().double()
+    v = (rn(tokens, heads, 128) * v_scale).bfloat16().double()
     g = torch.nn.functional.logsigmoid(rn(tokens, heads)).double()
     g = g / 16 if gates == "bench" else g * 8  # "hard": gates down to about -25
     g[:, ::4] = 0.0
@@ -123,13 +127,16 @@ def main() -> None:
     ap.add_argument("--gates", choices=("bench", "hard"), default="bench")
     ap.add_argument("--no-qk-norm", action="store_true",
                     help="q, k not l2-normalised (randn / 16: |k| about 0.7, norms spread)")
+    ap.add_argument("--v-scale", type=float, default=1.0,
+                    help="v times this (fp16's range: normal from 6.1e-5, max 65504)")
     args = ap.parse_args()
     scale = 128 ** -0.5
     errs: Dict[str, Tuple[list, list]] = {d.name: ([], []) for d in DESIGNS}
     ranges: Dict[str, float] = {}
     o_refs, s_refs = [], []
     for seed in range(args.seqs):
-        x = make_inputs(args.tokens, args.heads, args.gates, seed, not args.no_qk_norm)
+        x = make_inputs(args.tokens, args.heads, args.gates, seed, not args.no_qk_norm,
+                        args.v_scale)
         ro, rs = recurrent_gated_delta_rule_ref(
             x["q"][None], x["k"][None], x["v"][None], x["g"][None], x["beta"][None], scale)
         o_refs.append(ro[0])
@@ -146,6 +153,7 @@ def main() -> None:
     ro, rs = torch.stack(o_refs), torch.stack(s_refs)
     o_floor = rel(ro.bfloat16().double(), ro)
     print(f"{args.seqs} x {args.tokens} tokens, {args.heads} heads, gates '{args.gates}', "
+          f"v x {args.v_scale:g}, "
           f"q/k {'raw' if args.no_qk_norm else 'l2-normalised'}; bf16 rounding of o itself: "
           f"{o_floor:.2e}; largest |x|: " + ", ".join(f"{k} {v:.3g}" for k, v in ranges.items())
           + " (fp16 max 65504)\n")

@@ -19,8 +19,9 @@ sys.modules["precision_study"] = study  # dataclasses look their module up there
 _spec.loader.exec_module(study)
 
 
-def _run(design, tokens: int = 200, heads: int = 2, gates: str = "hard", qk_norm: bool = True):
-    x = study.make_inputs(tokens, heads, gates, seed=3, qk_norm=qk_norm)
+def _run(design, tokens: int = 200, heads: int = 2, gates: str = "hard", qk_norm: bool = True,
+         v_scale: float = 1.0):
+    x = study.make_inputs(tokens, heads, gates, seed=3, qk_norm=qk_norm, v_scale=v_scale)
     ro, rs = study.recurrent_gated_delta_rule_ref(
         x["q"][None], x["k"][None], x["v"][None], x["g"][None], x["beta"][None], 128 ** -0.5)
     outs, states = [], []
@@ -57,3 +58,32 @@ def test_designs_order_by_mantissa():
     assert today[0] < 2e-3 and today[1] < 2e-3
     assert fla_like[0] > 2 * today[0]  # bf16's 7-bit mantissa costs over twice the error
     assert abs(fp16[0] - today[0]) < 0.2 * today[0]  # fp16 and tf32: the same 10 bits
+
+
+def _shipped(name: str):
+    return next(d for d in study.DESIGNS if d.name.startswith(name))
+
+
+@pytest.mark.parametrize("v_scale", [1e-3, 1.0, 1e4])
+def test_fp16_pass_accurate_within_its_range(v_scale: float):
+    """The default (fp16 operand) pass is as accurate as the tf32 pass while |v| stays
+    inside fp16's comfortable range (README, Accuracy)."""
+    f16 = _run(_shipped("shipped: fp16"), v_scale=v_scale)
+    tf32 = _run(_shipped("shipped: tf32"), v_scale=v_scale)
+    assert f16[0] < 1.05 * tf32[0] + 1e-6 and f16[1] < 1.05 * tf32[1] + 1e-6
+    assert f16[0] < 2e-3 and f16[1] < 2e-3
+
+
+@pytest.mark.parametrize("v_scale", [1e-6, 3e4])
+def test_fp16_pass_range_limits_and_tf32_fallback(v_scale: float):
+    """Outside that range the fp16 copies of U and S underflow (|v| ~ 1e-6: subnormals) or
+    overflow (|v| ~ 3e4), which is why FLASHGDN_FWD_PASS=tf32 exists: its U0 and operands
+    keep fp32's exponent and stay accurate there."""
+    tf32 = _run(_shipped("shipped: tf32"), v_scale=v_scale)
+    assert tf32[0] < 2e-3 and tf32[1] < 2e-3
+    try:
+        f16 = _run(_shipped("shipped: fp16"), v_scale=v_scale)
+    except AssertionError as exc:  # rel_err refuses non-finite results: the overflow case
+        assert "non-finite" in str(exc) and v_scale > 1
+    else:
+        assert f16[0] > 1e-2 and v_scale < 1  # the underflow case: a large error

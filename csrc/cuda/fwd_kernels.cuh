@@ -12,8 +12,8 @@
 //   Lb = sum_r g_r + log max(1, |1 - beta_r |k_r|^2|) (log of a bound on how much the
 //   chunk's transition can keep of an earlier state; used by the context-parallel pass).
 //   reads  q, k, v, g, beta
-//   writes G, W and U0 (fp16: tf32's 10-bit mantissa), P (tf32-rounded fp32 and/or fp16),
-//   Lb; T when the backward asks; fp16 copies of bf16 k and q for the fp16 state pass
+//   writes G, W (fp16: tf32's 10-bit mantissa), U0 (tf32-rounded fp32), P (tf32-rounded fp32
+//   and/or fp16), Lb; T when the backward asks; fp16 copies of bf16 k and q for the fp16 pass
 //
 // state_fwd_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments), 256 threads,
 //   ~208 KB smem (BW 32)
@@ -90,7 +90,8 @@ struct FwdParams : SegParams {
   float* ht;         // [N, Hv, D, D] or null
   float* G;          // [TT, Hv]
   __half* W;         // [TT, Hv, D] fp16: tf32's 10-bit mantissa in 16 bits (|W| ~ 1 / |k|)
-  __half* U0;        // [TT, Hv, D] fp16, as W
+  float* U0;         // [TT, Hv, D] tf32-rounded fp32: U0 scales with v, so it keeps fp32's
+                     //   range (the tf32 pass takes any v; bench/precision_study.py)
   float* Tmat;       // [TT, Hv, C] or null
   float* Pmat;       // [TT, Hv, C] or null: tf32 P for the tf32 passes and the backward
   __half* P16;       // [TT, Hv, C] or null: fp16 P for the fp16 pass
@@ -319,7 +320,8 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
         if (r < L) {
           const int64_t idx = (row_off + r * p.Hv) * D + c;
           *reinterpret_cast<__half2*>(p.W + idx) = __floats2half2_rn(w[j][e], w[j][e + 1]);
-          *reinterpret_cast<__half2*>(p.U0 + idx) = __floats2half2_rn(u[j][e], u[j][e + 1]);
+          *reinterpret_cast<float2*>(p.U0 + idx) =
+              make_float2(round_tf32(u[j][e]), round_tf32(u[j][e + 1]));
         }
       }
   }
@@ -480,14 +482,16 @@ __device__ __forceinline__ float* leaving_state(const FwdParams& p, const Segmen
   return nullptr;
 }
 
-// U0 of chunk ci, rows m0 + (g, g + 8), columns b.vb + n0 + 8 jj + (2t, 2t + 1), as raw fp16
-// pairs straight into registers (zero past the chunk's end and for the transition, U0 = 0).
+// U0 of chunk ci, rows m0 + (g, g + 8), columns b.vb + n0 + 8 jj + (2t, 2t + 1), straight
+// into registers (zero past the chunk's end and for the transition, U0 = 0).
 template <int NJ>
-__device__ __forceinline__ void load_u0_pairs(uint32_t (&u)[NJ][2], const FwdParams& p,
-                                              const SegmentBlock& b, int64_t ci, int m0, int n0) {
+__device__ __forceinline__ void load_u0_rows(float (&u)[NJ][4], const FwdParams& p,
+                                             const SegmentBlock& b, int64_t ci, int m0, int n0) {
   if (b.identity) {
 #pragma unroll
-    for (int jj = 0; jj < NJ; ++jj) u[jj][0] = u[jj][1] = 0u;
+    for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) u[jj][e] = 0.f;
     return;
   }
   const int64_t tok0 = b.start + ci * C;
@@ -497,8 +501,10 @@ __device__ __forceinline__ void load_u0_pairs(uint32_t (&u)[NJ][2], const FwdPar
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
       const int r = m0 + acc_row(e), c = b.vb + n0 + 8 * jj + acc_col(e);
-      u[jj][e >> 1] =
-          r < L ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + b.h) * D + c) : 0u;
+      float2 v = make_float2(0.f, 0.f);
+      if (r < L) v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + b.h) * D + c);
+      u[jj][e] = v.x;
+      u[jj][e + 1] = v.y;
     }
 }
 
@@ -574,7 +580,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   };
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
-  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) { load_u0_pairs(u, p, b, ci, m0, n0); };
+  auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) { load_u0_rows(u, p, b, ci, m0, n0); };
 
   // ---- initial state: registers (load_acc_state's layout)
   float sacc[NS][4];
@@ -583,12 +589,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 
   // U0 registers alternate between two sets (the loop is unrolled by two), so a chunk's
   // U0 loads are issued one whole step before their use and nothing waits on them.
-  uint32_t u0a[NJ][2], u0b[NJ][2];
+  float u0a[NJ][4], u0b[NJ][4];
   if (c_first < c_end) {
     issue(c_first, 0);
     load_u0(u0a, c_first);
   }
-  auto step = [&](const int64_t ci, const uint32_t (&u0)[NJ][2], uint32_t (&u0n)[NJ][2]) {
+  auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -596,7 +602,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
     __syncthreads();  // stage s landed; Ss, Us, Ue of the previous chunk complete
     if (ci + 1 < c_end) {
       issue(ci + 1, s ^ 1);
-      load_u0(u0n, ci + 1);  // raw fp16 pairs, converted at their use one step later: no wait
+      load_u0(u0n, ci + 1);  // used one step later: no wait here
     }
     const bool out = want_o && ci >= c_begin;
     if (record && ci >= c_begin)  // the state entering chunk ci
@@ -645,10 +651,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
-        const float u = half2_elem(u0[jj][e >> 1], e & 1) - ua[jj][e];
+        const float u = u0[jj][e] - ua[jj][e];
         if (record && (e & 1) == 0 && ci >= c_begin && r < L)
           __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
-                 make_float2(u, half2_elem(u0[jj][e >> 1], 1) - ua[jj][e + 1]));
+                 make_float2(u, u0[jj][e + 1] - ua[jj][e + 1]));
         Us[c * LDA + r] = round_tf32(u);
         Ue[c * LDA + r] = round_tf32(u * (e < 2 ? el_lo : el_hi));
         qa[jj][e] *= e < 2 ? eg_lo : eg_hi;
@@ -774,7 +780,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   };
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
-  auto load_u0 = [&](uint32_t (&u)[NJ][2], int64_t ci) { load_u0_pairs(u, p, b, ci, m0, n0); };
+  auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) { load_u0_rows(u, p, b, ci, m0, n0); };
   // B fragments of the warp's NJ n8 tiles (columns n0 ..) of a [k][LDS] tile, k0..k0+15
   auto frag_b_cols = [&](uint32_t (&bf)[NJ][2], const __half* t, int k0) {
     if constexpr (NJ == 2) frag_b16_trans2(bf[0], bf[1], t, LDS, n0, k0);
@@ -785,12 +791,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   load_acc_state(sacc, entering_state(p, b), vb, identity);
   store_acc_state_smem_h(Sh, LDS, sacc);
 
-  uint32_t u0a[NJ][2], u0b[NJ][2];
+  float u0a[NJ][4], u0b[NJ][4];
   if (c_first < c_end) {
     issue(c_first, 0);
     load_u0(u0a, c_first);
   }
-  auto step = [&](const int64_t ci, const uint32_t (&u0)[NJ][2], uint32_t (&u0n)[NJ][2]) {
+  auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -848,8 +854,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
-        const float2 u0f = __half22float2(*reinterpret_cast<const __half2*>(&u0[jj][e >> 1]));
-        const float x0 = u0f.x - ua[jj][e], x1 = u0f.y - ua[jj][e + 1];
+        const float x0 = u0[jj][e] - ua[jj][e], x1 = u0[jj][e + 1] - ua[jj][e + 1];
         if (record && ci >= c_begin && r < L)
           __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
                  make_float2(x0, x1));
@@ -971,7 +976,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     cp_async_commit();
   };
   // U0 of this warp's rows rw + (g, g + 8), all BW columns (warpgroup 0 only)
-  auto load_u0 = [&](uint32_t (&u)[NS][2], int64_t ci) {
+  auto load_u0 = [&](float (&u)[NS][4], int64_t ci) {
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
 #pragma unroll
@@ -979,8 +984,11 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
-        u[jj][e >> 1] = !identity && r < L
-            ? *reinterpret_cast<const uint32_t*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c) : 0u;
+        float2 v = make_float2(0.f, 0.f);
+        if (!identity && r < L)
+          v = *reinterpret_cast<const float2*>(p.U0 + ((tok0 + r) * p.Hv + h) * D + c);
+        u[jj][e] = v.x;
+        u[jj][e + 1] = v.y;
       }
   };
 
@@ -989,14 +997,14 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   load_acc_state(sacc, entering_state(p, b), vb, identity);
   store_acc_state_core_t(Ss, sacc);
 
-  uint32_t u0a[NS][2] = {}, u0b[NS][2] = {};
+  float u0a[NS][4] = {}, u0b[NS][4] = {};
   float acc[NS][4] = {};  // warpgroup 0: W S, warpgroup 1: Q S, then the output
   float urec[NS][4] = {};  // warpgroup 0: U = U0 - W S, for the backward's record
   if (c_first < c_end) {
     issue(c_first, 0);
     if (wg == 0) load_u0(u0a, c_first);
   }
-  auto step = [&](const int64_t ci, const uint32_t (&u0)[NS][2], uint32_t (&u0n)[NS][2]) {
+  auto step = [&](const int64_t ci, const float (&u0)[NS][4], float (&u0n)[NS][4]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -1031,7 +1039,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = rw + acc_row(e), c = 8 * jj + acc_col(e);
-          const float u = half2_elem(u0[jj][e >> 1], e & 1) - acc[jj][e];
+          const float u = u0[jj][e] - acc[jj][e];
           urec[jj][e] = u;  // recorded while the S update runs
           Us[core_index<C>(c, r)] = round_tf32(u);
           Ue[core_index<C>(c, paired_slot(r))] = round_tf32(u * (e < 2 ? el_lo : el_hi));

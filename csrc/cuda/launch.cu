@@ -58,8 +58,8 @@ struct FwdBuffers {
   int64_t* chunk_offsets;
   int64_t* seg_offsets;  // varlen with context parallelism
   int* error;
-  float *G, *P, *Lb;  // P: tf32 (the tf32 passes and the backward), else null
-  __half *W, *U0;     // tf32 precision in 16 bits (fwd_kernels.cuh)
+  float *G, *U0, *P, *Lb;  // P: tf32 (the tf32 passes and the backward), else null
+  __half* W;          // tf32 precision in 16 bits (fwd_kernels.cuh)
   __half* P16;        // the fp16 pass's P (forward only), else null
   __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
@@ -79,7 +79,7 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
   b.W = c.take<__half>(tokheads * D);
-  b.U0 = c.take<__half>(tokheads * D);
+  b.U0 = c.take<float>(tokheads * D);
   if (backward || pass != FwdPass::F16) b.P = c.take<float>(tokheads * C);
   if (!backward && pass == FwdPass::F16) b.P16 = c.take<__half>(tokheads * C);
   if (pass == FwdPass::F16 && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {

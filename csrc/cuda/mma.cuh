@@ -198,12 +198,6 @@ __device__ __forceinline__ void frag_b16_pair(uint32_t (&b0)[2], uint32_t (&b1)[
                : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1])
                : "r"(smem_addr(p)));
 }
-// Element i (0 low, 1 high) of two fp16 packed in one register, as fp32. Loads kept as raw
-// pairs and converted only at their use do not make the loading step wait for them.
-__device__ __forceinline__ float half2_elem(uint32_t v, int i) {
-  const __half2 x = *reinterpret_cast<const __half2*>(&v);
-  return i == 0 ? __low2float(x) : __high2float(x);
-}
 // Two fp32 values -> one register of two fp16 (round to nearest).
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
