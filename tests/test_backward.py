@@ -121,3 +121,33 @@ def test_grad_chunk_tensor_cores_vs_simt(monkeypatch, hqk: int, hv: int, dtype: 
         assert rel_err(a, r) < GRAD_TOL, f"d{n}: {rel_err(a, r):.3e} against the reference"
         assert rel_err(a, r) < max(1.5 * rel_err(c, r), 2e-3), f"d{n}: less accurate than SIMT"
         assert rel_err(a, c) < 5e-3, f"d{n}: differs from the SIMT products by {rel_err(a, c):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_auto_pass_backward_out_of_fp16_range(monkeypatch):
+    """The backward's recomputation runs the forward's pass: with FLASHGDN_FWD_PASS=auto and
+    heads whose v leaves fp16's range, the gradients are finite and agree with the tf32
+    pass's within rounding."""
+    from test_forward import _out_of_fp16_range_inputs
+
+    _, inp = _out_of_fp16_range_inputs(seed=4)
+
+    def grads():
+        leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None)
+                  for n in NAMES}
+        o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                output_final_state=True)
+        gen = torch.Generator().manual_seed(7)
+        do = torch.randn(o.shape, generator=gen).to(o.dtype).cuda()
+        dht = torch.randn(ht.shape, generator=gen).cuda()
+        wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
+        return torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), wrt)
+
+    monkeypatch.setenv("FLASHGDN_FWD_PASS", "auto")
+    auto = grads()
+    monkeypatch.setenv("FLASHGDN_FWD_PASS", "tf32")
+    tf32 = grads()
+    for a, b in zip(auto, tf32):
+        assert torch.isfinite(a).all()
+        assert rel_err(a, b.double()) < 2e-3

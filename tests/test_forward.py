@@ -153,3 +153,44 @@ def test_fp16_operands_with_large_values():
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     print(f"  |v| x 1000: o {rel_err(o, ro):.2e} state {rel_err(ht, rh):.2e}")
     assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
+
+
+def _out_of_fp16_range_inputs(seed: int):
+    """Head 1 with |v| ~ 3e4 (fp16 copies of U overflow), head 2 with |v| ~ 1e-6 (they
+    underflow to subnormals), heads 0 and 3 as usual; g == 0 on head 0, very negative gates
+    on head 1; two sequences, an initial state."""
+    case = Case("range", [2000, 700], 1, 4, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=seed)
+    v = inp["v"].float()
+    v[:, :, 1] *= 3e4
+    v[:, :, 2] *= 1e-6
+    inp["v"] = v.to(inp["v"].dtype)
+    h0 = inp["initial_state"].clone()
+    h0[:, 2] *= 1e-6
+    inp["initial_state"] = h0
+    return case, inp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("cp", ["off", "on"])
+def test_auto_pass_redoes_blocks_out_of_fp16_range(monkeypatch, cp: str):
+    """FLASHGDN_FWD_PASS=auto: the fp16 pass flags the blocks whose U left fp16's range and
+    the tf32 pass recomputes exactly those (context-parallel phases included). Every head
+    matches the float64 reference; the heads in range keep the fp16 pass's results bit for
+    bit."""
+    case, inp = _out_of_fp16_range_inputs(seed=9)
+    monkeypatch.setenv("FLASHGDN_CP", cp)
+    if cp == "on":
+        monkeypatch.setenv("FLASHGDN_CP_SEG", "8")
+    monkeypatch.setenv("FLASHGDN_FWD_PASS", "auto")
+    o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    monkeypatch.setenv("FLASHGDN_FWD_PASS", "f16")
+    of, htf = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    ro, rh = reference(inp)
+    for h in range(case.hv):
+        e_o, e_h = rel_err(o[:, :, h], ro[:, :, h]), rel_err(ht[:, h], rh[:, h])
+        print(f"  CP {cp} head {h}: auto o {e_o:.2e} state {e_h:.2e}")
+        assert e_o < O_TOL and e_h < STATE_TOL
+    for h in (0, 3):
+        assert torch.equal(o[:, :, h], of[:, :, h]) and torch.equal(ht[:, h], htf[:, h])

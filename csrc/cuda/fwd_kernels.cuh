@@ -101,7 +101,23 @@ struct FwdParams : SegParams {
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
   int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
+  // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether
+  // its U left fp16's comfortable range (or its state turned non-finite); the tf32 pass
+  // launched right after with redo_pass set recomputes exactly those blocks.
+  int* redo;         // [blocks of the launch] or null
+  bool redo_pass;
 };
+
+// The guarded fp16 pass hands a block to the tf32 pass when some |U| (the fp16 copy's
+// source) exceeds kF16Hi (half of fp16's largest value: headroom for the products' sums)
+// or, nonzero, stays below kF16Lo everywhere (its fp16 copies would be mostly subnormal).
+constexpr float kF16Hi = 32768.f;
+constexpr float kF16Lo = 1.f / 4096.f;
+
+// A block's index in its launch (the redo flags of one launch of a sequential pass).
+__device__ __forceinline__ int64_t block_linear() {
+  return blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+}
 
 // ---------------------------------------------------------------------------------------
 // wy_kernel
@@ -527,7 +543,7 @@ __device__ __forceinline__ void store_o_block(const FwdParams& p, const float (&
     }
 }
 
-template <typename In, int BW>
+template <typename In, int BW, typename PT = float>
 __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   constexpr int NJ = BW / 16;  // n tiles per warp of the 64 x BW products
@@ -537,12 +553,19 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   // summary this block forms (phase 1; the local state is zero-based for an exact segment)
   SegmentBlock b;
   if (!segment_block<BW>(p, false, b)) return;
+  // the redo of a guarded fp16 pass: only the blocks it flagged (same grid, same segments)
+  if (p.redo_pass && p.redo[block_linear()] == 0) return;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
   const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
   const SegStart ss = b.ss;
   const int vb = b.vb;
   const bool identity = b.identity;
   const int64_t c_first = ss.c_first;
+  // P as stored: tf32-rounded fp32 (Pmat) or fp16 (P16, the guarded fp16 pass's workspace;
+  // both exact tf32 operands)
+  const PT* pmat;
+  if constexpr (std::is_same<PT, float>::value) pmat = p.Pmat;
+  else pmat = p.P16;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* stage_base = reinterpret_cast<float*>(smem_raw);
@@ -570,7 +593,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
     cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (want_o && ci >= c_begin) {
       cp_async_tile<C, D, LDH>(Qst(s), qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-      cp_async_tile<C, C, LDA>(Pst(s), p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+      cp_async_tile<C, C, LDA>(reinterpret_cast<PT*>(Pst(s)), pmat + (tok0 * p.Hv + h) * C,
+                               p.Hv * C, L);
     }
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
@@ -662,7 +686,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
     __syncthreads();  // U complete
 
     if (out) {  // O = diag(e^G) Q S + P U; P is lower triangular
-      const float* P = Pst(s);
+      const PT* P = reinterpret_cast<const PT*>(Pst(s));
       for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
         uint32_t ap[4];
         frag_a(ap, P, LDA, m0, k0);
@@ -732,7 +756,7 @@ struct StateFwdF16Smem {
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (D + 2 * C) * LDS;
 };
 
-template <typename In, int BW>
+template <typename In, int BW, bool kGuard = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   using Sm = StateFwdF16Smem<BW>;
@@ -790,6 +814,9 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   float sacc[NS][4];
   load_acc_state(sacc, entering_state(p, b), vb, identity);
   store_acc_state_smem_h(Sh, LDS, sacc);
+  // kGuard: whether every |U| stayed within kF16Hi (false on NaN too) and the largest |U|
+  bool u_in_range = true;
+  float u_max = 0.f;
 
   float u0a[NJ][4], u0b[NJ][4];
   if (c_first < c_end) {
@@ -859,6 +886,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
           __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
                  make_float2(x0, x1));
         const float el = e < 2 ? el_lo : el_hi, eg = e < 2 ? eg_lo : eg_hi;
+        if constexpr (kGuard) {
+          u_in_range &= fabsf(x0) <= kF16Hi && fabsf(x1) <= kF16Hi;
+          u_max = fmaxf(u_max, fmaxf(fabsf(x0), fabsf(x1)));
+        }
         *reinterpret_cast<uint32_t*>(Uh + r * LDS + c) = pack_half2(x0, x1);
         *reinterpret_cast<uint32_t*>(Ueh + r * LDS + c) = pack_half2(x0 * el, x1 * el);
         qa[jj][e] *= eg;
@@ -911,6 +942,17 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   }
 
   if (float* dst = leaving_state(p, b)) store_acc_state(dst, sacc, vb);
+  if constexpr (kGuard) {  // hand the block to the tf32 redo when fp16 did not hold
+    bool big = !u_in_range;
+#pragma unroll
+    for (int jn = 0; jn < NS; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) big |= !isfinite(sacc[jn][e]);
+    big = __syncthreads_or(big);
+    const bool any_normal = __syncthreads_or(u_max >= kF16Lo);  // block-wide largest |U|
+    const bool any_nonzero = __syncthreads_or(u_max > 0.f);
+    if (threadIdx.x == 0) p.redo[block_linear()] = big || (any_nonzero && !any_normal) ? 1 : 0;
+  }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -43,7 +43,10 @@ struct Carver {
 // the default), state_fwd_mma_kernel (tf32 operands, FLASHGDN_FWD_PASS=tf32) or the
 // warpgroup state_fwd_kernel (tf32, FLASHGDN_FWD_PASS=wgmma or FLASHGDN_WGMMA=1; slower,
 // docs/perf-notes.md version 8). All three are tested against each other and the reference.
-enum class FwdPass { F16, Tf32, Wgmma };
+// FLASHGDN_FWD_PASS=auto: the fp16 pass with its range guard, the tf32 pass redoing the
+// blocks whose values left fp16's range (fwd_kernels.cuh, kF16Hi / kF16Lo).
+enum class FwdPass { F16, Tf32, Wgmma, Auto };
+bool uses_f16(FwdPass pass) { return pass == FwdPass::F16 || pass == FwdPass::Auto; }
 FwdPass fwd_pass() {
   if (const char* v = std::getenv("FLASHGDN_WGMMA"); v != nullptr && std::atoi(v) != 0)
     return FwdPass::Wgmma;
@@ -51,7 +54,9 @@ FwdPass fwd_pass() {
   if (v == nullptr || std::string(v) == "f16" || std::string(v).empty()) return FwdPass::F16;
   if (std::string(v) == "tf32") return FwdPass::Tf32;
   if (std::string(v) == "wgmma") return FwdPass::Wgmma;
-  throw Error(std::string("FLASHGDN_FWD_PASS: expected f16, tf32 or wgmma, got '") + v + "'");
+  if (std::string(v) == "auto") return FwdPass::Auto;
+  throw Error(std::string("FLASHGDN_FWD_PASS: expected f16, auto, tf32 or wgmma, got '") + v +
+              "'");
 }
 
 struct FwdBuffers {
@@ -64,6 +69,7 @@ struct FwdBuffers {
   __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
+  int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
 };
 struct BwdBuffers {
   FwdBuffers f;
@@ -80,9 +86,9 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   b.G = c.take<float>(tokheads);
   b.W = c.take<__half>(tokheads * D);
   b.U0 = c.take<float>(tokheads * D);
-  if (backward || pass != FwdPass::F16) b.P = c.take<float>(tokheads * C);
-  if (!backward && pass == FwdPass::F16) b.P16 = c.take<__half>(tokheads * C);
-  if (pass == FwdPass::F16 && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {
+  if (backward || !uses_f16(pass)) b.P = c.take<float>(tokheads * C);
+  if (!backward && uses_f16(pass)) b.P16 = c.take<__half>(tokheads * C);
+  if (uses_f16(pass) && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {
     b.Kh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
     b.Qh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
   }
@@ -101,6 +107,8 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
     b.seg_in = c.take<float>(segheads * D * D);
   }
   if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(2);
+  if (fwd_pass() == FwdPass::Auto)  // the largest launch: phase 1 at 16 columns
+    b.redo = c.take<int>(static_cast<size_t>(2 * (D / 16) * p.Hv * plan.max_segments));
   return b;
 }
 
@@ -196,6 +204,7 @@ FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) 
     f.Qh = static_cast<const __half*>(p.q);
   }
   f.Lb = b.Lb;
+  f.redo = b.redo;
   return f;
 }
 
@@ -240,7 +249,9 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
   std::call_once(once, [] {
     set_smem(state_fwd_kernel<In, BW>, StateFwdWgSmem<In, BW>::kBytes);
     set_smem(state_fwd_mma_kernel<In, BW>, StateFwdSmem<In, BW>::kBytes);
+    set_smem(state_fwd_mma_kernel<In, BW, __half>, StateFwdSmem<In, BW>::kBytes);
     set_smem(state_fwd_f16_kernel<In, BW>, StateFwdF16Smem<BW>::kBytes);
+    set_smem(state_fwd_f16_kernel<In, BW, true>, StateFwdF16Smem<BW>::kBytes);
   });
   const unsigned blocks_x = (f.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
   const dim3 grid(blocks_x, static_cast<unsigned>(p.Hv), static_cast<unsigned>(plan.max_segments));
@@ -248,8 +259,15 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
     state_fwd_kernel<In, BW><<<grid, NT, StateFwdWgSmem<In, BW>::kBytes, st>>>(f);
   else if (pass == FwdPass::Tf32)
     state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(f);
-  else
+  else if (pass == FwdPass::F16)
     state_fwd_f16_kernel<In, BW><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
+  else {  // Auto: the guarded fp16 pass, then the tf32 pass on the blocks it flagged
+    state_fwd_f16_kernel<In, BW, true><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
+    check_cuda(cudaGetLastError(), "state_fwd_f16_kernel launch");
+    FwdParams r = f;
+    r.redo_pass = true;
+    state_fwd_mma_kernel<In, BW, __half><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(r);
+  }
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
 }
 
