@@ -100,7 +100,9 @@ struct FwdParams : SegParams {
   // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
-  int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
+  int debug;         // timing experiments only (FLASHGDN_DEBUG, results meaningless): state
+                     //   pass: 1 no output, 2 no loads; wy_kernel: 4 no inverse, 8 no W / U0
+                     //   products, 16 no K K^T / Q K^T products
   // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether
   // its U left fp16's comfortable range (or its state turned non-finite); the tf32 pass
   // launched right after with redo_pass set recomputes exactly those blocks.
@@ -194,7 +196,7 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
 
   // K K^T and Q K^T (fp16 m16n8k16): warp w owns rows 16 (w % 4) .. +16, columns
   // 32 (w / 4) .. +32
-  {
+  if (!(p.debug & 16)) {
     const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
     float kk[4][4] = {}, qk[4][4] = {};
 #pragma unroll 4
@@ -252,7 +254,7 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   //   then block rows i = 1..3 in turn: X_ij = sum_{k=j}^{i-1} A_ik T_kj (Tv as scratch) and
   //   T_ij = -T_ii X_ij for every j < i, all 256 threads; blocks above the diagonal are zero.
   //   fp32 throughout: the dependent chain is ~250 FMAs instead of 2016 for a whole column.
-  {
+  if (!(p.debug & 4)) {
     constexpr int B = 16;
     if (threadIdx.x < C) {
       const int b = threadIdx.x / B, jj = threadIdx.x % B, r0 = b * B;
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
 
   // W = As K and U0 = Tv V: warp w owns rows 16 (w % 4) .. +16, columns 64 (w / 4) .. +64.
   // T is lower triangular, so the k steps stop at the warp's last row.
-  {
+  if (!(p.debug & 8)) {
     const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
     float w[8][4] = {}, u[8][4] = {};
     for (int k0 = 0; k0 < m0 + 16; k0 += 16) {
