@@ -1,0 +1,155 @@
+"""Which operand precisions can the backward afford? A CPU study, no GPU needed.
+
+The companion of bench/precision_study.py for the gradients. The chunked forward of
+docs/algorithm.md runs in float64 with its stored and shared operands rounded as the fp16
+forward pass rounds them; every matrix product is an autograd function whose backward
+rounds *its* operands (the incoming gradient and the saved factors) to a chosen format and
+its results to fp32, so the backward's products (dS, dU, dVt and the per-chunk gradients
+are all such products) see that format, while the elementwise work and the inverse stay
+float64 (fp32 in the kernels). Gradients of q, k, v, g, beta are measured against the
+float64 gradients of the token-by-token reference.
+
+The question is range as much as mantissa: gradients scale with dO, and a training loss
+makes dO small (1e-4 .. 1e-8 per element is common). bf16 and tf32 keep fp32's exponent;
+fp16 does not, unless the kernel scales dO by a power of two first (a device-side max and
+an exponent: loss scaling inside the op), which the `fp16, dO scaled` rows emulate.
+
+    python bench/precision_study_bwd.py                  # 512 tokens, 4 heads, ~20 s
+    python bench/precision_study_bwd.py --do-scales 1,1e-6
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from flashgdn.reference import recurrent_gated_delta_rule_ref
+
+import precision_study as fwd  # noqa: E402 - same folder: rnd, make_inputs, rel
+
+C = 64
+F64 = torch.float64
+
+
+class _MM(torch.autograd.Function):
+    """C = fp32(rnd(a, fa) @ rnd(b, fb)); backward: dA = fp32(rnd(dC) @ rnd(b)^T),
+    dB = fp32(rnd(a)^T @ rnd(dC)), every operand rounded to `fb_`."""
+
+    @staticmethod
+    def forward(ctx, a, b, fa: str, fb: str, fbw: str):  # noqa: D102
+        ctx.save_for_backward(a, b)
+        ctx.fbw = fbw
+        return fwd.rnd(fwd.rnd(a, fa) @ fwd.rnd(b, fb), "f32")
+
+    @staticmethod
+    def backward(ctx, dc):  # noqa: D102
+        a, b = ctx.saved_tensors
+        f = ctx.fbw
+        dcr = fwd.rnd(dc, f)
+        da = fwd.rnd(dcr @ fwd.rnd(b, f).transpose(-1, -2), "f32")
+        db = fwd.rnd(fwd.rnd(a, f).transpose(-1, -2) @ dcr, "f32")
+        return da, db, None, None, None
+
+
+class _Store(torch.autograd.Function):
+    """A stored or shared operand rounded to fmt in the forward; its gradient passes as is."""
+
+    @staticmethod
+    def forward(ctx, x, fmt: str):  # noqa: D102
+        return fwd.rnd(x, fmt)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        return g, None
+
+
+def chunked_forward_ad(q, k, v, g, beta, scale: float, fw: str, bw: str):
+    """One sequence, one head (float64 leaves): o, final state. `fw`: the forward's operand
+    format (f64 or f16, as the default pass), `bw`: the backward products' operand format."""
+    T = q.shape[0]
+    S = torch.zeros(q.shape[1], v.shape[1], dtype=F64)
+    mm = lambda a, b: _MM.apply(a, b, fw, fw, bw)  # noqa: E731
+    st = lambda x: _Store.apply(x, fw)  # noqa: E731
+    out = []
+    for c0 in range(0, T, C):
+        Q, K, V = q[c0:c0 + C], k[c0:c0 + C], v[c0:c0 + C]
+        G = torch.cumsum(g[c0:c0 + C], 0)
+        b = beta[c0:c0 + C]
+        n = K.shape[0]
+        dec = torch.tril(torch.exp(G[:, None] - G[None, :]))
+        A = torch.tril(b[:, None] * dec * mm(K, K.T), -1)
+        Tm = torch.linalg.inv(torch.eye(n, dtype=F64) + A)
+        W = st(mm(Tm * (b * torch.exp(G))[None, :], K))
+        U0 = mm(Tm * b[None, :], V)
+        P = st(mm(Q, K.T) * dec)
+        U = U0 - mm(W, st(S))
+        O = scale * (torch.exp(G)[:, None] * mm(Q, st(S)) + mm(P, st(U)))
+        eL = torch.exp(G[-1] - G)
+        S = torch.exp(G[-1]) * S + mm(K.T, st(eL[:, None] * U))
+        out.append(O)
+    return torch.cat(out), S
+
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def gradients(x: Dict[str, torch.Tensor], do: torch.Tensor, dst: torch.Tensor, scale: float,
+              fw: str, bw: str, do_pow2: bool) -> List[torch.Tensor]:
+    """Gradients of sum(o * do) + sum(S_T * dst) over all heads; with do_pow2 the output
+    gradients are multiplied by a power of two bringing max |do| to about 1 first, and the
+    results divided by it afterwards (exact: a power of two)."""
+    e = 0
+    if do_pow2:
+        e = -int(math.floor(math.log2(float(torch.cat([do.abs().flatten(),
+                                                       dst.abs().flatten()]).max()))))
+    f = 2.0 ** e
+    leaves = {n: x[n].clone().requires_grad_() for n in NAMES}
+    loss = 0
+    for h in range(x["q"].shape[1]):
+        o, s = chunked_forward_ad(*(leaves[n][:, h] for n in NAMES), scale, fw, bw)
+        loss = loss + (o * (do[:, h] * f)).sum() + (s * (dst[h] * f)).sum()
+    grads = torch.autograd.grad(loss, [leaves[n] for n in NAMES])
+    return [gr / f for gr in grads]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--do-scales", default="1,1e-4,1e-8",
+                    help="magnitudes of the output gradients dO and dS_T (times randn)")
+    args = ap.parse_args()
+    scale = 128 ** -0.5
+    x = fwd.make_inputs(args.tokens, args.heads, "bench", 0, True)
+    gen = torch.Generator().manual_seed(1)
+    base_do = torch.randn(args.tokens, args.heads, 128, generator=gen, dtype=F64)
+    base_dst = torch.randn(args.heads, 128, 128, generator=gen, dtype=F64) / 8
+    designs: List[Tuple[str, str, str, bool]] = [
+        ("tf32 backward operands (today), fp16 forward", "f16", "tf32", False),
+        ("bf16 backward operands (FLA-like)", "f16", "bf16", False),
+        ("fp16 backward operands", "f16", "f16", False),
+        ("fp16 backward operands, dO scaled by 2^e", "f16", "f16", True),
+    ]
+    print(f"{args.tokens} tokens, {args.heads} heads, bench gates (every 4th head g == 0), "
+          "l2-normalised q/k; relative error of each gradient against float64\n")
+    print("| design | dO scale | dq | dk | dv | dg | dbeta |\n|---|---|---|---|---|---|---|")
+    for sc in (float(s) for s in args.do_scales.split(",")):
+        do, dst = base_do * sc, base_dst * sc
+        leaves = {n: x[n].clone().requires_grad_() for n in NAMES}
+        ro, rs = recurrent_gated_delta_rule_ref(*(leaves[n][None] for n in NAMES), scale)
+        ref = torch.autograd.grad((ro[0] * do).sum() + (rs[0] * dst).sum(),
+                                  [leaves[n] for n in NAMES])
+        for name, fw, bw, pow2 in designs:
+            got = gradients(x, do, dst, scale, fw, bw, pow2)
+            errs = []
+            for a, r in zip(got, ref):
+                e = fwd.rel(a, r)
+                errs.append("nan" if not math.isfinite(e) else f"{e:.1e}")
+            print(f"| {name} | {sc:g} | " + " | ".join(errs) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""bench/precision_study_bwd.py (CPU): its chunked forward's autograd gradients are the
+operator's, and each backward operand format lands where the study says (docs/perf-notes.md,
+"Operand precision for the backward")."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import precision_study_bwd as study  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+
+TOKENS, HEADS = 160, 2  # three chunks, the last partial
+
+
+def _setup(do_scale: float):
+    x = study.fwd.make_inputs(TOKENS, HEADS, "bench", 0, True)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(TOKENS, HEADS, 128, generator=gen, dtype=torch.float64) * do_scale
+    dst = torch.randn(HEADS, 128, 128, generator=gen, dtype=torch.float64) * do_scale / 8
+    leaves = {n: x[n].clone().requires_grad_() for n in study.NAMES}
+    ro, rs = study.recurrent_gated_delta_rule_ref(*(leaves[n][None] for n in study.NAMES),
+                                                  128 ** -0.5)
+    ref = torch.autograd.grad((ro[0] * do).sum() + (rs[0] * dst).sum(),
+                              [leaves[n] for n in study.NAMES])
+    return x, do, dst, ref
+
+
+def _errs(x, do, dst, ref, fw, bw, pow2):
+    got = study.gradients(x, do, dst, 128 ** -0.5, fw, bw, pow2)
+    return [float((a - r).norm() / r.norm()) for a, r in zip(got, ref)]
+
+
+def test_float64_gradients_are_the_operators():
+    x, do, dst, ref = _setup(1.0)
+    got = study.gradients(x, do, dst, 128 ** -0.5, "f64", "f64", False)
+    for a, r in zip(got, ref):
+        assert rel_err(a, r) < 1e-6  # fp32 rounding of each product's result only
+
+
+@pytest.mark.parametrize("do_scale", [1.0, 1e-8])
+def test_backward_formats(do_scale: float):
+    x, do, dst, ref = _setup(do_scale)
+    tf32 = _errs(x, do, dst, ref, "f16", "tf32", False)
+    bf16 = _errs(x, do, dst, ref, "f16", "bf16", False)
+    f16 = _errs(x, do, dst, ref, "f16", "f16", False)
+    f16s = _errs(x, do, dst, ref, "f16", "f16", True)
+    assert max(tf32) < 2e-3
+    assert min(b / t for b, t in zip(bf16, tf32)) > 2  # bf16's 7-bit mantissa
+    assert max(s / t for s, t in zip(f16s, tf32)) < 1.2  # scaled fp16 = tf32's accuracy
+    if do_scale < 1e-6:
+        assert min(f16) > 0.5  # unscaled fp16: the gradients underflow
+    else:
+        assert max(s / t for s, t in zip(f16, tf32)) < 1.2
