@@ -1,7 +1,7 @@
 // Forward kernels of the chunked WY algorithm (docs/algorithm.md) on tensor cores with fp32
-// accumulation (mma.cuh): wy_kernel and the default state pass on fp16 operands (m16n8k16;
-// fp16 has tf32's 10-bit mantissa, bf16 inputs convert exactly), the opt-in tf32 passes on
-// m16n8k8 / wgmma tf32.
+// accumulation (mma.cuh): the default state pass on fp16 operands (m16n8k16; fp16 has tf32's
+// 10-bit mantissa), wy_kernel and the opt-in tf32 passes on TF32 (m16n8k8 / wgmma; bf16 and
+// fp16 inputs are exact tf32 operands at any magnitude).
 //
 // wy_kernel      grid (max_chunks, H_v), 256 threads, ~108 KB smem (2 blocks per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
@@ -100,9 +100,7 @@ struct FwdParams : SegParams {
   // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
-  int debug;         // timing experiments only (FLASHGDN_DEBUG, results meaningless): state
-                     //   pass: 1 no output, 2 no loads; wy_kernel: 4 no inverse, 8 no W / U0
-                     //   products, 16 no K K^T / Q K^T products
+  int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
   // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether
   // its U left fp16's comfortable range (or its state turned non-finite); the tf32 pass
   // launched right after with redo_pass set recomputes exactly those blocks.
@@ -170,46 +168,38 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   cp_async_wait<0>();
   __syncthreads();
   if (warp == 1) Gs[threadIdx.x] += Gs[31];
-  // K, V and Q as fp16 (bf16 inputs converted in place: exact for |x| in [2^-14, 65504], the
-  // range of l2-normalised q and k; below it fp16 keeps an absolute error under 2^-25), the
-  // operands of every product here; with p.Kh_w set, this value head's group leader also
-  // writes the fp16 k and q rows for the fp16 state pass.
-  const __half* Kf = reinterpret_cast<const __half*>(Ks);
-  const __half* Vf = reinterpret_cast<const __half*>(Vs);
-  const __half* Qf = reinterpret_cast<const __half*>(Qs);
-  if constexpr (!std::is_same<In, __half>::value) {
+  if (p.Kh_w != nullptr && h % (p.Hv / p.Hqk) == 0) {
+    // fp16 copies of this chunk's k and q rows for the fp16 state pass (bf16 inputs; exact
+    // for |x| in [2^-14, 65504], the range of l2-normalised q and k)
     constexpr int kPieces = D / 8;  // 8 values per 16-byte piece
-    const bool copy = p.Kh_w != nullptr && h % (p.Hv / p.Hqk) == 0;
-    for (int e = threadIdx.x; e < 3 * C * kPieces; e += NT) {
+    for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
       const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
-      In* x = (which == 0 ? Ks : which == 1 ? Vs : Qs) + r * LDH + c;
+      if (r >= L) continue;
+      const In* src = (which ? Qs : Ks) + r * LDH + c;
       float f[8];
-      unpack8(f, *reinterpret_cast<const uint4*>(x), x);
-      const uint4 h8 = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
-                                  pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
-      *reinterpret_cast<uint4*>(x) = h8;
-      if (copy && which != 1 && r < L)
-        *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = h8;
+      unpack8(f, *reinterpret_cast<const uint4*>(src), src);
+      const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
+                                   pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
+      *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
     }
   }
   __syncthreads();
 
-  // K K^T and Q K^T (fp16 m16n8k16): warp w owns rows 16 (w % 4) .. +16, columns
-  // 32 (w / 4) .. +32
-  if (!(p.debug & 16)) {
+  // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
+  {
     const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
     float kk[4][4] = {}, qk[4][4] = {};
 #pragma unroll 4
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      uint32_t ak[4], aq[4], b[4][2];
-      frag_a16(ak, Kf, LDH, m0, k0);
-      frag_a16(aq, Qf, LDH, m0, k0);
-      frag_b16_pair(b[0], b[1], Kf, LDH, n0, k0);
-      frag_b16_pair(b[2], b[3], Kf, LDH, n0 + 16, k0);
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      uint32_t ak[4], aq[4];
+      frag_a(ak, Ks, LDH, m0, k0);
+      frag_a(aq, Qs, LDH, m0, k0);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        mma_f16(kk[j], ak, b[j]);
-        mma_f16(qk[j], aq, b[j]);
+        uint32_t b[2];
+        frag_b(b, Ks, LDH, n0 + 8 * j, k0);
+        mma_tf32(kk[j], ak, b);
+        mma_tf32(qk[j], aq, b);
       }
     }
 #pragma unroll
@@ -254,7 +244,7 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   //   then block rows i = 1..3 in turn: X_ij = sum_{k=j}^{i-1} A_ik T_kj (Tv as scratch) and
   //   T_ij = -T_ii X_ij for every j < i, all 256 threads; blocks above the diagonal are zero.
   //   fp32 throughout: the dependent chain is ~250 FMAs instead of 2016 for a whole column.
-  if (!(p.debug & 4)) {
+  {
     constexpr int B = 16;
     if (threadIdx.x < C) {
       const int b = threadIdx.x / B, jj = threadIdx.x % B, r0 = b * B;
@@ -292,18 +282,14 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
       __syncthreads();
     }
   }
-  // fp16 T diag(beta exp G) over As and fp16 T diag(beta) over Tv (the A operands of W and
-  // U0; [C][LDF], rows 144 bytes apart): neither fp32 tile is read again
-  constexpr int LDF = C + 8;
-  __half* Ah = reinterpret_cast<__half*>(As);
-  __half* Th = reinterpret_cast<__half*>(Tv);
+  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
   {  // each thread keeps one column s, so its factors are computed once
     const int s = threadIdx.x % C;
     const float fb = bs[s], fe = fb * __expf(Gs[s]);
     for (int r = threadIdx.x / C; r < C; r += NT / C) {
       const float t = Ts[r * LDA + s];
-      Ah[r * LDF + s] = __float2half_rn(t * fe);
-      Th[r * LDF + s] = __float2half_rn(t * fb);
+      As[r * LDA + s] = round_tf32(t * fe);
+      Tv[r * LDA + s] = round_tf32(t * fb);
       if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
     }
   }
@@ -312,22 +298,20 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
 
   // W = As K and U0 = Tv V: warp w owns rows 16 (w % 4) .. +16, columns 64 (w / 4) .. +64.
   // T is lower triangular, so the k steps stop at the warp's last row.
-  if (!(p.debug & 8)) {
+  {
     const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
     float w[8][4] = {}, u[8][4] = {};
-    for (int k0 = 0; k0 < m0 + 16; k0 += 16) {
+    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
       uint32_t aw[4], au[4];
-      frag_a16(aw, Ah, LDF, m0, k0);
-      frag_a16(au, Th, LDF, m0, k0);
+      frag_a(aw, As, LDA, m0, k0);
+      frag_a(au, Tv, LDA, m0, k0);
 #pragma unroll
-      for (int j = 0; j < 8; j += 2) {
-        uint32_t bk[2][2], bv[2][2];
-        frag_b16_trans2(bk[0], bk[1], Kf, LDH, n0 + 8 * j, k0);
-        frag_b16_trans2(bv[0], bv[1], Vf, LDH, n0 + 8 * j, k0);
-        mma_f16(w[j], aw, bk[0]);
-        mma_f16(w[j + 1], aw, bk[1]);
-        mma_f16(u[j], au, bv[0]);
-        mma_f16(u[j + 1], au, bv[1]);
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bk[2], bv[2];
+        frag_b_trans(bk, Ks, LDH, n0 + 8 * j, k0);
+        frag_b_trans(bv, Vs, LDH, n0 + 8 * j, k0);
+        mma_tf32(w[j], aw, bk);
+        mma_tf32(u[j], au, bv);
       }
     }
 #pragma unroll

@@ -188,16 +188,6 @@ __device__ __forceinline__ void frag_b16_trans2(uint32_t (&b0)[2], uint32_t (&b1
                : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1])
                : "r"(smem_addr(p)));
 }
-// B fragments of B(k, n) = X[n][k] (a tile stored [n][k], k contiguous), k0..k0+15, for
-// columns n0..n0+7 (b0) and n0+8..n0+15 (b1).
-__device__ __forceinline__ void frag_b16_pair(uint32_t (&b0)[2], uint32_t (&b1)[2],
-                                              const __half* s, int ld, int n0, int k0) {
-  const int l = lane_id();
-  const __half* p = s + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8;
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1])
-               : "r"(smem_addr(p)));
-}
 // Two fp32 values -> one register of two fp16 (round to nearest).
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
