@@ -52,6 +52,10 @@ class Design:
     s_qs: str  # S as the B operand of Q S
     u: str     # U = U0 - W S as the operand of P U and of K^T (eL U)
     t: str = "tf32"  # T diag(beta e^G) and T diag(beta) as operands of W and U0
+    # W, U0 never formed (docs/perf-notes.md, FlashQLA's forward): the gate-free inverse
+    # T_raw stored in format t, U = (Dec . T_raw . beta) (V - diag(e^G) K S) with both
+    # operands of that product in format u, K S with S in format s_ws
+    wy_free: bool = False
 
 
 DESIGNS = (
@@ -65,6 +69,10 @@ DESIGNS = (
     # the default pass copies U (and S, P, W) to fp16; wy_kernel's T operands tf32
     Design("shipped: fp16 pass (default)", "f16", "tf32", "f16", "f16", "f16", "f16"),
     Design("shipped: tf32 pass", "f16", "tf32", "tf32", "tf32", "tf32", "tf32"),
+    Design("W/U0-free, fp16 T_raw and operands", "-", "-", "f16", "f16", "f16", "f16",
+           t="f16", wy_free=True),
+    Design("W/U0-free, bf16 (FlashQLA-like)", "-", "-", "bf16", "bf16", "bf16", "bf16",
+           t="bf16", wy_free=True),
 )
 
 
@@ -82,12 +90,20 @@ def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
         b = beta[c0:c0 + C]
         n = K.shape[0]
         dec = torch.tril(torch.exp(G[:, None] - G[None, :]))
-        A = f32(torch.tril(b[:, None] * dec * f32(K @ K.T), -1))
-        Tm = f32(torch.linalg.inv(torch.eye(n, dtype=F64) + A))
-        W = rnd(f32(rnd(Tm * (b * torch.exp(G))[None, :], d.t) @ K), d.w)
-        U0 = rnd(f32(rnd(Tm * b[None, :], d.t) @ V), d.u0)
         P = rnd(f32(Q @ K.T) * dec, d.p)
-        U = f32(U0 - f32(W @ rnd(S, d.s_ws)))
+        if d.wy_free:
+            A0 = f32(torch.tril(b[:, None] * f32(K @ K.T), -1))
+            Traw = rnd(f32(torch.linalg.inv(torch.eye(n, dtype=F64) + A0)), d.t)
+            Ag = rnd(f32(Traw * dec * b[None, :]), d.u)
+            Wp = rnd(f32(V - torch.exp(G)[:, None] * f32(K @ rnd(S, d.s_ws))), d.u)
+            U = f32(Ag @ Wp)
+            W = U0 = Traw  # for the ranges below
+        else:
+            A = f32(torch.tril(b[:, None] * dec * f32(K @ K.T), -1))
+            Tm = f32(torch.linalg.inv(torch.eye(n, dtype=F64) + A))
+            W = rnd(f32(rnd(Tm * (b * torch.exp(G))[None, :], d.t) @ K), d.w)
+            U0 = rnd(f32(rnd(Tm * b[None, :], d.t) @ V), d.u0)
+            U = f32(U0 - f32(W @ rnd(S, d.s_ws)))
         Ur = rnd(U, d.u)
         O = f32(scale * (torch.exp(G)[:, None] * f32(Q @ rnd(S, d.s_qs)) + f32(P @ Ur)))
         eL = torch.exp(G[-1] - G)

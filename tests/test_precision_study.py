@@ -87,3 +87,16 @@ def test_fp16_pass_range_limits_and_tf32_fallback(v_scale: float):
         assert "non-finite" in str(exc) and v_scale > 1
     else:
         assert f16[0] > 1e-2 and v_scale < 1  # the underflow case: a large error
+
+
+@pytest.mark.parametrize("gates", ["bench", "hard"])
+def test_wy_free_reformulation(gates: str):
+    """The plan's next forward (docs/perf-notes.md): T = Dec . T_raw with the gate-free
+    inverse T_raw, U = (Dec . T_raw . beta) (V - diag(e^G) K S), W and U0 never formed. With
+    fp16 operands it is as accurate as the shipped fp16 pass; in bf16 (FlashQLA's operand
+    type) it lands at FLA's error level, over twice ours."""
+    shipped = _run(_shipped("shipped: fp16"), gates=gates)
+    free16 = _run(_shipped("W/U0-free, fp16"), gates=gates)
+    free_bf16 = _run(_shipped("W/U0-free, bf16"), gates=gates)
+    assert free16[0] < 1.05 * shipped[0] and free16[1] < 1.05 * shipped[1]
+    assert free_bf16[0] > 2 * free16[0] and free_bf16[1] > 2 * free16[1]
