@@ -100,12 +100,13 @@ def test_gpu_matches_cpu_backend(case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("other", ["tf32", "wgmma"])
+@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16free"])
 @pytest.mark.parametrize("bw", ["16", "32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch.dtype):
     """The sequential pass runs on fp16 operands by default (state_fwd_f16_kernel);
-    FLASHGDN_FWD_PASS=tf32 selects the tf32 mma.sync kernel, =wgmma the warpgroup one.
+    FLASHGDN_FWD_PASS=tf32 selects the tf32 mma.sync kernel, =wgmma the warpgroup one,
+    =f16free the fp16 pass that forms U from V, K S and T diag(beta) (no W, U0).
     fp16 and tf32 operands share a 10-bit mantissa: every pass must match the float64
     reference equally well, the passes agree within that rounding, and each is
     deterministic. Lengths not multiple of 64, an initial state, g == 0 heads."""

@@ -97,6 +97,7 @@ struct FwdParams : SegParams {
   __half* P16;       // [TT, Hv, C] or null: fp16 P for the fp16 pass
   const __half *Kh, *Qh;  // [TT, Hqk, D] fp16 k and q of the fp16 pass (the inputs, or wy's copies)
   __half *Kh_w, *Qh_w;    // bf16 inputs: where wy_kernel writes the fp16 copies (else null)
+  __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
   // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
@@ -124,7 +125,9 @@ __device__ __forceinline__ int64_t block_linear() {
 
 constexpr size_t kWySmem = sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * (3 * C * LDA + 3 * C);
 
-template <typename In>
+// kFree (FLASHGDN_FWD_PASS=f16free): T diag(beta) goes out as fp16 (Tv16) instead of W and
+// U0, which are never formed (the state pass builds U from V, K S and Tv16).
+template <typename In, bool kFree = false>
 __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
@@ -288,12 +291,17 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
     const float fb = bs[s], fe = fb * __expf(Gs[s]);
     for (int r = threadIdx.x / C; r < C; r += NT / C) {
       const float t = Ts[r * LDA + s];
-      As[r * LDA + s] = round_tf32(t * fe);
-      Tv[r * LDA + s] = round_tf32(t * fb);
+      if constexpr (kFree) {
+        if (r < L) p.Tv16[(row_off + r * p.Hv) * C + s] = __float2half_rn(t * fb);
+      } else {
+        As[r * LDA + s] = round_tf32(t * fe);
+        Tv[r * LDA + s] = round_tf32(t * fb);
+      }
       if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
     }
   }
   if (threadIdx.x < L) p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
+  if constexpr (kFree) return;  // no W, U0
   __syncthreads();
 
   // W = As K and U0 = Tv V: warp w owns rows 16 (w % 4) .. +16, columns 64 (w / 4) .. +64.
@@ -733,19 +741,55 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 //          P16, G, Lb, initial state, seg_in
 //   writes as state_fwd_mma_kernel
 
-template <int BW>
+// kFree: the W tile's place holds T diag(beta) [C][LDP] and one more [C][LDS] tile holds W'.
+template <int BW, bool kFree = false>
 struct StateFwdF16Smem {
   static constexpr int LDP = C + 8;   // P [C][LDP]: rows 144 bytes apart, ldmatrix conflict free
   static constexpr int LDS = BW + 8;  // S [D][LDS], U and diag(eL) U [C][LDS]: idem (80 / 48 B)
   static constexpr size_t kTile = sizeof(__half) * C * LDH;  // W, K, Q
   static constexpr size_t kStage = 3 * kTile + sizeof(__half) * C * LDP + sizeof(float) * C;
-  static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (D + 2 * C) * LDS;
+  static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (D + (kFree ? 3 : 2) * C) * LDS;
 };
 
-template <typename In, int BW, bool kGuard = false>
+// The per-thread values the fp16 pass loads one chunk ahead: U0 (fp32) or, for the W/U0-free
+// pass, V as raw 16-bit pairs (converted only at their use, so no step waits on the load).
+template <bool kRaw, int NJ>
+struct AheadRegs {
+  float x[NJ][4];
+};
+template <int NJ>
+struct AheadRegs<true, NJ> {
+  uint32_t x[NJ][2];
+};
+
+// V of chunk ci, rows m0 + (g, g + 8), columns b.vb + n0 + 8 jj + (2t, 2t + 1), as raw pairs
+// (zero past the chunk's end and for the transition, whose V is zero).
+template <typename In, int NJ>
+__device__ __forceinline__ void load_v_pairs(uint32_t (&u)[NJ][2], const FwdParams& p,
+                                             const SegmentBlock& b, int64_t ci, int m0, int n0) {
+  const In* v = static_cast<const In*>(p.v);
+  const int64_t tok0 = b.start + ci * C;
+  const int L = static_cast<int>(b.len - ci * C < C ? b.len - ci * C : C);
+#pragma unroll
+  for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int r = m0 + acc_row(e), c = b.vb + n0 + 8 * jj + acc_col(e);
+      u[jj][e >> 1] = !b.identity && r < L
+          ? *reinterpret_cast<const uint32_t*>(v + ((tok0 + r) * p.Hv + b.h) * D + c) : 0u;
+    }
+}
+__device__ __forceinline__ float2 pair_to_float2(uint32_t v, const __nv_bfloat16*) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+__device__ __forceinline__ float2 pair_to_float2(uint32_t v, const __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+template <typename In, int BW, bool kGuard = false, bool kFree = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
-  using Sm = StateFwdF16Smem<BW>;
+  using Sm = StateFwdF16Smem<BW, kFree>;
   constexpr int NJ = BW / 16;  // n8 tiles per warp of the 64 x BW products
   constexpr int NS = BW / 8;   // n8 tiles per warp of the 128 x BW state update
   constexpr int LDS = Sm::LDS, LDP = Sm::LDP;
@@ -767,6 +811,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   __half* Sh = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage);  // [D][LDS] S
   __half* Uh = Sh + D * LDS;                                           // [C][LDS] U
   __half* Ueh = Uh + C * LDS;                                          // [C][LDS] diag(eL) U
+  __half* Wph = Ueh + C * LDS;  // kFree: [C][LDS] W' = V - diag(e^G) K S
 
   const int warp = threadIdx.x >> 5;
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
@@ -776,7 +821,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
-    cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
+    if constexpr (kFree)  // T diag(beta) in the W tile's place
+      cp_async_tile<C, C, LDP>(Wst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    else
+      cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
     cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (want_o && ci >= c_begin) {
       cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
@@ -790,7 +838,11 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   };
   // U0 of rows m0 + (g, g + 8), columns n0 + 8 jj + (2t, 2t + 1) straight into registers
   const int m0 = 16 * (warp >> 1), n0 = (warp & 1) * (BW / 2);
-  auto load_u0 = [&](float (&u)[NJ][4], int64_t ci) { load_u0_rows(u, p, b, ci, m0, n0); };
+  using Ahead = AheadRegs<kFree, NJ>;
+  auto load_u0 = [&](Ahead& u, int64_t ci) {
+    if constexpr (kFree) load_v_pairs<In>(u.x, p, b, ci, m0, n0);
+    else load_u0_rows(u.x, p, b, ci, m0, n0);
+  };
   // B fragments of the warp's NJ n8 tiles (columns n0 ..) of a [k][LDS] tile, k0..k0+15
   auto frag_b_cols = [&](uint32_t (&bf)[NJ][2], const __half* t, int k0) {
     if constexpr (NJ == 2) frag_b16_trans2(bf[0], bf[1], t, LDS, n0, k0);
@@ -804,12 +856,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   bool u_in_range = true;
   float u_max = 0.f;
 
-  float u0a[NJ][4], u0b[NJ][4];
+  Ahead u0a, u0b;
   if (c_first < c_end) {
     issue(c_first, 0);
     load_u0(u0a, c_first);
   }
-  auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
+  auto step = [&](const int64_t ci, const Ahead& u0, Ahead& u0n) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
@@ -822,11 +874,13 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
     const bool out = want_o && ci >= c_begin;
     if (record && ci >= c_begin)  // the state entering chunk ci
       store_acc_state(p.h + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
-    const __half* W = Wst(s);
+    const __half* W;  // the A operand of the first product: W, or K (kFree: K S)
+    if constexpr (kFree) W = Kst(s);
+    else W = Wst(s);
     const float* G = Gst(s);
     const float gl = G[C - 1];
 
-    // U = U0 - W S and QS = Q S (even and odd k16 steps in separate accumulators)
+    // U = U0 - W S (kFree: K S) and QS = Q S (even and odd k16 steps in separate accumulators)
     float ua[NJ][4] = {}, qa[NJ][4] = {};
     {
       float ub[NJ][4] = {}, qb[NJ][4] = {};
@@ -862,25 +916,62 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
     }
     const float eg_lo = __expf(G[m0 + acc_row(0)]), eg_hi = __expf(G[m0 + acc_row(2)]);
     const float el_lo = __expf(gl - G[m0 + acc_row(0)]), el_hi = __expf(gl - G[m0 + acc_row(2)]);
-#pragma unroll
-    for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
-        const float x0 = u0[jj][e] - ua[jj][e], x1 = u0[jj][e + 1] - ua[jj][e + 1];
-        if (record && ci >= c_begin && r < L)
-          __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
-                 make_float2(x0, x1));
-        const float el = e < 2 ? el_lo : el_hi, eg = e < 2 ? eg_lo : eg_hi;
-        if constexpr (kGuard) {
-          u_in_range &= fabsf(x0) <= kF16Hi && fabsf(x1) <= kF16Hi;
-          u_max = fmaxf(u_max, fmaxf(fabsf(x0), fabsf(x1)));
-        }
-        *reinterpret_cast<uint32_t*>(Uh + r * LDS + c) = pack_half2(x0, x1);
-        *reinterpret_cast<uint32_t*>(Ueh + r * LDS + c) = pack_half2(x0 * el, x1 * el);
-        qa[jj][e] *= eg;
-        qa[jj][e + 1] *= eg;
+    // this thread's U pair (row r, columns c, c + 1): the backward's record, the range guard,
+    // the fp16 copies of U and diag(eL) U
+    auto emit_u = [&](int r, int c, float x0, float x1, float el) {
+      if (record && ci >= c_begin && r < L)
+        __stcg(reinterpret_cast<float2*>(p.U + ((tok0 + r) * p.Hv + h) * D + vb + c),
+               make_float2(x0, x1));
+      if constexpr (kGuard) {
+        u_in_range &= fabsf(x0) <= kF16Hi && fabsf(x1) <= kF16Hi;
+        u_max = fmaxf(u_max, fmaxf(fabsf(x0), fabsf(x1)));
       }
+      *reinterpret_cast<uint32_t*>(Uh + r * LDS + c) = pack_half2(x0, x1);
+      *reinterpret_cast<uint32_t*>(Ueh + r * LDS + c) = pack_half2(x0 * el, x1 * el);
+    };
+    if constexpr (kFree) {  // W' = V - diag(e^G) K S, then U = T diag(beta) W'
+      const In* vtype = nullptr;
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
+          const float eg = e < 2 ? eg_lo : eg_hi;
+          const float2 vv = pair_to_float2(u0.x[jj][e >> 1], vtype);
+          *reinterpret_cast<uint32_t*>(Wph + r * LDS + c) =
+              pack_half2(vv.x - eg * ua[jj][e], vv.y - eg * ua[jj][e + 1]);
+          qa[jj][e] *= eg;
+          qa[jj][e + 1] *= eg;
+        }
+      __syncthreads();  // W' complete
+      float ut[NJ][4] = {};
+      const __half* Tvt = Wst(s);
+      for (int k0 = 0; k0 < m0 + 16; k0 += 16) {  // T is lower triangular
+        uint32_t at[4], bw[NJ][2];
+        frag_a16(at, Tvt, LDP, m0, k0);
+        frag_b_cols(bw, Wph, k0);
+#pragma unroll
+        for (int jj = 0; jj < NJ; ++jj) mma_f16(ut[jj], at, bw[jj]);
+      }
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          emit_u(m0 + acc_row(e), n0 + 8 * jj + acc_col(e), ut[jj][e], ut[jj][e + 1],
+                 e < 2 ? el_lo : el_hi);
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int r = m0 + acc_row(e), c = n0 + 8 * jj + acc_col(e);
+          const float x0 = u0.x[jj][e] - ua[jj][e], x1 = u0.x[jj][e + 1] - ua[jj][e + 1];
+          const float el = e < 2 ? el_lo : el_hi, eg = e < 2 ? eg_lo : eg_hi;
+          emit_u(r, c, x0, x1, el);
+          qa[jj][e] *= eg;
+          qa[jj][e + 1] *= eg;
+        }
+    }
     __syncthreads();  // U complete
 
     if (out) {  // O = diag(e^G) Q S + P U; P is lower triangular

@@ -45,8 +45,12 @@ struct Carver {
 // docs/perf-notes.md version 8). All three are tested against each other and the reference.
 // FLASHGDN_FWD_PASS=auto: the fp16 pass with its range guard, the tf32 pass redoing the
 // blocks whose values left fp16's range (fwd_kernels.cuh, kF16Hi / kF16Lo).
-enum class FwdPass { F16, Tf32, Wgmma, Auto };
-bool uses_f16(FwdPass pass) { return pass == FwdPass::F16 || pass == FwdPass::Auto; }
+// FLASHGDN_FWD_PASS=f16free: the fp16 pass without W and U0 (wy_kernel writes T diag(beta)
+// in fp16; the pass forms U = T diag(beta) (V - diag(e^G) K S); docs/perf-notes.md).
+enum class FwdPass { F16, Tf32, Wgmma, Auto, F16Free };
+bool uses_f16(FwdPass pass) {
+  return pass == FwdPass::F16 || pass == FwdPass::Auto || pass == FwdPass::F16Free;
+}
 FwdPass fwd_pass() {
   if (const char* v = std::getenv("FLASHGDN_WGMMA"); v != nullptr && std::atoi(v) != 0)
     return FwdPass::Wgmma;
@@ -55,8 +59,9 @@ FwdPass fwd_pass() {
   if (std::string(v) == "tf32") return FwdPass::Tf32;
   if (std::string(v) == "wgmma") return FwdPass::Wgmma;
   if (std::string(v) == "auto") return FwdPass::Auto;
-  throw Error(std::string("FLASHGDN_FWD_PASS: expected f16, auto, tf32 or wgmma, got '") + v +
-              "'");
+  if (std::string(v) == "f16free") return FwdPass::F16Free;
+  throw Error(std::string("FLASHGDN_FWD_PASS: expected f16, auto, f16free, tf32 or wgmma, got '") +
+              v + "'");
 }
 
 struct FwdBuffers {
@@ -67,6 +72,7 @@ struct FwdBuffers {
   __half* W;          // tf32 precision in 16 bits (fwd_kernels.cuh)
   __half* P16;        // the fp16 pass's P (forward only), else null
   __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
+  __half* Tv16;       // FLASHGDN_FWD_PASS=f16free: T diag(beta) (W and U0 are null)
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
   int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
@@ -84,8 +90,12 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
-  b.W = c.take<__half>(tokheads * D);
-  b.U0 = c.take<float>(tokheads * D);
+  if (pass == FwdPass::F16Free) {
+    b.Tv16 = c.take<__half>(tokheads * C);
+  } else {
+    b.W = c.take<__half>(tokheads * D);
+    b.U0 = c.take<float>(tokheads * D);
+  }
   if (backward || !uses_f16(pass)) b.P = c.take<float>(tokheads * C);
   if (!backward && uses_f16(pass)) b.P16 = c.take<__half>(tokheads * C);
   if (uses_f16(pass) && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {
@@ -196,6 +206,7 @@ FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) 
   f.U0 = b.U0;
   f.Pmat = b.P;
   f.P16 = b.P16;
+  f.Tv16 = b.Tv16;
   if (b.Kh != nullptr) {  // bf16 inputs: wy_kernel writes fp16 copies for the fp16 pass
     f.Kh = f.Kh_w = b.Kh;
     f.Qh = f.Qh_w = b.Qh;
@@ -252,6 +263,7 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
     set_smem(state_fwd_mma_kernel<In, BW, __half>, StateFwdSmem<In, BW>::kBytes);
     set_smem(state_fwd_f16_kernel<In, BW>, StateFwdF16Smem<BW>::kBytes);
     set_smem(state_fwd_f16_kernel<In, BW, true>, StateFwdF16Smem<BW>::kBytes);
+    set_smem(state_fwd_f16_kernel<In, BW, false, true>, StateFwdF16Smem<BW, true>::kBytes);
   });
   const unsigned blocks_x = (f.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
   const dim3 grid(blocks_x, static_cast<unsigned>(p.Hv), static_cast<unsigned>(plan.max_segments));
@@ -261,6 +273,9 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
     state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(f);
   else if (pass == FwdPass::F16)
     state_fwd_f16_kernel<In, BW><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
+  else if (pass == FwdPass::F16Free)
+    state_fwd_f16_kernel<In, BW, false, true>
+        <<<grid, NT, StateFwdF16Smem<BW, true>::kBytes, st>>>(f);
   else {  // Auto: the guarded fp16 pass, then the tf32 pass on the blocks it flagged
     state_fwd_f16_kernel<In, BW, true><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
     check_cuda(cudaGetLastError(), "state_fwd_f16_kernel launch");
@@ -282,10 +297,14 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
 template <typename In>
 void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(wy_kernel<In>, kWySmem); });
+  std::call_once(once, [] {
+    set_smem(wy_kernel<In>, kWySmem);
+    set_smem(wy_kernel<In, true>, kWySmem);
+  });
   if (p.max_chunks() == 0) return;
-  wy_kernel<In><<<dim3(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv)), NT,
-                  kWySmem, st>>>(f);
+  const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv));
+  if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem, st>>>(f);
+  else wy_kernel<In><<<grid, NT, kWySmem, st>>>(f);
   check_cuda(cudaGetLastError(), "wy_kernel launch");
 }
 
