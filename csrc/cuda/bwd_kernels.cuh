@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
   const int64_t nchunks = (len + C - 1) / C;
   for (int64_t ci = nchunks - 1; ci >= 0; --ci) {
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     __syncthreads();
     store_state_block<BW>(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, dSs, vb);
     load_chunk(Qs, static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
 
   auto issue = [&](int64_t ci, int s) {
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     cp_async_tile<C, D, LDH>(Qst(s), qbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     cp_async_tile<C, BW, LDO>(dOst(s), dobase + (tok0 * p.Hv + h) * D + vb, p.Hv * D, L);
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   for (int64_t ci = c_last; ci >= c_begin; --ci) {
     const int s = static_cast<int>((c_last - ci) & 1);
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     const bool out = outputs && ci < c_end;  // not a warm-up chunk
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; every shared buffer of the previous chunk consumed

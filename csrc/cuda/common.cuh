@@ -82,6 +82,13 @@ struct ChunkRef {
   int L;  // valid rows, 1..64; 0 when the chunk index is past the last chunk
 };
 
+// Tokens in chunk ci (tokens ci * C .. ci * C + C - 1) of a sequence of len tokens: C, or
+// fewer for the last chunk.
+__device__ __forceinline__ int chunk_rows(int64_t len, int64_t ci) {
+  const int64_t rem = len - ci * C;
+  return static_cast<int>(rem < C ? rem : C);
+}
+
 // Maps a global chunk index to its sequence and first token.
 __device__ __forceinline__ ChunkRef locate_chunk(const SeqLayout& s, int64_t c) {
   ChunkRef r{0, 0, 0};
@@ -103,8 +110,7 @@ __device__ __forceinline__ ChunkRef locate_chunk(const SeqLayout& s, int64_t c) 
   const int64_t local = c - s.first_chunk(n);
   r.seq = n;
   r.tok0 = s.seq_start(n) + local * C;
-  const int64_t rem = s.seq_len(n) - local * C;
-  r.L = static_cast<int>(rem < C ? rem : C);
+  r.L = chunk_rows(s.seq_len(n), local);
   return r;
 }
 

@@ -505,7 +505,7 @@ __device__ __forceinline__ void load_u0_rows(float (&u)[NJ][4], const FwdParams&
     return;
   }
   const int64_t tok0 = b.start + ci * C;
-  const int L = static_cast<int>(b.len - ci * C < C ? b.len - ci * C : C);
+  const int L = chunk_rows(b.len, ci);
 #pragma unroll
   for (int jj = 0; jj < NJ; ++jj)
 #pragma unroll
@@ -582,7 +582,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
     cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (want_o && ci >= c_begin) {
@@ -615,7 +615,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   auto step = [&](const int64_t ci, const float (&u0)[NJ][4], float (&u0n)[NJ][4]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; Ss, Us, Ue of the previous chunk complete
     if (ci + 1 < c_end) {
@@ -769,7 +769,7 @@ __device__ __forceinline__ void load_v_pairs(uint32_t (&u)[NJ][2], const FwdPara
                                              const SegmentBlock& b, int64_t ci, int m0, int n0) {
   const In* v = static_cast<const In*>(p.v);
   const int64_t tok0 = b.start + ci * C;
-  const int L = static_cast<int>(b.len - ci * C < C ? b.len - ci * C : C);
+  const int L = chunk_rows(b.len, ci);
 #pragma unroll
   for (int jj = 0; jj < NJ; ++jj)
 #pragma unroll
@@ -820,7 +820,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     if constexpr (kFree)  // T diag(beta) in the W tile's place
       cp_async_tile<C, C, LDP>(Wst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
     else
@@ -864,7 +864,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   auto step = [&](const int64_t ci, const Ahead& u0, Ahead& u0n) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; Sh, Uh, Ueh of the previous chunk complete
     if (ci + 1 < c_end) {
@@ -1081,7 +1081,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
     cp_async_tile<C, D, LDH>(Kst(s), kbase + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (want_o && ci >= c_begin) {
@@ -1097,7 +1097,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   // U0 of this warp's rows rw + (g, g + 8), all BW columns (warpgroup 0 only)
   auto load_u0 = [&](float (&u)[NS][4], int64_t ci) {
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
 #pragma unroll
     for (int jj = 0; jj < NS; ++jj)
 #pragma unroll
@@ -1126,7 +1126,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   auto step = [&](const int64_t ci, const float (&u0)[NS][4], float (&u0n)[NS][4]) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
-    const int L = static_cast<int>(len - ci * C < C ? len - ci * C : C);
+    const int L = chunk_rows(len, ci);
     cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async and S^T writes, visible to wgmma
     __syncthreads();      // stage s landed; S^T complete; Us, Ue free

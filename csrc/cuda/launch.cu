@@ -51,20 +51,22 @@ enum class FwdPass { F16, Tf32, Wgmma, Auto, F16Free };
 bool uses_f16(FwdPass pass) {
   return pass == FwdPass::F16 || pass == FwdPass::Auto || pass == FwdPass::F16Free;
 }
+// Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (const char* v = std::getenv("FLASHGDN_WGMMA"); v != nullptr && std::atoi(v) != 0)
     return FwdPass::Wgmma;
-  const char* v = std::getenv("FLASHGDN_FWD_PASS");
-  if (v == nullptr || std::string(v) == "f16" || std::string(v).empty()) return FwdPass::F16;
-  if (std::string(v) == "tf32") return FwdPass::Tf32;
-  if (std::string(v) == "wgmma") return FwdPass::Wgmma;
-  if (std::string(v) == "auto") return FwdPass::Auto;
-  if (std::string(v) == "f16free") return FwdPass::F16Free;
-  throw Error(std::string("FLASHGDN_FWD_PASS: expected f16, auto, f16free, tf32 or wgmma, got '") +
-              v + "'");
+  const char* env = std::getenv("FLASHGDN_FWD_PASS");
+  const std::string v = env != nullptr ? env : "";
+  if (v.empty() || v == "f16") return FwdPass::F16;
+  if (v == "tf32") return FwdPass::Tf32;
+  if (v == "wgmma") return FwdPass::Wgmma;
+  if (v == "auto") return FwdPass::Auto;
+  if (v == "f16free") return FwdPass::F16Free;
+  throw Error("FLASHGDN_FWD_PASS: expected f16, auto, f16free, tf32 or wgmma, got '" + v + "'");
 }
 
 struct FwdBuffers {
+  FwdPass pass;  // the state pass these buffers were carved for
   int64_t* chunk_offsets;
   int64_t* seg_offsets;  // varlen with context parallelism
   int* error;
@@ -86,7 +88,7 @@ struct BwdBuffers {
 FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   FwdBuffers b{};
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
-  const FwdPass pass = fwd_pass();
+  const FwdPass pass = b.pass = fwd_pass();
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
@@ -117,7 +119,7 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
     b.seg_in = c.take<float>(segheads * D * D);
   }
   if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(2);
-  if (fwd_pass() == FwdPass::Auto)  // the largest launch: phase 1 at 16 columns
+  if (b.pass == FwdPass::Auto)  // the largest launch: phase 1 at 16 columns
     b.redo = c.take<int>(static_cast<size_t>(2 * (D / 16) * p.Hv * plan.max_segments));
   return b;
 }
@@ -254,8 +256,8 @@ SegmentPlan plan_forward(const Problem& p) {
 }
 
 template <typename In, int BW>
-void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams& f, cudaStream_t st) {
-  const FwdPass pass = fwd_pass();
+void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
+                      FwdPass pass, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(state_fwd_kernel<In, BW>, StateFwdWgSmem<In, BW>::kBytes);
@@ -379,8 +381,8 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
   auto launch = [&] {
-    if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, st);
-    if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, st);
+    if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, st);
+    if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, st);
   };
   if (p.N > 0) {
     if (plan.split) {  // exact entering states of the segments that need them
