@@ -94,6 +94,22 @@ def make_inputs(case: Case, device: str, seed: int = 0):
     )
 
 
+def out_of_fp16_range_inputs(seed: int):
+    """Head 1 with |v| ~ 3e4 (fp16 copies of U overflow), head 2 with |v| ~ 1e-6 (they
+    underflow to subnormals), heads 0 and 3 as usual; g == 0 on head 0, very negative gates
+    on head 1; two sequences, an initial state."""
+    case = Case("range", [2000, 700], 1, 4, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=seed)
+    v = inp["v"].float()
+    v[:, :, 1] *= 3e4
+    v[:, :, 2] *= 1e-6
+    inp["v"] = v.to(inp["v"].dtype)
+    h0 = inp["initial_state"].clone()
+    h0[:, 2] *= 1e-6
+    inp["initial_state"] = h0
+    return case, inp
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     assert torch.isfinite(x).all(), "non-finite values in the result"

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import flashgdn
-from conftest import CASES, HAS_GPU, NO_GPU_REASON, Case, make_inputs, reference, rel_err
+from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, make_inputs,
+                      out_of_fp16_range_inputs, reference, rel_err)
 
 GRAD_TOL = 8e-3
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
@@ -129,9 +130,7 @@ def test_auto_pass_backward_out_of_fp16_range(monkeypatch):
     """The backward's recomputation runs the forward's pass: with FLASHGDN_FWD_PASS=auto and
     heads whose v leaves fp16's range, the gradients are finite and agree with the tf32
     pass's within rounding."""
-    from test_forward import _out_of_fp16_range_inputs
-
-    _, inp = _out_of_fp16_range_inputs(seed=4)
+    _, inp = out_of_fp16_range_inputs(seed=4)
 
     def grads():
         leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None)

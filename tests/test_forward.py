@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import flashgdn
-from conftest import CASES, HAS_GPU, NO_GPU_REASON, Case, make_inputs, reference, rel_err
+from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, make_inputs,
+                      out_of_fp16_range_inputs, reference, rel_err)
 
 # FLA 0.5 measures about 4.3e-3 (o) and 3.7e-3 (state) on bf16 inputs; we must do at least as well.
 O_TOL = 4.3e-3
@@ -156,22 +157,6 @@ def test_fp16_operands_with_large_values():
     assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
 
 
-def _out_of_fp16_range_inputs(seed: int):
-    """Head 1 with |v| ~ 3e4 (fp16 copies of U overflow), head 2 with |v| ~ 1e-6 (they
-    underflow to subnormals), heads 0 and 3 as usual; g == 0 on head 0, very negative gates
-    on head 1; two sequences, an initial state."""
-    case = Case("range", [2000, 700], 1, 4, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=seed)
-    v = inp["v"].float()
-    v[:, :, 1] *= 3e4
-    v[:, :, 2] *= 1e-6
-    inp["v"] = v.to(inp["v"].dtype)
-    h0 = inp["initial_state"].clone()
-    h0[:, 2] *= 1e-6
-    inp["initial_state"] = h0
-    return case, inp
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("cp", ["off", "on"])
@@ -180,7 +165,7 @@ def test_auto_pass_redoes_blocks_out_of_fp16_range(monkeypatch, cp: str):
     the tf32 pass recomputes exactly those (context-parallel phases included). Every head
     matches the float64 reference; the heads in range keep the fp16 pass's results bit for
     bit."""
-    case, inp = _out_of_fp16_range_inputs(seed=9)
+    case, inp = out_of_fp16_range_inputs(seed=9)
     monkeypatch.setenv("FLASHGDN_CP", cp)
     if cp == "on":
         monkeypatch.setenv("FLASHGDN_CP_SEG", "8")
