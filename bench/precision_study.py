@@ -67,9 +67,9 @@ DESIGNS = (
     Design("fp16 W, U0, P, S, U", "f16", "f16", "f16", "f16", "f16", "f16"),
     # what the kernels do since version 10 (docs/perf-notes.md): U0 tf32-rounded fp32, then
     # the default pass copies U (and S, P, W) to fp16; wy_kernel's T operands tf32
-    Design("shipped: fp16 pass (default)", "f16", "tf32", "f16", "f16", "f16", "f16"),
+    Design("shipped: fp16 pass from W, U0 (f16wu)", "f16", "tf32", "f16", "f16", "f16", "f16"),
     Design("shipped: tf32 pass", "f16", "tf32", "tf32", "tf32", "tf32", "tf32"),
-    Design("W/U0-free, fp16 T_raw and operands", "-", "-", "f16", "f16", "f16", "f16",
+    Design("W/U0-free, fp16 T_raw and operands (default)", "-", "-", "f16", "f16", "f16", "f16",
            t="f16", wy_free=True),
     Design("W/U0-free, bf16 (FlashQLA-like)", "-", "-", "bf16", "bf16", "bf16", "bf16",
            t="bf16", wy_free=True),

@@ -154,7 +154,7 @@ def test_auto_pass_backward_out_of_fp16_range(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("fwd_pass", ["tf32", "f16free"])
+@pytest.mark.parametrize("fwd_pass", ["tf32", "f16wu"])
 def test_backward_with_other_forward_passes(monkeypatch, fwd_pass: str):
     """The backward's recomputation runs the selected forward pass (FLASHGDN_FWD_PASS):
     every one gives gradients as accurate as the default's against the float64 reference.

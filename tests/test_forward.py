@@ -101,13 +101,13 @@ def test_gpu_matches_cpu_backend(case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16free"])
+@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16wu"])
 @pytest.mark.parametrize("bw", ["16", "32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch.dtype):
-    """The sequential pass runs on fp16 operands by default (state_fwd_f16_kernel);
-    FLASHGDN_FWD_PASS=tf32 selects the tf32 mma.sync kernel, =wgmma the warpgroup one,
-    =f16free the fp16 pass that forms U from V, K S and T diag(beta) (no W, U0).
+    """The sequential pass runs on fp16 operands by default (state_fwd_f16_kernel forming
+    U from V, K S and T diag(beta)); FLASHGDN_FWD_PASS=f16wu selects the fp16 pass from W
+    and U0, =tf32 the tf32 mma.sync kernel, =wgmma the warpgroup one.
     fp16 and tf32 operands share a 10-bit mantissa: every pass must match the float64
     reference equally well, the passes agree within that rounding, and each is
     deterministic. Lengths not multiple of 64, an initial state, g == 0 heads."""
@@ -161,17 +161,17 @@ def test_fp16_operands_with_large_values():
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("cp", ["off", "on"])
 def test_auto_pass_redoes_blocks_out_of_fp16_range(monkeypatch, cp: str):
-    """FLASHGDN_FWD_PASS=auto: the fp16 pass flags the blocks whose U left fp16's range and
-    the tf32 pass recomputes exactly those (context-parallel phases included). Every head
-    matches the float64 reference; the heads in range keep the fp16 pass's results bit for
-    bit."""
+    """FLASHGDN_FWD_PASS=auto: the fp16 pass from W and U0 (f16wu) flags the blocks whose U
+    left fp16's range and the tf32 pass recomputes exactly those (context-parallel phases
+    included). Every head matches the float64 reference; the heads in range keep the f16wu
+    pass's results bit for bit."""
     case, inp = out_of_fp16_range_inputs(seed=9)
     monkeypatch.setenv("FLASHGDN_CP", cp)
     if cp == "on":
         monkeypatch.setenv("FLASHGDN_CP_SEG", "8")
     monkeypatch.setenv("FLASHGDN_FWD_PASS", "auto")
     o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    monkeypatch.setenv("FLASHGDN_FWD_PASS", "f16")
+    monkeypatch.setenv("FLASHGDN_FWD_PASS", "f16wu")
     of, htf = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     ro, rh = reference(inp)
     for h in range(case.hv):

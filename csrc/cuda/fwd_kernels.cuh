@@ -3,7 +3,8 @@
 // 10-bit mantissa), wy_kernel and the opt-in tf32 passes on TF32 (m16n8k8 / wgmma; bf16 and
 // fp16 inputs are exact tf32 operands at any magnitude).
 //
-// wy_kernel      grid (max_chunks, H_v), 256 threads, ~108 KB smem (2 blocks per SM)
+// wy_kernel      grid (max_chunks, H_v), 256 threads, 70 KB smem (3 blocks per SM) for the
+//                default pass, else 105 KB (2 per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
 //   cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r), T = (I + A)^-1
 //   blockwise (16 x 16 diagonal blocks by substitution, then block rows),
@@ -11,9 +12,10 @@
 //   P = (Q K^T) . Dec (Dec[r,s] = exp(G_r - G_s), s <= r), and the chunk's warm-up bound
 //   Lb = sum_r g_r + log max(1, |1 - beta_r |k_r|^2|) (log of a bound on how much the
 //   chunk's transition can keep of an earlier state; used by the context-parallel pass).
-//   reads  q, k, v, g, beta
-//   writes G, W (fp16: tf32's 10-bit mantissa), U0 (tf32-rounded fp32), P (tf32-rounded fp32
-//   and/or fp16), Lb; T when the backward asks; fp16 copies of bf16 k and q for the fp16 pass
+//   reads  q, k, v (not for the default pass), g, beta
+//   writes G, P (tf32-rounded fp32 and/or fp16), Lb; T when the backward asks; fp16 copies
+//   of bf16 k and q for the fp16 passes; and either T diag(beta) in fp16 (Tv16, the default
+//   pass, kFree) or W (fp16: tf32's 10-bit mantissa) and U0 (tf32-rounded fp32)
 //
 // state_fwd_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments), 256 threads,
 //   ~208 KB smem (BW 32)
@@ -123,12 +125,15 @@ __device__ __forceinline__ int64_t block_linear() {
 // ---------------------------------------------------------------------------------------
 // wy_kernel
 
-constexpr size_t kWySmem = sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * (3 * C * LDA + 3 * C);
+// kFree: no V tile and no T diag(beta) tile (70 KB, 3 blocks per SM), else 105 KB (2 per SM)
+template <bool kFree>
+constexpr size_t kWySmem =
+    sizeof(uint16_t) * (kFree ? 2 : 3) * C * LDH + sizeof(float) * ((kFree ? 2 : 3) * C * LDA + 3 * C);
 
-// kFree (FLASHGDN_FWD_PASS=f16free): T diag(beta) goes out as fp16 (Tv16) instead of W and
-// U0, which are never formed (the state pass builds U from V, K S and Tv16).
+// kFree (the default f16 pass): T diag(beta) goes out as fp16 (Tv16) instead of W and U0,
+// which are never formed (the state pass builds U from V, K S and Tv16), so v is not read.
 template <typename In, bool kFree = false>
-__global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
+__global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
   if (ck.L == 0) return;
@@ -136,19 +141,21 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH]
-  In* Vs = Ks + C * LDH;
-  In* Qs = Vs + C * LDH;
-  float* As = reinterpret_cast<float*>(Qs + C * LDH);  // [C][LDA] A, then T diag(beta e^G)
+  In* Qs = Ks + C * LDH;
+  In* Vs = Qs + C * LDH;                               // !kFree
+  float* As = reinterpret_cast<float*>(Qs + (kFree ? 1 : 2) * C * LDH);
+                                                       // [C][LDA] A, then T diag(beta e^G)
   float* Ts = As + C * LDA;                            // [C][LDA] T
-  float* Tv = Ts + C * LDA;                            // [C][LDA] T diag(beta)
-  float* bs = Tv + C * LDA;                            // [C]
+  float* Tv = Ts + C * LDA;                            // [C][LDA] T diag(beta) (!kFree)
+  float* bs = Ts + (kFree ? 1 : 2) * C * LDA;          // [C]
   float* Gs = bs + C;                                  // [C]
   float* kn = Gs + C;                                  // [C] |k_r|^2
 
   const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off = ck.tok0 * p.Hv + h;
   const In* kg = static_cast<const In*>(p.k) + qk_off;
   cp_async_tile<C, D, LDH>(Ks, kg, p.Hqk * D, L);
-  cp_async_tile<C, D, LDH>(Vs, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, L);
+  if constexpr (!kFree)
+    cp_async_tile<C, D, LDH>(Vs, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, L);
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
   cp_async_commit();
   const int warp = threadIdx.x >> 5, lane = lane_id();
@@ -244,8 +251,9 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
   // T = (I + A)^-1 blockwise over 16 x 16 blocks (A strictly lower triangular):
   //   diagonal blocks by forward substitution, T_ii[r, j] = delta_rj - sum_{s<r} A_ii[r, s] T_ii[s, j]
   //   (one column per thread, 64 threads, chains of at most 15 steps);
-  //   then block rows i = 1..3 in turn: X_ij = sum_{k=j}^{i-1} A_ik T_kj (Tv as scratch) and
-  //   T_ij = -T_ii X_ij for every j < i, all 256 threads; blocks above the diagonal are zero.
+  //   then block rows i = 1..3 in turn: X_ij = sum_{k=j}^{i-1} A_ik T_kj (in registers, then
+  //   in A_ij's place: block row i of A is not read again) and T_ij = -T_ii X_ij for every
+  //   j < i, all 256 threads; blocks above the diagonal are zero.
   //   fp32 throughout: the dependent chain is ~250 FMAs instead of 2016 for a whole column.
   {
     constexpr int B = 16;
@@ -267,20 +275,35 @@ __global__ void __launch_bounds__(NT, 2) wy_kernel(FwdParams p) {
       if (c / B > r / B) Ts[r * LDA + c] = 0.f;
     }
     __syncthreads();
+    static_assert((C / B - 1) * B * B <= 3 * NT, "three X values per thread at most");
 #pragma unroll
     for (int bi = 1; bi < C / B; ++bi) {
-      for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // X_ij for j < bi
-        const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
-        float x = 0.f;
-        for (int s = bj * B; s < bi * B; ++s) x += As[r * LDA + s] * Ts[s * LDA + c];
-        Tv[r * LDA + c] = x;
+      float x[3];
+#pragma unroll
+      for (int i = 0; i < 3; ++i) {  // X_ij for j < bi: element e = threadIdx.x + i NT
+        const int e = threadIdx.x + i * NT;
+        if (e < bi * B * B) {
+          const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+          float acc = 0.f;
+          for (int s = bj * B; s < bi * B; ++s) acc += As[r * LDA + s] * Ts[s * LDA + c];
+          x[i] = acc;
+        }
+      }
+      __syncthreads();  // every read of block row bi of A done
+#pragma unroll
+      for (int i = 0; i < 3; ++i) {
+        const int e = threadIdx.x + i * NT;
+        if (e < bi * B * B) {
+          const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+          As[r * LDA + c] = x[i];
+        }
       }
       __syncthreads();
       for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // T_ij = -T_ii X_ij
         const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
-        float x = 0.f;
-        for (int s = bi * B; s <= r; ++s) x += Ts[r * LDA + s] * Tv[s * LDA + c];
-        Ts[r * LDA + c] = -x;
+        float acc = 0.f;
+        for (int s = bi * B; s <= r; ++s) acc += Ts[r * LDA + s] * As[s * LDA + c];
+        Ts[r * LDA + c] = -acc;
       }
       __syncthreads();
     }
@@ -731,14 +754,18 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 // ---------------------------------------------------------------------------------------
 // state_fwd_f16_kernel: the sequential pass on fp16 operands (m16n8k16, fp32 accumulation)
 //
-// The default forward pass. Same grid, segments, phases and records as
-// state_fwd_mma_kernel (header above); only the operand format differs: W, K, Q, P and the
-// per-chunk copies of S, U and diag(eL) U are fp16 (tf32's 10-bit mantissa, so the same
+// The forward passes on fp16 operands. Same grid, segments, phases and records as
+// state_fwd_mma_kernel (header above); the operands (K, Q, P, W or T diag(beta), and the
+// per-chunk copies of S, U and diag(eL) U) are fp16 (tf32's 10-bit mantissa, so the same
 // rounding; docs/perf-notes.md, operand precision), so each product takes half the mma
 // instructions of tf32 and every fragment comes whole from one ldmatrix. S stays in fp32
-// accumulators across chunks; its fp16 copy [128][BW] feeds W S and Q S.
-//   reads  Kh, Qh (fp16 k, q: the inputs, or wy_kernel's copies of bf16 inputs), W, U0,
-//          P16, G, Lb, initial state, seg_in
+// accumulators across chunks; its fp16 copy [128][BW] feeds K S (or W S) and Q S.
+//   kFree (the default, FLASHGDN_FWD_PASS=f16): per chunk KS = K S, W' = V - diag(e^G) KS,
+//          U = T diag(beta) W' (one more 64 x 64 x BW product and barrier than below), then
+//          O and S as in the tf32 pass; V is loaded one chunk ahead into registers.
+//   !kFree (FLASHGDN_FWD_PASS=f16wu, and auto with kGuard): U = U0 - W S.
+//   reads  Kh, Qh (fp16 k, q: the inputs, or wy_kernel's copies of bf16 inputs), P16, G, Lb,
+//          initial state, seg_in; kFree: Tv16, v; else W, U0
 //   writes as state_fwd_mma_kernel
 
 // kFree: the W tile's place holds T diag(beta) [C][LDP] and one more [C][LDS] tile holds W'.

@@ -39,17 +39,20 @@ struct Carver {
   }
 };
 
-// Which kernel runs the forward's sequential pass: state_fwd_f16_kernel (fp16 operands,
-// the default), state_fwd_mma_kernel (tf32 operands, FLASHGDN_FWD_PASS=tf32) or the
-// warpgroup state_fwd_kernel (tf32, FLASHGDN_FWD_PASS=wgmma or FLASHGDN_WGMMA=1; slower,
-// docs/perf-notes.md version 8). All three are tested against each other and the reference.
-// FLASHGDN_FWD_PASS=auto: the fp16 pass with its range guard, the tf32 pass redoing the
-// blocks whose values left fp16's range (fwd_kernels.cuh, kF16Hi / kF16Lo).
-// FLASHGDN_FWD_PASS=f16free: the fp16 pass without W and U0 (wy_kernel writes T diag(beta)
-// in fp16; the pass forms U = T diag(beta) (V - diag(e^G) K S); docs/perf-notes.md).
-enum class FwdPass { F16, Tf32, Wgmma, Auto, F16Free };
+// Which kernel runs the forward's sequential pass (all tested against each other and the
+// float64 reference):
+//   f16 (default)  state_fwd_f16_kernel<.., kFree>: fp16 operands, U formed in the pass as
+//                  T diag(beta) (V - diag(e^G) K S) (wy_kernel writes fp16 T diag(beta), no
+//                  W, U0; docs/perf-notes.md version 11)
+//   f16wu          state_fwd_f16_kernel: fp16 operands, U = U0 - W S from wy_kernel's W, U0
+//   auto           f16wu with its range guard, then the tf32 pass redoing the blocks whose
+//                  values left fp16's range (fwd_kernels.cuh, kF16Hi / kF16Lo)
+//   tf32           state_fwd_mma_kernel (tf32 operands, fp32's range)
+//   wgmma          the warpgroup state_fwd_kernel (tf32; slower, perf-notes version 8);
+//                  also FLASHGDN_WGMMA=1
+enum class FwdPass { F16, F16WU, Tf32, Wgmma, Auto };
 bool uses_f16(FwdPass pass) {
-  return pass == FwdPass::F16 || pass == FwdPass::Auto || pass == FwdPass::F16Free;
+  return pass == FwdPass::F16 || pass == FwdPass::F16WU || pass == FwdPass::Auto;
 }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
@@ -61,8 +64,8 @@ FwdPass fwd_pass() {
   if (v == "tf32") return FwdPass::Tf32;
   if (v == "wgmma") return FwdPass::Wgmma;
   if (v == "auto") return FwdPass::Auto;
-  if (v == "f16free") return FwdPass::F16Free;
-  throw Error("FLASHGDN_FWD_PASS: expected f16, auto, f16free, tf32 or wgmma, got '" + v + "'");
+  if (v == "f16wu") return FwdPass::F16WU;
+  throw Error("FLASHGDN_FWD_PASS: expected f16, f16wu, auto, tf32 or wgmma, got '" + v + "'");
 }
 
 struct FwdBuffers {
@@ -74,7 +77,7 @@ struct FwdBuffers {
   __half* W;          // tf32 precision in 16 bits (fwd_kernels.cuh)
   __half* P16;        // the fp16 pass's P (forward only), else null
   __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
-  __half* Tv16;       // FLASHGDN_FWD_PASS=f16free: T diag(beta) (W and U0 are null)
+  __half* Tv16;       // the default f16 pass: T diag(beta) (W and U0 are null)
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
   int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
@@ -92,7 +95,7 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
-  if (pass == FwdPass::F16Free) {
+  if (pass == FwdPass::F16) {
     b.Tv16 = c.take<__half>(tokheads * C);
   } else {
     b.W = c.take<__half>(tokheads * D);
@@ -274,10 +277,10 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
   else if (pass == FwdPass::Tf32)
     state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(f);
   else if (pass == FwdPass::F16)
-    state_fwd_f16_kernel<In, BW><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
-  else if (pass == FwdPass::F16Free)
     state_fwd_f16_kernel<In, BW, false, true>
         <<<grid, NT, StateFwdF16Smem<BW, true>::kBytes, st>>>(f);
+  else if (pass == FwdPass::F16WU)
+    state_fwd_f16_kernel<In, BW><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
   else {  // Auto: the guarded fp16 pass, then the tf32 pass on the blocks it flagged
     state_fwd_f16_kernel<In, BW, true><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
     check_cuda(cudaGetLastError(), "state_fwd_f16_kernel launch");
@@ -300,13 +303,13 @@ template <typename In>
 void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
-    set_smem(wy_kernel<In>, kWySmem);
-    set_smem(wy_kernel<In, true>, kWySmem);
+    set_smem(wy_kernel<In>, kWySmem<false>);
+    set_smem(wy_kernel<In, true>, kWySmem<true>);
   });
   if (p.max_chunks() == 0) return;
   const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv));
-  if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem, st>>>(f);
-  else wy_kernel<In><<<grid, NT, kWySmem, st>>>(f);
+  if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
+  else wy_kernel<In><<<grid, NT, kWySmem<false>, st>>>(f);
   check_cuda(cudaGetLastError(), "wy_kernel launch");
 }
 
