@@ -49,9 +49,10 @@ def settings_list(sweep: Optional[str], passes: List[str]) -> List[Tuple[str, Di
     for name in passes:
         out.append((f"CP auto {name}", {"FLASHGDN_CP": "auto", "FLASHGDN_FWD_PASS": name}))
     for item in (sweep.split(",") if sweep else []):
-        bw, seg = item.split(":")
-        out.append((f"BW{bw} seg{seg}", {"FLASHGDN_CP": "on", "FLASHGDN_FWD_BW": bw,
-                                          "FLASHGDN_CP_SEG": seg}))
+        bw, seg, *fwd_pass = item.split(":")
+        name = f"BW{bw} seg{seg}" + (f" {fwd_pass[0]}" if fwd_pass else "")
+        out.append((name, {"FLASHGDN_CP": "on", "FLASHGDN_FWD_BW": bw, "FLASHGDN_CP_SEG": seg,
+                           **({"FLASHGDN_FWD_PASS": fwd_pass[0]} if fwd_pass else {})}))
     return out
 
 
@@ -60,7 +61,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--seqs", default=",".join(ROWS))
-    ap.add_argument("--sweep", default=None, help="extra BW:SEG settings, e.g. 16:64,32:128")
+    ap.add_argument("--sweep", default=None,
+                    help="extra BW:SEG[:PASS] settings, e.g. 16:64,32:128,32:16:cols")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--wgmma", action="store_true",
                     help="also time the warpgroup (wgmma) state pass (= --passes wgmma)")

@@ -23,7 +23,7 @@ O_TOL = 4.3e-3
 STATE_TOL = 3.7e-3
 
 
-ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW")
+ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS")
 
 
 @contextmanager
@@ -43,8 +43,9 @@ def env_vars(settings: dict):
                 os.environ[k] = v
 
 
-def cp_env(mode: str, seg: int = 0):
-    return env_vars({"FLASHGDN_CP": mode, **({"FLASHGDN_CP_SEG": str(seg)} if seg else {})})
+def cp_env(mode: str, seg: int = 0, fwd_pass: str = ""):
+    return env_vars({"FLASHGDN_CP": mode, **({"FLASHGDN_CP_SEG": str(seg)} if seg else {}),
+                     **({"FLASHGDN_FWD_PASS": fwd_pass} if fwd_pass else {})})
 
 
 CP_CASES = [
@@ -59,19 +60,22 @@ CP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fwd_pass", ["f16", "cols"])
 @pytest.mark.parametrize("seg", [1, 2, 5])
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.name)
-def test_cp_matches_unsplit_and_reference(case: Case, seg: int):
+def test_cp_matches_unsplit_and_reference(case: Case, seg: int, fwd_pass: str):
+    """Each forward pass split into segments (FLASHGDN_FWD_PASS: the default, and the cols
+    pass with its own summaries and warm-ups) against itself unsplit and the reference."""
     inp = make_inputs(case, "cuda", seed=11)
-    with cp_env("off"):
+    with cp_env("off", fwd_pass=fwd_pass):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with cp_env("on", seg):
+    with cp_env("on", seg, fwd_pass=fwd_pass):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     ro, rh = reference(inp)
     e_o, e_h = rel_err(o, ro), rel_err(ht, rh)
     d_o, d_h = rel_err(o, o_ref), rel_err(ht, h_ref)
-    print(f"{case.name} seg={seg}: vs ref o {e_o:.2e} state {e_h:.2e}; vs unsplit o {d_o:.2e} "
+    print(f"{case.name} {fwd_pass} seg={seg}: vs ref o {e_o:.2e} state {e_h:.2e}; vs unsplit o {d_o:.2e} "
           f"state {d_h:.2e}")
     assert e_o < O_TOL and e_h < STATE_TOL
     assert d_o < 2e-3 and d_h < 1e-3

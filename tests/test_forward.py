@@ -101,13 +101,14 @@ def test_gpu_matches_cpu_backend(case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16wu"])
+@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16wu", "cols"])
 @pytest.mark.parametrize("bw", ["16", "32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch.dtype):
     """The sequential pass runs on fp16 operands by default (state_fwd_f16_kernel forming
     U from V, K S and T diag(beta)); FLASHGDN_FWD_PASS=f16wu selects the fp16 pass from W
-    and U0, =tf32 the tf32 mma.sync kernel, =wgmma the warpgroup one.
+    and U0, =tf32 the tf32 mma.sync kernel, =wgmma the warpgroup one, =cols the fp16 pass with
+    the value columns as the products' rows (one block per head; FLASHGDN_FWD_BW unused).
     fp16 and tf32 operands share a 10-bit mantissa: every pass must match the float64
     reference equally well, the passes agree within that rounding, and each is
     deterministic. Lengths not multiple of 64, an initial state, g == 0 heads."""

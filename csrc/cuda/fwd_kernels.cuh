@@ -13,7 +13,8 @@
 //   Lb = sum_r g_r + log max(1, |1 - beta_r |k_r|^2|) (log of a bound on how much the
 //   chunk's transition can keep of an earlier state; used by the context-parallel pass).
 //   reads  q, k, v (not for the default pass), g, beta
-//   writes G, P (tf32-rounded fp32 and/or fp16), Lb; T when the backward asks; fp16 copies
+//   writes G (and e^G, e^{G_last - G} for the cols pass), P (tf32-rounded fp32 and/or fp16),
+//   Lb; T when the backward asks; fp16 copies
 //   of bf16 k and q for the fp16 passes; and either T diag(beta) in fp16 (Tv16, the default
 //   pass, kFree) or W (fp16: tf32's 10-bit mantissa) and U0 (tf32-rounded fp32)
 //
@@ -100,6 +101,7 @@ struct FwdParams : SegParams {
   const __half *Kh, *Qh;  // [TT, Hqk, D] fp16 k and q of the fp16 pass (the inputs, or wy's copies)
   __half *Kh_w, *Qh_w;    // bf16 inputs: where wy_kernel writes the fp16 copies (else null)
   __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
+  float2* EG;        // [TT, Hv] (e^G, e^{G_last - G}) per token: the cols pass's (else null)
   // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null
   float* U;          // [TT, Hv, D] or null
@@ -323,7 +325,12 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
       if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
     }
   }
-  if (threadIdx.x < L) p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
+  if (threadIdx.x < L) {
+    p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
+    if (p.EG != nullptr)
+      p.EG[row_off + threadIdx.x * p.Hv] =
+          make_float2(__expf(Gs[threadIdx.x]), __expf(Gs[L - 1] - Gs[threadIdx.x]));
+  }
   if constexpr (kFree) return;  // no W, U0
   __syncthreads();
 

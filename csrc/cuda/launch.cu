@@ -13,6 +13,7 @@
 #include "bwd_kernels.cuh"
 #include "fwd_kernels.cuh"
 #include "planner.cuh"
+#include "state_fwd_cols.cuh"
 
 namespace flashgdn {
 namespace {
@@ -50,9 +51,13 @@ struct Carver {
 //   tf32           state_fwd_mma_kernel (tf32 operands, fp32's range)
 //   wgmma          the warpgroup state_fwd_kernel (tf32; slower, perf-notes version 8);
 //                  also FLASHGDN_WGMMA=1
-enum class FwdPass { F16, F16WU, Tf32, Wgmma, Auto };
+//   cols           state_fwd_cols_kernel (state_fwd_cols.cuh): the f16 pass's algebra with
+//                  the value columns as the products' rows, one block per head and segment;
+//                  the backward's recomputation (which records h and U) runs f16 instead
+enum class FwdPass { F16, F16WU, Tf32, Wgmma, Auto, Cols };
 bool uses_f16(FwdPass pass) {
-  return pass == FwdPass::F16 || pass == FwdPass::F16WU || pass == FwdPass::Auto;
+  return pass == FwdPass::F16 || pass == FwdPass::F16WU || pass == FwdPass::Auto ||
+         pass == FwdPass::Cols;
 }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
@@ -65,7 +70,8 @@ FwdPass fwd_pass() {
   if (v == "wgmma") return FwdPass::Wgmma;
   if (v == "auto") return FwdPass::Auto;
   if (v == "f16wu") return FwdPass::F16WU;
-  throw Error("FLASHGDN_FWD_PASS: expected f16, f16wu, auto, tf32 or wgmma, got '" + v + "'");
+  if (v == "cols") return FwdPass::Cols;
+  throw Error("FLASHGDN_FWD_PASS: expected f16, f16wu, auto, tf32, wgmma or cols, got '" + v + "'");
 }
 
 struct FwdBuffers {
@@ -78,6 +84,7 @@ struct FwdBuffers {
   __half* P16;        // the fp16 pass's P (forward only), else null
   __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
   __half* Tv16;       // the default f16 pass: T diag(beta) (W and U0 are null)
+  float2* EG;         // the cols pass (forward): (e^G, e^{G_last - G}) per token-head
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
   int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
@@ -95,8 +102,9 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
-  if (pass == FwdPass::F16) {
+  if (pass == FwdPass::F16 || pass == FwdPass::Cols) {
     b.Tv16 = c.take<__half>(tokheads * C);
+    if (pass == FwdPass::Cols && !backward) b.EG = c.take<float2>(tokheads);
   } else {
     b.W = c.take<__half>(tokheads * D);
     b.U0 = c.take<float>(tokheads * D);
@@ -212,6 +220,7 @@ FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) 
   f.Pmat = b.P;
   f.P16 = b.P16;
   f.Tv16 = b.Tv16;
+  f.EG = b.EG;
   if (b.Kh != nullptr) {  // bf16 inputs: wy_kernel writes fp16 copies for the fp16 pass
     f.Kh = f.Kh_w = b.Kh;
     f.Qh = f.Qh_w = b.Qh;
@@ -276,7 +285,7 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
     state_fwd_kernel<In, BW><<<grid, NT, StateFwdWgSmem<In, BW>::kBytes, st>>>(f);
   else if (pass == FwdPass::Tf32)
     state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(f);
-  else if (pass == FwdPass::F16)
+  else if (pass == FwdPass::F16 || pass == FwdPass::Cols)  // Cols here: the recomputation
     state_fwd_f16_kernel<In, BW, false, true>
         <<<grid, NT, StateFwdF16Smem<BW, true>::kBytes, st>>>(f);
   else if (pass == FwdPass::F16WU)
@@ -289,6 +298,17 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
     state_fwd_mma_kernel<In, BW, __half><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(r);
   }
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
+}
+
+template <typename In>
+void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
+                       cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes); });
+  const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
+                  static_cast<unsigned>(plan.max_segments));
+  state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
+  check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
 }
 
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
@@ -384,6 +404,10 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
   auto launch = [&] {
+    if (b.pass == FwdPass::Cols && f.h == nullptr) {
+      launch_state_cols<In>(plan, p, f, st);
+      return;
+    }
     if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, st);
     if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, st);
   };

@@ -1,0 +1,286 @@
+// state_fwd_cols_kernel: the forward's sequential pass with the value columns as the rows of
+// the tensor-core products (FLASHGDN_FWD_PASS=cols).
+//
+// grid (1 [x 2 in phase 1], H_v, segments), 256 threads (8 warps), ~167 KB smem, 1 block/SM.
+// One block runs one segment of one sequence for all 128 value columns of one head; warp w
+// owns the value columns 16 w .. 16 w + 15 of the state and never exchanges data with the
+// other warps: every product has the warp's 16 columns as its M dimension,
+//   X^T  = S^T K^T                      (16 x 64, k = 128 keys)
+//   U^T  = (V^T - X^T diag(e^G)) (T diag(beta))^T   (16 x 64, k = 64 tokens, T lower triangular)
+//   O^T  = scale (S^T Q^T diag(e^G) + U^T P^T)
+//   S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K   (16 x 128, k = 64 tokens)
+// so each accumulator becomes the next product's A operand in registers (fp16, the m16n8
+// accumulator pairs are the m16k16 A fragment), and S^T stays in fp32 accumulators across
+// chunks. The shared operands K, Q, T diag(beta), P, V (fp16 / the input dtype) and the
+// per-token gate factors (e^G, e^{G_last - G}) of the next chunk are copied by cp.async while
+// the current one computes: one block barrier per chunk. Same segments, warm-ups, phases
+// (phase 1: summaries L and, on the identity with V = 0, M) as the other state passes
+// (fwd_kernels.cuh); no records for the backward (it uses state_fwd_f16_kernel).
+//   reads  Kh, Qh, Tv16, v, P16, EG (wy_kernel), Lb, initial state, seg_in
+//   writes o, final state (phase 0); seg_L, seg_M (phase 1)
+#pragma once
+
+#include "fwd_kernels.cuh"
+
+namespace flashgdn {
+namespace cuda {
+
+struct StateFwdColsSmem {
+  static constexpr int LDP = C + 8;  // [C][LDP] T diag(beta), P: rows 144 B apart
+  static constexpr int LDO = 24;     // per-warp output staging [C][LDO]: rows 48 B apart
+  static constexpr size_t kTile = sizeof(__half) * C * LDH;  // K, Q, V [64][136]
+  static constexpr size_t kStage = 3 * kTile + 2 * sizeof(__half) * C * LDP + sizeof(float2) * C;
+  static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
+};
+
+// fp16 A fragment (m16 k16) of two adjacent m16n8 fp32 accumulator tiles (columns k0..k0+7
+// and k0+8..k0+15), each pair scaled by its columns' factors (fa: lo tile, fb: hi tile).
+__device__ __forceinline__ void acc_to_a16(uint32_t (&a)[4], const float (&lo)[4],
+                                           const float (&hi)[4]) {
+  a[0] = pack_half2(lo[0], lo[1]);
+  a[1] = pack_half2(lo[2], lo[3]);
+  a[2] = pack_half2(hi[0], hi[1]);
+  a[3] = pack_half2(hi[2], hi[3]);
+}
+
+// Four 8 x 8 16-bit matrices from registers into shared memory, transposed (sm_90).
+__device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
+                   smem_addr(p)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+template <typename In>
+__device__ __forceinline__ uint32_t pack_in2(float lo, float hi) {
+  In pair[2] = {from_f<In>(lo), from_f<In>(hi)};
+  return *reinterpret_cast<const uint32_t*>(pair);
+}
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
+  using Sm = StateFwdColsSmem;
+  constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
+  if (p.seqs.failed()) return;
+  SegmentBlock b;
+  if (!segment_block<D>(p, false, b)) return;
+  const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
+  const int64_t c_begin = b.c_begin, c_end = b.c_end, c_first = b.ss.c_first;
+  const bool identity = b.identity;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto Kst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * Sm::kStage); };
+  auto Qst = [&](int s) { return Kst(s) + C * LDH; };
+  auto Vst = [&](int s) { return reinterpret_cast<In*>(Qst(s) + C * LDH); };
+  auto Tst = [&](int s) { return reinterpret_cast<__half*>(Vst(s) + C * LDH); };
+  auto Pst = [&](int s) { return Tst(s) + C * LDP; };
+  auto Est = [&](int s) { return reinterpret_cast<float2*>(Pst(s) + C * LDP); };
+  const int warp = threadIdx.x >> 5, lane = lane_id();
+  __half* Ost = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage) + warp * C * LDO;
+
+  const int v0 = 16 * warp;  // the warp's value columns (rows of S^T)
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+
+  auto issue = [&](int64_t ci, int s) {
+    if (p.debug & 2) return;
+    const int64_t tok0 = start + ci * C;
+    const int L = chunk_rows(len, ci);
+    cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    cp_async_tile<C, C, LDP>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    if (!identity)
+      cp_async_tile<C, D, LDH>(Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D,
+                               p.Hv * D, L);
+    if (want_o && ci >= c_begin) {
+      cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+      cp_async_tile<C, C, LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    }
+    if (threadIdx.x < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
+      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
+      cp_async8(Est(s) + threadIdx.x, p.EG + (tok0 + r) * p.Hv + h);
+    }
+    cp_async_commit();
+  };
+
+  // S^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); S is stored [key][value]
+  float sacc[16][4];
+  {
+    const float* src = entering_state(p, b);
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = v0 + acc_row(e), key = 8 * jn + acc_col(e);
+        sacc[jn][e] = identity ? (v == key ? 1.f : 0.f) : src ? __ldcg(src + key * D + v) : 0.f;
+      }
+  }
+
+  if (c_first < c_end) issue(c_first, 0);
+  for (int64_t ci = c_first; ci < c_end; ++ci) {
+    const int s = static_cast<int>((ci - c_first) & 1);
+    const int64_t tok0 = start + ci * C;
+    const int L = chunk_rows(len, ci);
+    cp_async_wait<0>();
+    __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
+    if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
+    const bool out = want_o && ci >= c_begin;
+    const __half* K = Kst(s);
+    const float2* E = Est(s);
+
+    // fp16 A fragments of S^T (k = keys)
+    uint32_t sa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
+
+    // X^T = S^T K^T (and Q S as O^T's first part): n8 tiles of tokens 8 j ..
+    float x[8][4] = {}, o[8][4] = {};
+    {
+      auto products = [&](auto with_q) {
+        constexpr bool kQ = decltype(with_q)::value;
+        const __half* Q = Qst(s);
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            uint32_t kb[4];
+            frag_a16(kb, K, LDH, 16 * nt, 16 * kk);  // rows = tokens: B fragments of K^T
+            const uint32_t b0[2] = {kb[0], kb[2]}, b1[2] = {kb[1], kb[3]};
+            mma_f16(x[2 * nt], sa[kk], b0);
+            mma_f16(x[2 * nt + 1], sa[kk], b1);
+            if constexpr (kQ) {
+              uint32_t qb[4];
+              frag_a16(qb, Q, LDH, 16 * nt, 16 * kk);
+              const uint32_t c0[2] = {qb[0], qb[2]}, c1[2] = {qb[1], qb[3]};
+              mma_f16(o[2 * nt], sa[kk], c0);
+              mma_f16(o[2 * nt + 1], sa[kk], c1);
+            }
+          }
+      };
+      if (out) products(std::true_type{});
+      else products(std::false_type{});
+    }
+    // this thread's token columns of tile j: 8 j + 2t, + 1
+    const int tc = 2 * (lane & 3);
+
+    // W'^T = V^T - X^T diag(e^G) as fp16 A fragments (k = tokens 16 kt ..)
+    uint32_t wa[4][4];
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      uint32_t vf[4] = {0u, 0u, 0u, 0u};
+      if (!identity)  // V^T fragment: a0 (v g, tokens 2t..), a1 (v g + 8), a2 / a3 tokens + 8
+        frag_a16_trans(vf, reinterpret_cast<const __half*>(Vst(s)), LDH, v0, 16 * kt);
+      const In* vt = nullptr;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {  // tile 2 kt + hf
+        const int j = 2 * kt + hf;
+        const float2 e0 = E[8 * j + tc], e1 = E[8 * j + tc + 1];
+        const float2 lo = pair_to_float2(vf[2 * hf], vt), hi = pair_to_float2(vf[2 * hf + 1], vt);
+        wa[kt][2 * hf] = pack_half2(lo.x - e0.x * x[j][0], lo.y - e1.x * x[j][1]);
+        wa[kt][2 * hf + 1] = pack_half2(hi.x - e0.x * x[j][2], hi.y - e1.x * x[j][3]);
+      }
+    }
+    // U^T = W'^T (T diag(beta))^T: T diag(beta) [r][s] is zero for s > r
+    float u[8][4] = {};
+    {
+      const __half* T = Tst(s);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int kt = 0; kt <= nt; ++kt) {
+          uint32_t tb[4];
+          frag_a16(tb, T, LDP, 16 * nt, 16 * kt);
+          const uint32_t b0[2] = {tb[0], tb[2]}, b1[2] = {tb[1], tb[3]};
+          mma_f16(u[2 * nt], wa[kt], b0);
+          mma_f16(u[2 * nt + 1], wa[kt], b1);
+        }
+    }
+    // fp16 A fragments of U^T and of U^T diag(e^{G_last - G})
+    uint32_t ua[4][4], ue[4][4];
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      acc_to_a16(ua[kt], u[2 * kt], u[2 * kt + 1]);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = 2 * kt + hf;
+        const float l0 = E[8 * j + tc].y, l1 = E[8 * j + tc + 1].y;
+        ue[kt][2 * hf] = pack_half2(u[j][0] * l0, u[j][1] * l1);
+        ue[kt][2 * hf + 1] = pack_half2(u[j][2] * l0, u[j][3] * l1);
+      }
+    }
+    // S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K: n8 tiles of keys, k = tokens
+    {
+      const float egl = E[C - 1].x;
+#pragma unroll
+      for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt)
+#pragma unroll
+        for (int jp = 0; jp < 8; ++jp) {
+          uint32_t b0[2], b1[2];
+          frag_b16_trans2(b0, b1, K, LDH, 16 * jp, 16 * kt);
+          mma_f16(sacc[2 * jp], ue[kt], b0);
+          mma_f16(sacc[2 * jp + 1], ue[kt], b1);
+        }
+    }
+    if (out) {  // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory
+      const __half* P = Pst(s);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float e0 = E[8 * j + tc].x, e1 = E[8 * j + tc + 1].x;
+        o[j][0] *= e0;
+        o[j][1] *= e1;
+        o[j][2] *= e0;
+        o[j][3] *= e1;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int kt = 0; kt <= nt; ++kt) {
+          uint32_t pb[4];
+          frag_a16(pb, P, LDP, 16 * nt, 16 * kt);
+          const uint32_t b0[2] = {pb[0], pb[2]}, b1[2] = {pb[1], pb[3]};
+          mma_f16(o[2 * nt], ua[kt], b0);
+          mma_f16(o[2 * nt + 1], ua[kt], b1);
+        }
+      // O^T tiles -> Ost [token][16 values] (transposed by stmatrix), then 16-byte rows out
+      const int m = lane >> 3, i = lane & 7;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float sc = p.scale;
+        stmatrix_x4_trans(Ost + (16 * nt + (m >> 1) * 8 + i) * LDO + (m & 1) * 8,
+                          pack_in2<In>(sc * o[2 * nt][0], sc * o[2 * nt][1]),
+                          pack_in2<In>(sc * o[2 * nt][2], sc * o[2 * nt][3]),
+                          pack_in2<In>(sc * o[2 * nt + 1][0], sc * o[2 * nt + 1][1]),
+                          pack_in2<In>(sc * o[2 * nt + 1][2], sc * o[2 * nt + 1][3]));
+      }
+      __syncwarp();
+      In* dst = static_cast<In*>(p.o);
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
+        if (r < L)
+          *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
+              *reinterpret_cast<const uint4*>(Ost + r * LDO + 8 * half);
+      }
+      __syncwarp();
+    }
+  }
+
+  // the state leaving the segment: the final state, or this block's summary
+  if (float* dst = leaving_state(p, b)) {
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), sacc[jn][e]);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flashgdn
