@@ -53,13 +53,21 @@ double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCos
 
 }  // namespace
 
-SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
-  const int forced_bw = q.forced_col_block == 16 || q.forced_col_block == 32 ? q.forced_col_block : 0;
+// The plan among the column blocks q allows (see plan_segments).
+static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& cost) {
+  const int fb = q.forced_col_block;
+  const int forced_bw = fb == 16 || fb == 32 || (fb == 128 && q.allow_cols) ? fb : 0;
   if (q.N <= 0 || q.Hv <= 0 || q.mode == CpMode::Off) {
-    // unsplit: 16 columns when the (sequence, head) pairs leave SMs idle at 32
-    const int bw = forced_bw ? forced_bw : unsplit_col_block(q.N, q.Hv, q.sms);
+    // unsplit: 16 columns when the (sequence, head) pairs leave SMs idle at 32; 128 when
+    // the cost model prefers it
+    int bw = forced_bw ? forced_bw : unsplit_col_block(q.N, q.Hv, q.sms);
     SegmentPlan u = unsplit(q, bw);
     u.est_us = q.N > 0 && q.Hv > 0 ? estimate_us(q, u, cost) : 0.0;
+    if (!forced_bw && q.allow_cols && q.N > 0 && q.Hv > 0) {
+      SegmentPlan c = unsplit(q, 128);
+      c.est_us = estimate_us(q, c, cost);
+      if (c.est_us < u.est_us) u = c;
+    }
     return u;
   }
   const int64_t longest = longest_chunks(q);
@@ -73,8 +81,8 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
   // chunks, for each column block; a split must save at least min_gain.
   SegmentPlan best_unsplit, best_split;
   best_unsplit.est_us = best_split.est_us = 1e300;
-  for (int bw : {16, 32}) {
-    if (forced_bw && bw != forced_bw) continue;
+  for (int bw : {16, 32, 128}) {
+    if ((forced_bw && bw != forced_bw) || (bw == 128 && !q.allow_cols)) continue;
     SegmentPlan u = unsplit(q, bw);
     u.est_us = estimate_us(q, u, cost);
     if (u.est_us < best_unsplit.est_us) best_unsplit = u;
@@ -99,9 +107,16 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
     return best_split;
   }
   // 16 columns only pay when one long sequence is the critical path, which the host
-  // cannot tell for packed sequences: the device decides
-  best_unsplit.device_col_block = lengths_unknown && best_unsplit.col_block == 16;
+  // cannot tell for packed sequences: the device decides (likewise between 128 and the
+  // others: 128 pays when the total work, not one sequence, bounds the pass)
+  best_unsplit.device_col_block = lengths_unknown && (best_unsplit.col_block == 16 || q.allow_cols);
   return best_unsplit;
+}
+
+SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
+  SegmentPlan p = plan_segments_any(q, cost);
+  p.cols = q.allow_cols;
+  return p;
 }
 
 CpMode cp_mode_from_env() {
@@ -123,7 +138,7 @@ int col_block_from_env() {
   const char* v = std::getenv("FLASHGDN_FWD_BW");
   if (v == nullptr || *v == '\0') return 0;
   const int x = std::atoi(v);
-  return x == 16 || x == 32 ? x : 0;
+  return x == 16 || x == 32 || x == 128 ? x : 0;
 }
 
 }  // namespace flashgdn

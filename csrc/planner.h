@@ -24,7 +24,10 @@ struct SegmentPlan {
   int64_t seg_chunks = 1;    // chunks per segment
   int64_t max_segments = 0;  // upper bound on the segments of all sequences (grid size)
   bool split = false;        // whether any sequence can be split
-  int col_block = 32;        // value columns per block of the state pass (16 or 32)
+  int col_block = 32;        // value columns per block of the state pass: 16 or 32
+                             //   (state_fwd_f16_kernel and the others), 128 (forward only:
+                             //   state_fwd_cols_kernel, all columns of a head per block)
+  bool cols = false;         // 128 was a candidate (SegmentQuery::allow_cols)
   double est_us = 0.0;       // the cost model's estimate of the state pass
   // varlen Auto: the host does not know the lengths, so when a split may pay off it sizes
   // the grids for segments of seg_chunks (the shortest candidate) and the device
@@ -45,13 +48,16 @@ struct SegmentQuery {
   int sms = 132;              // streaming multiprocessors
   CpMode mode = CpMode::Auto;
   int64_t forced_seg_chunks = 0;  // CpMode::On: chunks per segment (0: a quarter of the longest)
-  int forced_col_block = 0;       // 16 or 32 forces the column block (0: the planner picks)
+  int forced_col_block = 0;       // 16, 32 or 128 forces the column block (0: the planner picks;
+                                  //   128 only where allowed)
+  bool allow_cols = false;        // column block 128 (state_fwd_cols_kernel) is available
 };
 
 // The cost model's constants, measured on H100 (docs/perf-notes.md, 2026-11-23).
 struct ForwardCost {
   double step_us_bw16 = 3.3;     // one chunk step of a phase-0 block, 16 columns
   double step_us_bw32 = 4.1;     // ... 32 columns
+  double step_us_bw128 = 4.0;    // ... 128 columns (state_fwd_cols_kernel, 2026-11-23)
   double summary_factor = 0.75;  // a phase-1 (summary, no outputs) step relative to phase 0
   double warm_chunks = 5.0;      // warm-up chunks of a decaying head's segment
   double exact_share = 0.25;     // share of heads assumed to need exact entering states
@@ -87,7 +93,7 @@ struct LoadStats {
 // block-steps spread over the SMs; split plans add the summary pass and the combine.
 inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const LoadStats& s,
                                                  double heads, int sms, int bw, double seg) {
-  const double t = bw == 16 ? c.step_us_bw16 : c.step_us_bw32;
+  const double t = bw == 16 ? c.step_us_bw16 : bw == 32 ? c.step_us_bw32 : c.step_us_bw128;
   const double cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
   const double work = s.total * heads * cbn * t / nsm;
   if (seg <= 0) return s.longest * t > work ? s.longest * t : work;
@@ -107,7 +113,7 @@ constexpr int64_t kMinSegChunks = 32;
 SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost = ForwardCost{});
 
 // FLASHGDN_CP = auto (default) | on | off, FLASHGDN_CP_SEG = chunks per segment when on,
-// FLASHGDN_FWD_BW = 16 | 32 forces the column block.
+// FLASHGDN_FWD_BW = 16 | 32 | 128 forces the column block.
 CpMode cp_mode_from_env();
 int64_t cp_seg_chunks_from_env();
 int col_block_from_env();

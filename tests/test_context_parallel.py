@@ -43,9 +43,8 @@ def env_vars(settings: dict):
                 os.environ[k] = v
 
 
-def cp_env(mode: str, seg: int = 0, fwd_pass: str = ""):
-    return env_vars({"FLASHGDN_CP": mode, **({"FLASHGDN_CP_SEG": str(seg)} if seg else {}),
-                     **({"FLASHGDN_FWD_PASS": fwd_pass} if fwd_pass else {})})
+def cp_env(mode: str, seg: int = 0):
+    return env_vars({"FLASHGDN_CP": mode, **({"FLASHGDN_CP_SEG": str(seg)} if seg else {})})
 
 
 CP_CASES = [
@@ -60,22 +59,23 @@ CP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fwd_pass", ["f16", "cols"])
+@pytest.mark.parametrize("bw", ["32", "128"])
 @pytest.mark.parametrize("seg", [1, 2, 5])
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.name)
-def test_cp_matches_unsplit_and_reference(case: Case, seg: int, fwd_pass: str):
-    """Each forward pass split into segments (FLASHGDN_FWD_PASS: the default, and the cols
-    pass with its own summaries and warm-ups) against itself unsplit and the reference."""
+def test_cp_matches_unsplit_and_reference(case: Case, seg: int, bw: str):
+    """Each state-pass kernel split into segments (FLASHGDN_FWD_BW: state_fwd_f16_kernel at
+    32 columns, state_fwd_cols_kernel at 128, with its own summaries and warm-ups) against
+    itself unsplit and the reference."""
     inp = make_inputs(case, "cuda", seed=11)
-    with cp_env("off", fwd_pass=fwd_pass):
+    with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": bw}):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with cp_env("on", seg, fwd_pass=fwd_pass):
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), "FLASHGDN_FWD_BW": bw}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     ro, rh = reference(inp)
     e_o, e_h = rel_err(o, ro), rel_err(ht, rh)
     d_o, d_h = rel_err(o, o_ref), rel_err(ht, h_ref)
-    print(f"{case.name} {fwd_pass} seg={seg}: vs ref o {e_o:.2e} state {e_h:.2e}; vs unsplit o {d_o:.2e} "
+    print(f"{case.name} BW {bw} seg={seg}: vs ref o {e_o:.2e} state {e_h:.2e}; vs unsplit o {d_o:.2e} "
           f"state {d_h:.2e}")
     assert e_o < O_TOL and e_h < STATE_TOL
     assert d_o < 2e-3 and d_h < 1e-3
@@ -134,9 +134,10 @@ def test_cp_under_cuda_graph():
 
 def test_cp_auto_varlen_device_choice():
     """Packed sequences: the host cannot see the lengths, so plan_kernel picks the split on
-    the device. Four equal 8192-token sequences at 2/8 heads already fill the GPU: no split
-    (bit-equal to CP off). One 28672-token sequence next to a 4096-token one: split."""
-    case = Case("equal", [8192] * 4, 2, 8, gate="mixed")
+    the device. Four equal 8192-token sequences at 16/32 heads already fill the GPU (128
+    blocks of 128 columns): no split (bit-equal to CP off). One 28672-token sequence next to
+    a 4096-token one at 2/8 heads: split."""
+    case = Case("equal", [8192] * 4, 16, 32, gate="mixed")
     inp = make_inputs(case, "cuda", seed=14)
     with cp_env("off"):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
@@ -224,8 +225,10 @@ def test_cp_backward_auto_engages():
 def test_device_picks_column_block_for_packed_sequences():
     """Eight packed 1024-token sequences at 16/16 heads: the host, which cannot see the
     lengths, leaves the column block to the device (csrc/planner.h, device_col_block); with
-    16 chunks per sequence it must pick 32 columns, so forward and backward are bit-equal to
-    a forced 32-column unsplit run, and the backward's reverse pass follows the same plan."""
+    16 chunks per sequence it must pick 128 columns for the forward (state_fwd_cols_kernel:
+    128 blocks fill the SMs) and 32 for the backward's recomputation and reverse pass (128 is
+    forward only), so the forward is bit-equal to a forced 128-column unsplit run and the
+    gradients to a forced 32-column one."""
     from test_backward import NAMES
     case = Case("packed_short", [1024] * 8, 16, 16, gate="mixed")
     inp = make_inputs(case, "cuda", seed=34)
@@ -242,10 +245,17 @@ def test_device_picks_column_block_for_packed_sequences():
             return [o.detach(), ht.detach(), *grads]
 
     auto = run({"FLASHGDN_CP": "auto"})
+    bw128 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128"})
     bw32 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "32"})
     bw16 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "16"})
-    for name, a, b, c in zip(["o", "ht"] + [f"d{n}" for n in NAMES], auto, bw32, bw16):
-        assert torch.equal(a, b), f"{name}: auto is not the 32-column pass"
+    names = ["o", "ht"] + [f"d{n}" for n in NAMES]
+    for i, (name, a, w, b, c) in enumerate(zip(names, auto, bw128, bw32, bw16)):
+        if i < 2:
+            assert torch.equal(a, w), f"{name}: auto is not the 128-column forward"
+            assert rel_err(w, b) < 2e-3, f"{name}: 128 and 32 columns differ"
+        else:
+            assert torch.equal(a, b), f"{name}: auto's backward is not the 32-column one"
+            assert torch.equal(w, b), f"{name}: FLASHGDN_FWD_BW=128 reached the backward"
         assert rel_err(c, b) < 2e-3, f"{name}: 16 and 32 columns differ by {rel_err(c, b):.3e}"
     ro, rh = reference(inp)
     assert rel_err(auto[0], ro) < O_TOL and rel_err(auto[1], rh) < STATE_TOL

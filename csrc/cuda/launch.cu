@@ -42,22 +42,21 @@ struct Carver {
 
 // Which kernel runs the forward's sequential pass (all tested against each other and the
 // float64 reference):
-//   f16 (default)  state_fwd_f16_kernel<.., kFree>: fp16 operands, U formed in the pass as
-//                  T diag(beta) (V - diag(e^G) K S) (wy_kernel writes fp16 T diag(beta), no
-//                  W, U0; docs/perf-notes.md version 11)
+//   f16 (default)  fp16 operands, U formed in the pass as T diag(beta) (V - diag(e^G) K S)
+//                  (wy_kernel writes fp16 T diag(beta), no W, U0; docs/perf-notes.md version
+//                  11), in one of two kernels the planner picks per call (column block):
+//                  state_fwd_f16_kernel<.., kFree> (16 or 32 value columns per block) or,
+//                  forward only, state_fwd_cols_kernel (state_fwd_cols.cuh: all 128 columns
+//                  of a head per block, the columns as the products' rows)
 //   f16wu          state_fwd_f16_kernel: fp16 operands, U = U0 - W S from wy_kernel's W, U0
 //   auto           f16wu with its range guard, then the tf32 pass redoing the blocks whose
 //                  values left fp16's range (fwd_kernels.cuh, kF16Hi / kF16Lo)
 //   tf32           state_fwd_mma_kernel (tf32 operands, fp32's range)
 //   wgmma          the warpgroup state_fwd_kernel (tf32; slower, perf-notes version 8);
 //                  also FLASHGDN_WGMMA=1
-//   cols           state_fwd_cols_kernel (state_fwd_cols.cuh): the f16 pass's algebra with
-//                  the value columns as the products' rows, one block per head and segment;
-//                  the backward's recomputation (which records h and U) runs f16 instead
-enum class FwdPass { F16, F16WU, Tf32, Wgmma, Auto, Cols };
+enum class FwdPass { F16, F16WU, Tf32, Wgmma, Auto };
 bool uses_f16(FwdPass pass) {
-  return pass == FwdPass::F16 || pass == FwdPass::F16WU || pass == FwdPass::Auto ||
-         pass == FwdPass::Cols;
+  return pass == FwdPass::F16 || pass == FwdPass::F16WU || pass == FwdPass::Auto;
 }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
@@ -70,8 +69,7 @@ FwdPass fwd_pass() {
   if (v == "wgmma") return FwdPass::Wgmma;
   if (v == "auto") return FwdPass::Auto;
   if (v == "f16wu") return FwdPass::F16WU;
-  if (v == "cols") return FwdPass::Cols;
-  throw Error("FLASHGDN_FWD_PASS: expected f16, f16wu, auto, tf32, wgmma or cols, got '" + v + "'");
+  throw Error("FLASHGDN_FWD_PASS: expected f16, f16wu, auto, tf32 or wgmma, got '" + v + "'");
 }
 
 struct FwdBuffers {
@@ -84,7 +82,7 @@ struct FwdBuffers {
   __half* P16;        // the fp16 pass's P (forward only), else null
   __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
   __half* Tv16;       // the default f16 pass: T diag(beta) (W and U0 are null)
-  float2* EG;         // the cols pass (forward): (e^G, e^{G_last - G}) per token-head
+  float2* EG;         // f16 forward: (e^G, e^{G_last - G}) per token-head (cols kernel)
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
   int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
@@ -102,9 +100,9 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
-  if (pass == FwdPass::F16 || pass == FwdPass::Cols) {
+  if (pass == FwdPass::F16) {
     b.Tv16 = c.take<__half>(tokheads * C);
-    if (pass == FwdPass::Cols && !backward) b.EG = c.take<float2>(tokheads);
+    if (!backward) b.EG = c.take<float2>(tokheads);  // for state_fwd_cols_kernel
   } else {
     b.W = c.take<__half>(tokheads * D);
     b.U0 = c.take<float>(tokheads * D);
@@ -254,8 +252,10 @@ int sm_count(int device) {
 
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override).
-SegmentPlan plan_forward(const Problem& p) {
+// backward: the plan of the recomputation, which records h and U (no column block 128).
+SegmentPlan plan_forward(const Problem& p, bool backward) {
   SegmentQuery q;
+  q.allow_cols = !backward && fwd_pass() == FwdPass::F16;
   q.N = p.N;
   q.total_chunks = p.max_chunks();
   q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
@@ -285,7 +285,7 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
     state_fwd_kernel<In, BW><<<grid, NT, StateFwdWgSmem<In, BW>::kBytes, st>>>(f);
   else if (pass == FwdPass::Tf32)
     state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(f);
-  else if (pass == FwdPass::F16 || pass == FwdPass::Cols)  // Cols here: the recomputation
+  else if (pass == FwdPass::F16)
     state_fwd_f16_kernel<In, BW, false, true>
         <<<grid, NT, StateFwdF16Smem<BW, true>::kBytes, st>>>(f);
   else if (pass == FwdPass::F16WU)
@@ -348,7 +348,10 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
 
 // Whether the sequential passes launch their bw-column kernel: the planner's column block,
 // or both when the device picks one (the other returns at once).
-bool launches(const SegmentPlan& plan, int bw) { return plan.device_col_block || plan.col_block == bw; }
+bool launches(const SegmentPlan& plan, int bw) {
+  if (bw == D && !plan.cols) return false;  // 128: state_fwd_cols_kernel, forward f16 only
+  return plan.device_col_block || plan.col_block == bw;
+}
 
 // The reverse pass over the forward's segments (last to first), with the summaries and
 // their chaining first when a segment starts exactly from its successor.
@@ -387,6 +390,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     choice.sms = sm_count(p.device_id);
     choice.col_block = plan.col_block;
     choice.pick_col_block = plan.device_col_block;
+    choice.allow_cols = plan.cols;
     choice.allow_split = plan.device_choice;
     choice.min_seg = plan.seg_chunks;
     choice.chosen = b.seg_chunks;
@@ -404,12 +408,9 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
   auto launch = [&] {
-    if (b.pass == FwdPass::Cols && f.h == nullptr) {
-      launch_state_cols<In>(plan, p, f, st);
-      return;
-    }
     if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, st);
     if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, st);
+    if (launches(plan, D)) launch_state_cols<In>(plan, p, f, st);  // forward, f16 pass only
   };
   if (p.N > 0) {
     if (plan.split) {  // exact entering states of the segments that need them
@@ -424,7 +425,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
 
 template <typename In>
 void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
-  const SegmentPlan plan = plan_forward(p);
+  const SegmentPlan plan = plan_forward(p, false);
   Carver c{static_cast<char*>(ws)};
   const FwdBuffers b = carve_fwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b);
@@ -452,7 +453,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   // FLASHGDN_GRAD_TC=0 keeps the fp32 SIMT kernel for A/B comparisons.
   const char* grad_tc_env = std::getenv("FLASHGDN_GRAD_TC");
   const bool grad_tc = !simt && !(grad_tc_env != nullptr && std::atoi(grad_tc_env) == 0);
-  const SegmentPlan plan = plan_forward(p);
+  const SegmentPlan plan = plan_forward(p, true);
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b.f);
@@ -519,13 +520,13 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
 
 size_t cuda_fwd_workspace_bytes(const Problem& p) {
   Carver c{nullptr};
-  carve_fwd(p, plan_forward(p), c);
+  carve_fwd(p, plan_forward(p, false), c);
   return c.used;
 }
 
 size_t cuda_bwd_workspace_bytes(const Problem& p) {
   Carver c{nullptr};
-  carve_bwd(p, plan_forward(p), c);
+  carve_bwd(p, plan_forward(p, true), c);
   return c.used;
 }
 

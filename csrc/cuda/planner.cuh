@@ -8,7 +8,7 @@
 //          seg_offsets [N + 1] (prefix sum of max(1, ceil(chunks / seg_chunks)): the
 //          context-parallel segments of every sequence, see csrc/planner.h); with a
 //          DeviceSegChoice, first picks seg_chunks (and, if asked, the column block)
-//          from the actual lengths under the planner's cost model and writes them to
+//          (16, 32 or 128) from the actual lengths under the planner's cost model and writes them to
 //          choice.chosen [2]
 // poison_kernel grid-stride
 //   writes NaN into an output when error is set, so a bad cu_seqlens is never
@@ -32,7 +32,8 @@ struct DeviceSegChoice {
   ForwardCost cost;
   double heads = 0;
   int sms = 0, col_block = 32;
-  bool pick_col_block = false;  // also choose the column block (16 or 32)
+  bool pick_col_block = false;  // also choose the column block (16, 32, or 128 if allow_cols)
+  bool allow_cols = false;      // column block 128 (state_fwd_cols_kernel) is a candidate
   bool allow_split = true;      // false: only the column block is chosen (unsplit plan)
   int64_t min_seg = 0;
   int64_t* chosen = nullptr;  // writes [chunks per segment, column block] here
@@ -87,8 +88,12 @@ __global__ void __launch_bounds__(kPlanThreads)
     // which must beat the best unsplit plan by min_gain
     int best_bw = choice.col_block;
     double best = 1e300;
-    for (int bw = 16; bw <= 32; bw += 16) {
-      if (!choice.pick_col_block && bw != choice.col_block) continue;
+    const int bws[3] = {16, 32, 128};
+    auto candidate = [&](int bw) {
+      return choice.pick_col_block ? bw != 128 || choice.allow_cols : bw == choice.col_block;
+    };
+    for (int bw : bws) {
+      if (!candidate(bw)) continue;
       const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms, bw, 0.0);
       if (t < best) best = t, best_bw = bw;
     }
@@ -106,8 +111,8 @@ __global__ void __launch_bounds__(kPlanThreads)
       __syncthreads();
       st.segs = static_cast<double>(seg_shared);
       st.max_segs_per_seq = static_cast<double>(segments_of(longest, seg));
-      for (int bw = 16; bw <= 32; bw += 16) {
-        if (!choice.pick_col_block && bw != choice.col_block) continue;
+      for (int bw : bws) {
+        if (!candidate(bw)) continue;
         const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms, bw,
                                                 static_cast<double>(seg));
         if (t < bar && t < best) best = t, best_seg = seg, best_bw = bw;

@@ -1,5 +1,6 @@
 // state_fwd_cols_kernel: the forward's sequential pass with the value columns as the rows of
-// the tensor-core products (FLASHGDN_FWD_PASS=cols).
+// the tensor-core products (the default f16 pass at column block 128, chosen by the planner
+// or forced with FLASHGDN_FWD_BW=128; forward only).
 //
 // grid (1 [x 2 in phase 1], H_v, segments), 256 threads (8 warps), ~167 KB smem, 1 block/SM.
 // One block runs one segment of one sequence for all 128 value columns of one head; warp w
@@ -66,7 +67,7 @@ template <typename In>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   using Sm = StateFwdColsSmem;
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
-  if (p.seqs.failed()) return;
+  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   SegmentBlock b;
   if (!segment_block<D>(p, false, b)) return;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;

@@ -149,3 +149,34 @@ TEST(Planner, EmptyInputs) {
   EXPECT_FALSE(p.split);
   EXPECT_EQ(p.max_segments, 3);
 }
+
+TEST(Planner, ColumnBlock128WhereAllowed) {
+  // The forward's f16 pass may run state_fwd_cols_kernel (128 columns, one block per head):
+  // a quarter of the block-steps of 32 columns, so it wins wherever the total work, not
+  // one sequence's chain of steps, bounds the pass; split segments supply the blocks.
+  auto q = query(1, 512, 32);  // 16/32 heads, 32768 tokens
+  q.allow_cols = true;
+  auto p = plan_segments(q);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_TRUE(p.cols);
+  EXPECT_TRUE(p.split);
+  EXPECT_EQ(p.seg_chunks, 64);
+  q = query(1, 512, 8);  // 2/8 heads: segments of 32 chunks
+  q.allow_cols = true;
+  p = plan_segments(q);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_EQ(p.seg_chunks, 32);
+  q = query(1, 32, 8);  // 2/8 heads, 2048 tokens: too short to split, 16 columns fill more SMs
+  q.allow_cols = true;
+  EXPECT_EQ(plan_segments(q).col_block, 16);
+  q = query(1, 512, 32);  // not allowed (the backward's recomputation): never 128
+  q.forced_col_block = 128;
+  p = plan_segments(q);
+  EXPECT_NE(p.col_block, 128);
+  EXPECT_FALSE(p.cols);
+  q.allow_cols = true;  // allowed and forced
+  EXPECT_EQ(plan_segments(q).col_block, 128);
+  auto v = query(8, 16, 16, /*varlen=*/true);  // packed: the device picks, 128 a candidate
+  v.allow_cols = true;
+  EXPECT_TRUE(plan_segments(v).device_col_block);
+}
