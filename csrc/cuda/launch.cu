@@ -13,6 +13,7 @@
 #include "bwd_kernels.cuh"
 #include "fwd_kernels.cuh"
 #include "planner.cuh"
+#include "state_bwd_cols.cuh"
 #include "state_fwd_cols.cuh"
 
 namespace flashgdn {
@@ -346,6 +347,20 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
   check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
 }
 
+// FLASHGDN_BWD_COLS=1 (opt-in, not yet run on a GPU): the reverse pass in
+// state_bwd_cols_kernel (state_bwd_cols.cuh), one block per head and segment.
+template <typename In>
+void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdParams& g,
+                           cudaStream_t st) {
+  constexpr size_t smem = StateBwdColsSmem<In>::kBytes;
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(state_bwd_cols_kernel<In>, smem); });
+  state_bwd_cols_kernel<In><<<dim3(g.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
+                                   static_cast<unsigned>(plan.max_segments)),
+                              NT, smem, st>>>(g);
+  check_cuda(cudaGetLastError(), "state_bwd_cols_kernel launch");
+}
+
 // Whether the sequential passes launch their bw-column kernel: the planner's column block,
 // or both when the device picks one (the other returns at once).
 bool launches(const SegmentPlan& plan, int bw) {
@@ -357,7 +372,13 @@ bool launches(const SegmentPlan& plan, int bw) {
 // their chaining first when a segment starts exactly from its successor.
 template <typename In>
 void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
+  const char* cols_env = std::getenv("FLASHGDN_BWD_COLS");
+  const bool cols = cols_env != nullptr && std::atoi(cols_env) == 1;
   auto launch = [&] {
+    if (cols) {
+      launch_state_bwd_cols<In>(plan, p, g, st);
+      return;
+    }
     if (launches(plan, 16)) launch_state_bwd_tc<In, 16>(plan, p, g, st);
     if (launches(plan, 32)) launch_state_bwd_tc<In, 32>(plan, p, g, st);
   };
