@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--seqs", default=",".join(ROWS))
     ap.add_argument("--sweep", default=None,
-                    help="extra BW:SEG[:PASS] settings, e.g. 16:64,32:128,32:16:cols")
+                    help="extra BW:SEG[:PASS] settings (BW 16, 32 or 128, PASS a FLASHGDN_FWD_PASS), e.g. 16:64,128:32,32:64:tf32")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--wgmma", action="store_true",
                     help="also time the warpgroup (wgmma) state pass (= --passes wgmma)")
