@@ -174,8 +174,9 @@ def test_backward_with_other_forward_passes(monkeypatch, fwd_pass: str):
 @pytest.mark.parametrize("cp", ["off", "on"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_reverse_pass_cols_kernel(monkeypatch, cp: str, dtype: torch.dtype):
-    """FLASHGDN_BWD_COLS=1 runs the reverse pass in state_bwd_cols_kernel (one block per head
-    and segment, the value columns as the products' rows): every gradient as accurate as the
+    """FLASHGDN_BWD_COLS=1 runs the reverse pass in state_bwd_cols_kernel and the forward's
+    recomputation (which records h and U) in state_fwd_cols_kernel (one block per head and
+    segment, the value columns as the products' rows): every gradient as accurate as the
     default reverse pass's against the float64 reference and within TF32 rounding of it.
     With CP on: short segments, warm-ups, and exact segments on the g == 0 heads (summaries
     on the identity, chained by seg_combine_kernel). Odd lengths, grouped heads, h0."""

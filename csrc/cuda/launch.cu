@@ -103,7 +103,7 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   b.G = c.take<float>(tokheads);
   if (pass == FwdPass::F16) {
     b.Tv16 = c.take<__half>(tokheads * C);
-    if (!backward) b.EG = c.take<float2>(tokheads);  // for state_fwd_cols_kernel
+    b.EG = c.take<float2>(tokheads);  // for state_fwd_cols_kernel
   } else {
     b.W = c.take<__half>(tokheads * D);
     b.U0 = c.take<float>(tokheads * D);
@@ -347,8 +347,13 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
   check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
 }
 
-// FLASHGDN_BWD_COLS=1 (opt-in, not yet run on a GPU): the reverse pass in
-// state_bwd_cols_kernel (state_bwd_cols.cuh), one block per head and segment.
+// FLASHGDN_BWD_COLS=1 (opt-in, not yet run on a GPU): the backward's sequential passes in
+// the one-block-per-head kernels, the reverse pass in state_bwd_cols_kernel
+// (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
+bool bwd_cols() {
+  const char* v = std::getenv("FLASHGDN_BWD_COLS");
+  return v != nullptr && std::atoi(v) == 1;
+}
 template <typename In>
 void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdParams& g,
                            cudaStream_t st) {
@@ -372,8 +377,7 @@ bool launches(const SegmentPlan& plan, int bw) {
 // their chaining first when a segment starts exactly from its successor.
 template <typename In>
 void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
-  const char* cols_env = std::getenv("FLASHGDN_BWD_COLS");
-  const bool cols = cols_env != nullptr && std::atoi(cols_env) == 1;
+  const bool cols = bwd_cols();
   auto launch = [&] {
     if (cols) {
       launch_state_bwd_cols<In>(plan, p, g, st);
@@ -428,7 +432,16 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.seg_M = b.seg_M;
   f.seg_in = b.seg_in;
   launch_wy<In>(p, f, st);
+  // FLASHGDN_BWD_COLS=1: the backward's recomputation in state_fwd_cols_kernel too, on the
+  // backward's segments (whatever column block the plan or the device picked for them)
+  const bool recompute_cols = f.h != nullptr && b.pass == FwdPass::F16 && bwd_cols();
   auto launch = [&] {
+    if (recompute_cols) {
+      FwdParams fc = f;
+      fc.col_block_dev = nullptr;
+      launch_state_cols<In>(plan, p, fc, st);
+      return;
+    }
     if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, st);
     if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, st);
     if (launches(plan, D)) launch_state_cols<In>(plan, p, f, st);  // forward, f16 pass only

@@ -16,9 +16,11 @@
 // per-token gate factors (e^G, e^{G_last - G}) of the next chunk are copied by cp.async while
 // the current one computes: one block barrier per chunk. Same segments, warm-ups, phases
 // (phase 1: summaries L and, on the identity with V = 0, M) as the other state passes
-// (fwd_kernels.cuh); no records for the backward (it uses state_fwd_f16_kernel).
+// (fwd_kernels.cuh). The backward's recomputation (p.h set) records the state entering
+// every chunk and U; it runs here only with FLASHGDN_BWD_COLS=1 (launch.cu; not yet run on
+// a GPU), else in state_fwd_f16_kernel.
 //   reads  Kh, Qh, Tv16, v, P16, EG (wy_kernel), Lb, initial state, seg_in
-//   writes o, final state (phase 0); seg_L, seg_M (phase 1)
+//   writes o, final state (phase 0); seg_L, seg_M (phase 1); h, U (recomputation)
 #pragma once
 
 #include "fwd_kernels.cuh"
@@ -86,6 +88,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
 
   const int v0 = 16 * warp;  // the warp's value columns (rows of S^T)
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const bool record = p.phase == 0 && p.h != nullptr;  // the backward's recomputation
 
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
@@ -129,6 +132,14 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
     const bool out = want_o && ci >= c_begin;
+    if (record && ci >= c_begin) {  // the state entering chunk ci, [key][value]
+      float* dst = p.h + ((b.chunk0 + ci) * p.Hv + h) * D * D;
+#pragma unroll
+      for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), sacc[jn][e]);
+    }
     const __half* K = Kst(s);
     const float2* E = Est(s);
 
@@ -197,6 +208,15 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
           const uint32_t b0[2] = {tb[0], tb[2]}, b1[2] = {tb[1], tb[3]};
           mma_f16(u[2 * nt], wa[kt], b0);
           mma_f16(u[2 * nt + 1], wa[kt], b1);
+        }
+    }
+    if (record && ci >= c_begin) {  // U (fp32) for the backward
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 8 * j + acc_col(e);
+          if (r < L) __stcg(p.U + ((tok0 + r) * p.Hv + h) * D + v0 + acc_row(e), u[j][e]);
         }
     }
     // fp16 A fragments of U^T and of U^T diag(e^{G_last - G})
