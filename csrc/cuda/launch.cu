@@ -305,10 +305,16 @@ template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes); });
+  std::call_once(once, [] {
+    set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
+    set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
+  });
   const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
                   static_cast<unsigned>(plan.max_segments));
-  state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
+  if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
+    state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
+  else
+    state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
 }
 

@@ -65,7 +65,9 @@ __device__ __forceinline__ uint32_t pack_in2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(pair);
 }
 
-template <typename In>
+// kRecord: the backward's recomputation (p.h, p.U set); the forward's instantiation has no
+// recording code at all.
+template <typename In, bool kRecord = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   using Sm = StateFwdColsSmem;
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
 
   const int v0 = 16 * warp;  // the warp's value columns (rows of S^T)
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
-  const bool record = p.phase == 0 && p.h != nullptr;  // the backward's recomputation
+  const bool record = kRecord && p.phase == 0 && p.h != nullptr;
 
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
     const bool out = want_o && ci >= c_begin;
-    if (record && ci >= c_begin) {  // the state entering chunk ci, [key][value]
+    if (kRecord && record && ci >= c_begin) {  // the state entering chunk ci, [key][value]
       float* dst = p.h + ((b.chunk0 + ci) * p.Hv + h) * D * D;
 #pragma unroll
       for (int jn = 0; jn < 16; ++jn)
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
           mma_f16(u[2 * nt + 1], wa[kt], b1);
         }
     }
-    if (record && ci >= c_begin) {  // U (fp32) for the backward
+    if (kRecord && record && ci >= c_begin) {  // U (fp32) for the backward
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
