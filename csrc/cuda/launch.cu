@@ -253,10 +253,19 @@ int sm_count(int device) {
 
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override).
-// backward: the plan of the recomputation, which records h and U (no column block 128).
+// FLASHGDN_BWD_COLS=1 (opt-in, not yet run on a GPU): the backward's sequential passes in
+// the one-block-per-head kernels, the reverse pass in state_bwd_cols_kernel
+// (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
+bool bwd_cols() {
+  const char* v = std::getenv("FLASHGDN_BWD_COLS");
+  return v != nullptr && std::atoi(v) == 1;
+}
+
+// backward: the plan of the recomputation and the reverse pass, column block 128 only with
+// FLASHGDN_BWD_COLS=1 (then both run one block per head and segment).
 SegmentPlan plan_forward(const Problem& p, bool backward) {
   SegmentQuery q;
-  q.allow_cols = !backward && fwd_pass() == FwdPass::F16;
+  q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols());
   q.N = p.N;
   q.total_chunks = p.max_chunks();
   q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
@@ -353,13 +362,6 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
   check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
 }
 
-// FLASHGDN_BWD_COLS=1 (opt-in, not yet run on a GPU): the backward's sequential passes in
-// the one-block-per-head kernels, the reverse pass in state_bwd_cols_kernel
-// (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
-bool bwd_cols() {
-  const char* v = std::getenv("FLASHGDN_BWD_COLS");
-  return v != nullptr && std::atoi(v) == 1;
-}
 template <typename In>
 void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdParams& g,
                            cudaStream_t st) {
