@@ -251,8 +251,6 @@ int sm_count(int device) {
   return sms;
 }
 
-// Column block and segment plan of the forward's state pass (csrc/planner.h;
-// FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override).
 // FLASHGDN_BWD_COLS=1 (opt-in, not yet run on a GPU): the backward's sequential passes in
 // the one-block-per-head kernels, the reverse pass in state_bwd_cols_kernel
 // (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
@@ -261,8 +259,10 @@ bool bwd_cols() {
   return v != nullptr && std::atoi(v) == 1;
 }
 
-// backward: the plan of the recomputation and the reverse pass, column block 128 only with
-// FLASHGDN_BWD_COLS=1 (then both run one block per head and segment).
+// Column block and segment plan of the forward's state pass (csrc/planner.h;
+// FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
+// recomputation and the reverse pass, column block 128 only with FLASHGDN_BWD_COLS=1 (then
+// both run one block per head and segment).
 SegmentPlan plan_forward(const Problem& p, bool backward) {
   SegmentQuery q;
   q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols());
@@ -377,7 +377,7 @@ void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdP
 // Whether the sequential passes launch their bw-column kernel: the planner's column block,
 // or both when the device picks one (the other returns at once).
 bool launches(const SegmentPlan& plan, int bw) {
-  if (bw == D && !plan.cols) return false;  // 128: state_fwd_cols_kernel, forward f16 only
+  if (bw == D && !plan.cols) return false;  // 128: state_fwd_cols_kernel (SegmentPlan::cols)
   return plan.device_col_block || plan.col_block == bw;
 }
 
@@ -452,7 +452,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     }
     if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, st);
     if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, st);
-    if (launches(plan, D)) launch_state_cols<In>(plan, p, f, st);  // forward, f16 pass only
+    if (launches(plan, D)) launch_state_cols<In>(plan, p, f, st);  // the f16 pass's 128 columns
   };
   if (p.N > 0) {
     if (plan.split) {  // exact entering states of the segments that need them
