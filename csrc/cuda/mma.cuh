@@ -198,6 +198,52 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 __device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
 
+// fp16 A fragment (m16 k16) of two adjacent m16n8 fp32 accumulator tiles (columns k0..k0+7
+// and k0+8..k0+15): an accumulator becomes the next product's A operand in registers.
+__device__ __forceinline__ void acc_to_a16(uint32_t (&a)[4], const float (&lo)[4],
+                                           const float (&hi)[4]) {
+  a[0] = pack_half2(lo[0], lo[1]);
+  a[1] = pack_half2(lo[2], lo[3]);
+  a[2] = pack_half2(hi[0], hi[1]);
+  a[3] = pack_half2(hi[2], hi[3]);
+}
+
+// Four 8 x 8 16-bit matrices from registers into shared memory, transposed (sm_90).
+__device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
+                   smem_addr(p)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+// B fragment (paired k) of B(k, n) = X[k][n] from an fp32 tile stored [k][n], columns
+// n0..n0+7, k step k0; rounded to tf32 when kRound.
+template <bool kRound>
+__device__ __forceinline__ void frag_b_kn_f32(uint32_t (&b)[2], const float* x, int ld, int n0,
+                                              int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const float* p0 = x + (k0 + 2 * t) * ld + n0 + g;
+  const float x0 = p0[0], x1 = p0[ld];
+  b[0] = __float_as_uint(kRound ? round_tf32(x0) : x0);
+  b[1] = __float_as_uint(kRound ? round_tf32(x1) : x1);
+}
+
+// The paired-k tf32 A fragment of one m16n8 fp32 accumulator tile (its 8 columns are the k
+// step), each column pair scaled by f0 (column 2t) and f1 (column 2t + 1).
+__device__ __forceinline__ void acc_to_a_tf32(uint32_t (&a)[4], const float (&c)[4], float f0,
+                                              float f1) {
+  a[0] = __float_as_uint(round_tf32(c[0] * f0));
+  a[1] = __float_as_uint(round_tf32(c[2] * f0));
+  a[2] = __float_as_uint(round_tf32(c[1] * f1));
+  a[3] = __float_as_uint(round_tf32(c[3] * f1));
+}
+
+
 // a += b over a warp's m16n8 accumulator tiles (the halves of a product whose k steps were
 // split between two accumulator sets to shorten the dependent mma chains).
 template <int N>

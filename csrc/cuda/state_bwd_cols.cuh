@@ -30,28 +30,6 @@ struct StateBwdColsSmem {
   static constexpr size_t kBytes = 2 * kStage;
 };
 
-// B fragment (paired k) of B(k, n) = X[k][n] from an fp32 tile stored [k][n], columns
-// n0..n0+7, k step k0; rounded to tf32 when kRound.
-template <bool kRound>
-__device__ __forceinline__ void frag_b_kn_f32(uint32_t (&b)[2], const float* x, int ld, int n0,
-                                              int k0) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-  const float* p0 = x + (k0 + 2 * t) * ld + n0 + g;
-  const float x0 = p0[0], x1 = p0[ld];
-  b[0] = __float_as_uint(kRound ? round_tf32(x0) : x0);
-  b[1] = __float_as_uint(kRound ? round_tf32(x1) : x1);
-}
-
-// The paired-k tf32 A fragment of one m16n8 fp32 accumulator tile (its 8 columns are the k
-// step), each column pair scaled by f0 (column 2t) and f1 (column 2t + 1).
-__device__ __forceinline__ void acc_to_a_tf32(uint32_t (&a)[4], const float (&c)[4], float f0,
-                                              float f1) {
-  a[0] = __float_as_uint(round_tf32(c[0] * f0));
-  a[1] = __float_as_uint(round_tf32(c[2] * f0));
-  a[2] = __float_as_uint(round_tf32(c[1] * f1));
-  a[3] = __float_as_uint(round_tf32(c[3] * f1));
-}
-
 template <typename In>
 __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
   using SM = StateBwdColsSmem<In>;

@@ -36,29 +36,6 @@ struct StateFwdColsSmem {
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
 };
 
-// fp16 A fragment (m16 k16) of two adjacent m16n8 fp32 accumulator tiles (columns k0..k0+7
-// and k0+8..k0+15), each pair scaled by its columns' factors (fa: lo tile, fb: hi tile).
-__device__ __forceinline__ void acc_to_a16(uint32_t (&a)[4], const float (&lo)[4],
-                                           const float (&hi)[4]) {
-  a[0] = pack_half2(lo[0], lo[1]);
-  a[1] = pack_half2(lo[2], lo[3]);
-  a[2] = pack_half2(hi[0], hi[1]);
-  a[3] = pack_half2(hi[2], hi[3]);
-}
-
-// Four 8 x 8 16-bit matrices from registers into shared memory, transposed (sm_90).
-__device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
-                                                  uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
-                   smem_addr(p)),
-               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-
 template <typename In>
 __device__ __forceinline__ uint32_t pack_in2(float lo, float hi) {
   In pair[2] = {from_f<In>(lo), from_f<In>(hi)};
