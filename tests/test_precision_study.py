@@ -64,25 +64,30 @@ def _shipped(name: str):
     return next(d for d in study.DESIGNS if d.name.startswith(name))
 
 
+FP16_PASSES = ["W/U0-free, fp16", "shipped: fp16"]  # the default pass, f16wu
+
+
+@pytest.mark.parametrize("design", FP16_PASSES)
 @pytest.mark.parametrize("v_scale", [1e-3, 1.0, 1e4])
-def test_fp16_pass_accurate_within_its_range(v_scale: float):
-    """The default (fp16 operand) pass is as accurate as the tf32 pass while |v| stays
-    inside fp16's comfortable range (README, Accuracy)."""
-    f16 = _run(_shipped("shipped: fp16"), v_scale=v_scale)
+def test_fp16_pass_accurate_within_its_range(v_scale: float, design: str):
+    """The fp16-operand passes (the default and f16wu) are as accurate as the tf32 pass while
+    |v| stays inside fp16's comfortable range (README, Accuracy)."""
+    f16 = _run(_shipped(design), v_scale=v_scale)
     tf32 = _run(_shipped("shipped: tf32"), v_scale=v_scale)
     assert f16[0] < 1.05 * tf32[0] + 1e-6 and f16[1] < 1.05 * tf32[1] + 1e-6
     assert f16[0] < 2e-3 and f16[1] < 2e-3
 
 
+@pytest.mark.parametrize("design", FP16_PASSES)
 @pytest.mark.parametrize("v_scale", [1e-6, 3e4])
-def test_fp16_pass_range_limits_and_tf32_fallback(v_scale: float):
+def test_fp16_pass_range_limits_and_tf32_fallback(v_scale: float, design: str):
     """Outside that range the fp16 copies of U and S underflow (|v| ~ 1e-6: subnormals) or
     overflow (|v| ~ 3e4), which is why FLASHGDN_FWD_PASS=tf32 exists: its U0 and operands
     keep fp32's exponent and stay accurate there."""
     tf32 = _run(_shipped("shipped: tf32"), v_scale=v_scale)
     assert tf32[0] < 2e-3 and tf32[1] < 2e-3
     try:
-        f16 = _run(_shipped("shipped: fp16"), v_scale=v_scale)
+        f16 = _run(_shipped(design), v_scale=v_scale)
     except AssertionError as exc:  # rel_err refuses non-finite results: the overflow case
         assert "non-finite" in str(exc) and v_scale > 1
     else:
