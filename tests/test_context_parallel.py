@@ -23,7 +23,8 @@ O_TOL = 4.3e-3
 STATE_TOL = 3.7e-3
 
 
-ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS")
+ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
+            "FLASHGDN_COLS_WGMMA")
 
 
 @contextmanager
@@ -59,17 +60,20 @@ CP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bw", ["32", "128"])
+@pytest.mark.parametrize("bw", ["32", "128", "128wg"])
 @pytest.mark.parametrize("seg", [1, 2, 5])
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.name)
 def test_cp_matches_unsplit_and_reference(case: Case, seg: int, bw: str):
     """Each state-pass kernel split into segments (FLASHGDN_FWD_BW: state_fwd_f16_kernel at
-    32 columns, state_fwd_cols_kernel at 128, with its own summaries and warm-ups) against
-    itself unsplit and the reference."""
+    32 columns, state_fwd_cols_kernel at 128, with its own summaries and warm-ups; "128wg":
+    state_fwd_cols_wg_kernel, FLASHGDN_COLS_WGMMA=1) against itself unsplit and the
+    reference."""
     inp = make_inputs(case, "cuda", seed=11)
-    with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": bw}):
+    kernel = {"FLASHGDN_FWD_BW": bw[:3] if bw.startswith("128") else bw,
+              **({"FLASHGDN_COLS_WGMMA": "1"} if bw == "128wg" else {})}
+    with env_vars({"FLASHGDN_CP": "off", **kernel}):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), "FLASHGDN_FWD_BW": bw}):
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), **kernel}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     ro, rh = reference(inp)

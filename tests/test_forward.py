@@ -101,7 +101,7 @@ def test_gpu_matches_cpu_backend(case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16wu", "bw128"])
+@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16wu", "bw128", "bw128wg"])
 @pytest.mark.parametrize("bw", ["16", "32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch.dtype):
@@ -109,7 +109,8 @@ def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch
     U from V, K S and T diag(beta)); FLASHGDN_FWD_PASS=f16wu selects the fp16 pass from W
     and U0, =tf32 the tf32 mma.sync kernel, =wgmma the warpgroup one; "bw128": the default
     pass at column block 128 (FLASHGDN_FWD_BW=128: state_fwd_cols_kernel, the value columns as
-    the products' rows, one block per head).
+    the products' rows, one block per head); "bw128wg": the same on wgmma
+    (FLASHGDN_COLS_WGMMA=1, state_fwd_cols_wg_kernel).
     fp16 and tf32 operands share a 10-bit mantissa: every pass must match the float64
     reference equally well, the passes agree within that rounding, and each is
     deterministic. Lengths not multiple of 64, an initial state, g == 0 heads."""
@@ -118,8 +119,10 @@ def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch
     monkeypatch.setenv("FLASHGDN_FWD_BW", bw)
     of, htf = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     of2, htf2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    if other == "bw128":
+    if other.startswith("bw128"):
         monkeypatch.setenv("FLASHGDN_FWD_BW", "128")
+        if other == "bw128wg":  # state_fwd_cols_wg_kernel (wgmma)
+            monkeypatch.setenv("FLASHGDN_COLS_WGMMA", "1")
     else:
         monkeypatch.setenv("FLASHGDN_FWD_PASS", other)
     o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)

@@ -310,6 +310,13 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
 }
 
+// FLASHGDN_COLS_WGMMA=1 (opt-in, not yet run on a GPU): the forward's 128-column pass on
+// warpgroup tensor cores (state_fwd_cols_wg_kernel).
+bool cols_wgmma() {
+  const char* v = std::getenv("FLASHGDN_COLS_WGMMA");
+  return v != nullptr && std::atoi(v) == 1;
+}
+
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st) {
@@ -317,10 +324,13 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   std::call_once(once, [] {
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
+    set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
   const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
                   static_cast<unsigned>(plan.max_segments));
-  if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
+  if (f.h == nullptr && cols_wgmma())
+    state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(f);
+  else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
     state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
   else
     state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);

@@ -282,5 +282,238 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// state_fwd_cols_wg_kernel: state_fwd_cols_kernel with every product on warpgroup tensor
+// cores (wgmma m64nNk16, fp16, fp32 accumulators; opt-in: FLASHGDN_COLS_WGMMA=1, not yet run
+// on a GPU). Same grid, algebra, registers and output path; the two warpgroups own value
+// columns 0..63 and 64..127 (warp w still owns 16 w ..). A operands stay in registers (the
+// m16n8k16 A layout per warp is wgmma's), B operands are read by the tensor cores straight
+// from shared memory, so the ldmatrix traffic of the mma.sync kernel (~60 KB per warp and
+// chunk) is gone: K, Q, T diag(beta) and P are stored as core-matrix tiles (wgmma.cuh,
+// cp_async_core16) and K serves both X^T = S^T K^T (K-major B) and the state update
+// U^T diag(eL) K (N-major B, the same bytes). V stays a padded tile read by ldmatrix.
+//   reads / writes as state_fwd_cols_kernel (no records)
+struct StateFwdColsWgSmem {
+  static constexpr int LDO = 24;
+  static constexpr size_t kCoreD = sizeof(__half) * C * D;  // K, Q core tiles [64][128]
+  static constexpr size_t kCoreC = sizeof(__half) * C * C;  // T diag(beta), P [64][64]
+  static constexpr size_t kV = sizeof(__half) * C * LDH;    // V [64][136]
+  static constexpr size_t kStage = 2 * kCoreD + 2 * kCoreC + kV + sizeof(float2) * C;
+  static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
+};
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
+  using Sm = StateFwdColsWgSmem;
+  constexpr int LDO = Sm::LDO;
+  // core-matrix byte strides: a row group of 8 tokens spans D / 8 (K, Q) or C / 8 (T, P) core
+  // matrices of 128 bytes
+  constexpr uint32_t kRowGroupD = 128 * (D / 8), kRowGroupC = 128 * (C / 8);
+  constexpr int kTokens16D = 2 * kRowGroupD / sizeof(__half);  // 16 token rows of K, in halves
+  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  SegmentBlock b;
+  if (!segment_block<D>(p, false, b)) return;
+  const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
+  const int64_t c_begin = b.c_begin, c_end = b.c_end, c_first = b.ss.c_first;
+  const bool identity = b.identity;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto Kst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * Sm::kStage); };
+  auto Qst = [&](int s) { return Kst(s) + C * D; };
+  auto Tst = [&](int s) { return Qst(s) + C * D; };
+  auto Pst = [&](int s) { return Tst(s) + C * C; };
+  auto Vst = [&](int s) { return reinterpret_cast<In*>(Pst(s) + C * C); };
+  auto Est = [&](int s) { return reinterpret_cast<float2*>(Vst(s) + C * LDH); };
+  const int warp = threadIdx.x >> 5, lane = lane_id();
+  __half* Ost = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage) + warp * C * LDO;
+  const int v0 = 16 * warp;
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+
+  auto issue = [&](int64_t ci, int s) {
+    if (p.debug & 2) return;
+    const int64_t tok0 = start + ci * C;
+    const int L = chunk_rows(len, ci);
+    cp_async_core16<C, D>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    cp_async_core16<C, C>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    if (!identity)
+      cp_async_tile<C, D, LDH>(Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D,
+                               p.Hv * D, L);
+    if (want_o && ci >= c_begin) {
+      cp_async_core16<C, D>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+      cp_async_core16<C, C>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    }
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
+      cp_async8(Est(s) + threadIdx.x, p.EG + (tok0 + r) * p.Hv + h);
+    }
+    cp_async_commit();
+  };
+
+  float sacc[16][4];
+  {
+    const float* src = entering_state(p, b);
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = v0 + acc_row(e), key = 8 * jn + acc_col(e);
+        sacc[jn][e] = identity ? (v == key ? 1.f : 0.f) : src ? __ldcg(src + key * D + v) : 0.f;
+      }
+  }
+
+  if (c_first < c_end) issue(c_first, 0);
+  for (int64_t ci = c_first; ci < c_end; ++ci) {
+    const int s = static_cast<int>((ci - c_first) & 1);
+    const int64_t tok0 = start + ci * C;
+    const int L = chunk_rows(len, ci);
+    cp_async_wait<0>();
+    fence_proxy_async();  // this thread's cp.async data, visible to the tensor cores' reads
+    __syncthreads();
+    if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
+    const bool out = want_o && ci >= c_begin;
+    const __half* K = Kst(s);
+    const float2* E = Est(s);
+    const int tc = 2 * (lane & 3);
+
+    uint32_t sa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
+
+    // X^T = S^T K^T and Q S: B = K^T (K-major: token rows, keys contiguous), k16 = 2 key groups
+    float x[8][4] = {}, o[8][4] = {};
+    wgmma_fence();
+    fence_acc(x);
+    fence_acc(o);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_rs_f16<64>(x, sa[kk], f16_core_desc(K + 16 * kk * 8, 128, kRowGroupD), true);
+    if (out) {
+      const __half* Q = Qst(s);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        wgmma_rs_f16<64>(o, sa[kk], f16_core_desc(Q + 16 * kk * 8, 128, kRowGroupD), true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(x);
+    fence_acc(o);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) fence_frag(sa[kk]);
+
+    uint32_t wa[4][4];
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      uint32_t vf[4] = {0u, 0u, 0u, 0u};
+      if (!identity)
+        frag_a16_trans(vf, reinterpret_cast<const __half*>(Vst(s)), LDH, v0, 16 * kt);
+      const In* vt = nullptr;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = 2 * kt + hf;
+        const float2 e0 = E[8 * j + tc], e1 = E[8 * j + tc + 1];
+        const float2 lo = pair_to_float2(vf[2 * hf], vt), hi = pair_to_float2(vf[2 * hf + 1], vt);
+        wa[kt][2 * hf] = pack_half2(lo.x - e0.x * x[j][0], lo.y - e1.x * x[j][1]);
+        wa[kt][2 * hf + 1] = pack_half2(hi.x - e0.x * x[j][2], hi.y - e1.x * x[j][3]);
+      }
+    }
+    // U^T = W'^T (T diag(beta))^T: B K-major on the [r][s] tile (r rows, s contiguous)
+    float u[8][4] = {};
+    wgmma_fence();
+    fence_acc(u);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt)
+      wgmma_rs_f16<64>(u, wa[kt], f16_core_desc(Tst(s) + 16 * kt * 8, 128, kRowGroupC), true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(u);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) fence_frag(wa[kt]);
+
+    uint32_t ua[4][4], ue[4][4];
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      acc_to_a16(ua[kt], u[2 * kt], u[2 * kt + 1]);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = 2 * kt + hf;
+        const float l0 = E[8 * j + tc].y, l1 = E[8 * j + tc + 1].y;
+        ue[kt][2 * hf] = pack_half2(u[j][0] * l0, u[j][1] * l1);
+        ue[kt][2 * hf + 1] = pack_half2(u[j][2] * l0, u[j][3] * l1);
+      }
+    }
+    // S^T <- e^{G_last} S^T + U^T diag(eL) K: B = K N-major (keys contiguous in the core
+    // rows, token groups along k), k16 = 2 token groups; O^T += U^T P^T (P K-major)
+    const float egl = E[C - 1].x;
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
+    if (out) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float e0 = E[8 * j + tc].x, e1 = E[8 * j + tc + 1].x;
+        o[j][0] *= e0;
+        o[j][1] *= e1;
+        o[j][2] *= e0;
+        o[j][3] *= e1;
+      }
+    }
+    wgmma_fence();
+    fence_acc(sacc);
+    fence_acc(o);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt)
+      wgmma_rs_f16<128, true>(sacc, ue[kt], f16_core_desc(K + kt * kTokens16D, kRowGroupD, 128),
+                              true);
+    if (out) {
+      const __half* P = Pst(s);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt)
+        wgmma_rs_f16<64>(o, ua[kt], f16_core_desc(P + 16 * kt * 8, 128, kRowGroupC), true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(sacc);
+    fence_acc(o);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      fence_frag(ue[kt]);
+      fence_frag(ua[kt]);
+    }
+
+    if (out) {
+      const int m = lane >> 3, i = lane & 7;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float sc = p.scale;
+        stmatrix_x4_trans(Ost + (16 * nt + (m >> 1) * 8 + i) * LDO + (m & 1) * 8,
+                          pack_in2<In>(sc * o[2 * nt][0], sc * o[2 * nt][1]),
+                          pack_in2<In>(sc * o[2 * nt][2], sc * o[2 * nt][3]),
+                          pack_in2<In>(sc * o[2 * nt + 1][0], sc * o[2 * nt + 1][1]),
+                          pack_in2<In>(sc * o[2 * nt + 1][2], sc * o[2 * nt + 1][3]));
+      }
+      __syncwarp();
+      In* dst = static_cast<In*>(p.o);
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
+        if (r < L)
+          *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
+              *reinterpret_cast<const uint4*>(Ost + r * LDO + 8 * half);
+      }
+      __syncwarp();
+    }
+  }
+
+  if (float* dst = leaving_state(p, b)) {
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), sacc[jn][e]);
+  }
+}
+
 }  // namespace cuda
 }  // namespace flashgdn

@@ -179,5 +179,58 @@ __device__ __forceinline__ void cp_async_core_tile(float* dst, const float* src,
   }
 }
 
+
+// ---- fp16 operands (m64nNk16, fp32 accumulators), A from registers (the m16n8k16 A fragment
+// layout per warp: warp w of the warpgroup holds rows 16 w ..), B from shared memory through a
+// descriptor; kTransB: B is N-major (its N values contiguous in the core matrices' 16-byte
+// rows) instead of K-major. The core-matrix tile of 16-bit values: 8 rows x 8 values (16
+// bytes a row, 128 bytes a core matrix); f16_core_desc gives the byte offsets between core
+// matrices along K (lbo) and along M or N (sbo), whichever the operand's major mode reads.
+template <int N, bool kTransB = false>
+__device__ __forceinline__ void wgmma_rs_f16(float (&d)[N / 8][4], const uint32_t (&a)[4],
+                                             uint64_t db, bool acc);
+__device__ __forceinline__ uint64_t f16_core_desc(const void* tile, uint32_t lbo, uint32_t sbo) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile));
+  return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
+}
+template <>
+__device__ __forceinline__ void wgmma_rs_f16<64, false>(float (&d)[8][4], const uint32_t (&a)[4],
+                                                    uint64_t db, bool acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(static_cast<int>(acc)));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs_f16<128, true>(float (&d)[16][4], const uint32_t (&a)[4],
+                                                    uint64_t db, bool acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(static_cast<int>(acc)));
+}
+
+// Copies a ROWS x KD 16-bit tile (row r < L from src + r * stride, else zeros) into the
+// core-matrix layout: core matrix (r / 8, k / 8) at 16-byte index 8 ((r / 8) (KD / 8) + k / 8),
+// its row r % 8 at 16 (r % 8) bytes. Piece i (16 bytes) of the destination is row
+// 8 (i / KD) + i % 8, values 8 ((i / 8) % (KD / 8)) ..: eight consecutive threads fill one
+// core matrix, a warp reads 8 rows x 64 bytes.
+template <int ROWS, int KD, typename T>
+__device__ __forceinline__ void cp_async_core16(T* dst, const T* src, int64_t stride, int L) {
+  static_assert(sizeof(T) == 2 && (KD == 64 || KD == 128) && ROWS * KD / 8 % 256 == 0, "tile");
+  constexpr int kPieces = ROWS * KD / 8, kPasses = kPieces / 256;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int i = static_cast<int>(threadIdx.x) + 256 * pass;
+    const int r = 8 * (i / KD) + (i & 7), k = 8 * ((i >> 3) % (KD / 8));
+    cp_async16(dst + 8 * i, r < L ? src + r * stride + k : src, r < L);
+  }
+}
+
 }  // namespace cuda
 }  // namespace flashgdn
