@@ -371,139 +371,145 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
     fence_proxy_async();  // this thread's cp.async data, visible to the tensor cores' reads
     __syncthreads();
     if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
-    const bool out = want_o && ci >= c_begin;
-    const __half* K = Kst(s);
-    const float2* E = Est(s);
-    const int tc = 2 * (lane & 3);
+    // the chunk's work, compiled once with and once without outputs, so that every wgmma
+    // sequence is straight-line code (a conditional one makes ptxas serialise, C7519)
+    auto chunk = [&](auto with_out) {
+      constexpr bool kOut = decltype(with_out)::value;
+      const __half* K = Kst(s);
+      const float2* E = Est(s);
+      const int tc = 2 * (lane & 3);
 
-    uint32_t sa[8][4];
+      uint32_t sa[8][4];
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
+      for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
 
-    // X^T = S^T K^T and Q S: B = K^T (K-major: token rows, keys contiguous), k16 = 2 key groups
-    float x[8][4] = {}, o[8][4] = {};
-    wgmma_fence();
-    fence_acc(x);
-    fence_acc(o);
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-      wgmma_rs_f16<64>(x, sa[kk], f16_core_desc(K + 16 * kk * 8, 128, kRowGroupD), true);
-    if (out) {
-      const __half* Q = Qst(s);
+      // X^T = S^T K^T and Q S: B = K^T (K-major: token rows, keys contiguous), k16 = 2 key groups
+      float x[8][4] = {}, o[8][4] = {};
+      wgmma_fence();
+      fence_acc(x);
+      fence_acc(o);
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk)
-        wgmma_rs_f16<64>(o, sa[kk], f16_core_desc(Q + 16 * kk * 8, 128, kRowGroupD), true);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(x);
-    fence_acc(o);
+        wgmma_rs_f16<64>(x, sa[kk], f16_core_desc(K + 16 * kk * 8, 128, kRowGroupD), true);
+      if constexpr (kOut) {
+        const __half* Q = Qst(s);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) fence_frag(sa[kk]);
+        for (int kk = 0; kk < 8; ++kk)
+          wgmma_rs_f16<64>(o, sa[kk], f16_core_desc(Q + 16 * kk * 8, 128, kRowGroupD), true);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(x);
+      fence_acc(o);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) fence_frag(sa[kk]);
 
-    uint32_t wa[4][4];
+      uint32_t wa[4][4];
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      uint32_t vf[4] = {0u, 0u, 0u, 0u};
-      if (!identity)
-        frag_a16_trans(vf, reinterpret_cast<const __half*>(Vst(s)), LDH, v0, 16 * kt);
-      const In* vt = nullptr;
+      for (int kt = 0; kt < 4; ++kt) {
+        uint32_t vf[4] = {0u, 0u, 0u, 0u};
+        if (!identity)
+          frag_a16_trans(vf, reinterpret_cast<const __half*>(Vst(s)), LDH, v0, 16 * kt);
+        const In* vt = nullptr;
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int j = 2 * kt + hf;
-        const float2 e0 = E[8 * j + tc], e1 = E[8 * j + tc + 1];
-        const float2 lo = pair_to_float2(vf[2 * hf], vt), hi = pair_to_float2(vf[2 * hf + 1], vt);
-        wa[kt][2 * hf] = pack_half2(lo.x - e0.x * x[j][0], lo.y - e1.x * x[j][1]);
-        wa[kt][2 * hf + 1] = pack_half2(hi.x - e0.x * x[j][2], hi.y - e1.x * x[j][3]);
+        for (int hf = 0; hf < 2; ++hf) {
+          const int j = 2 * kt + hf;
+          const float2 e0 = E[8 * j + tc], e1 = E[8 * j + tc + 1];
+          const float2 lo = pair_to_float2(vf[2 * hf], vt), hi = pair_to_float2(vf[2 * hf + 1], vt);
+          wa[kt][2 * hf] = pack_half2(lo.x - e0.x * x[j][0], lo.y - e1.x * x[j][1]);
+          wa[kt][2 * hf + 1] = pack_half2(hi.x - e0.x * x[j][2], hi.y - e1.x * x[j][3]);
+        }
       }
-    }
-    // U^T = W'^T (T diag(beta))^T: B K-major on the [r][s] tile (r rows, s contiguous)
-    float u[8][4] = {};
-    wgmma_fence();
-    fence_acc(u);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt)
-      wgmma_rs_f16<64>(u, wa[kt], f16_core_desc(Tst(s) + 16 * kt * 8, 128, kRowGroupC), true);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(u);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) fence_frag(wa[kt]);
-
-    uint32_t ua[4][4], ue[4][4];
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      acc_to_a16(ua[kt], u[2 * kt], u[2 * kt + 1]);
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int j = 2 * kt + hf;
-        const float l0 = E[8 * j + tc].y, l1 = E[8 * j + tc + 1].y;
-        ue[kt][2 * hf] = pack_half2(u[j][0] * l0, u[j][1] * l1);
-        ue[kt][2 * hf + 1] = pack_half2(u[j][2] * l0, u[j][3] * l1);
-      }
-    }
-    // S^T <- e^{G_last} S^T + U^T diag(eL) K: B = K N-major (keys contiguous in the core
-    // rows, token groups along k), k16 = 2 token groups; O^T += U^T P^T (P K-major)
-    const float egl = E[C - 1].x;
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
-    if (out) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float e0 = E[8 * j + tc].x, e1 = E[8 * j + tc + 1].x;
-        o[j][0] *= e0;
-        o[j][1] *= e1;
-        o[j][2] *= e0;
-        o[j][3] *= e1;
-      }
-    }
-    wgmma_fence();
-    fence_acc(sacc);
-    fence_acc(o);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt)
-      wgmma_rs_f16<128, true>(sacc, ue[kt], f16_core_desc(K + kt * kTokens16D, kRowGroupD, 128),
-                              true);
-    if (out) {
-      const __half* P = Pst(s);
+      // U^T = W'^T (T diag(beta))^T: B K-major on the [r][s] tile (r rows, s contiguous)
+      float u[8][4] = {};
+      wgmma_fence();
+      fence_acc(u);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt)
-        wgmma_rs_f16<64>(o, ua[kt], f16_core_desc(P + 16 * kt * 8, 128, kRowGroupC), true);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(sacc);
-    fence_acc(o);
+        wgmma_rs_f16<64>(u, wa[kt], f16_core_desc(Tst(s) + 16 * kt * 8, 128, kRowGroupC), true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(u);
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      fence_frag(ue[kt]);
-      fence_frag(ua[kt]);
-    }
+      for (int kt = 0; kt < 4; ++kt) fence_frag(wa[kt]);
 
-    if (out) {
-      const int m = lane >> 3, i = lane & 7;
+      uint32_t ua[4][4], ue[4][4];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float sc = p.scale;
-        stmatrix_x4_trans(Ost + (16 * nt + (m >> 1) * 8 + i) * LDO + (m & 1) * 8,
-                          pack_in2<In>(sc * o[2 * nt][0], sc * o[2 * nt][1]),
-                          pack_in2<In>(sc * o[2 * nt][2], sc * o[2 * nt][3]),
-                          pack_in2<In>(sc * o[2 * nt + 1][0], sc * o[2 * nt + 1][1]),
-                          pack_in2<In>(sc * o[2 * nt + 1][2], sc * o[2 * nt + 1][3]));
-      }
-      __syncwarp();
-      In* dst = static_cast<In*>(p.o);
+      for (int kt = 0; kt < 4; ++kt) {
+        acc_to_a16(ua[kt], u[2 * kt], u[2 * kt + 1]);
 #pragma unroll
-      for (int it = 0; it < 4; ++it) {
-        const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
-        if (r < L)
-          *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
-              *reinterpret_cast<const uint4*>(Ost + r * LDO + 8 * half);
+        for (int hf = 0; hf < 2; ++hf) {
+          const int j = 2 * kt + hf;
+          const float l0 = E[8 * j + tc].y, l1 = E[8 * j + tc + 1].y;
+          ue[kt][2 * hf] = pack_half2(u[j][0] * l0, u[j][1] * l1);
+          ue[kt][2 * hf + 1] = pack_half2(u[j][2] * l0, u[j][3] * l1);
+        }
       }
-      __syncwarp();
-    }
+      // S^T <- e^{G_last} S^T + U^T diag(eL) K: B = K N-major (keys contiguous in the core
+      // rows, token groups along k), k16 = 2 token groups; O^T += U^T P^T (P K-major)
+      const float egl = E[C - 1].x;
+#pragma unroll
+      for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
+      if constexpr (kOut) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float e0 = E[8 * j + tc].x, e1 = E[8 * j + tc + 1].x;
+          o[j][0] *= e0;
+          o[j][1] *= e1;
+          o[j][2] *= e0;
+          o[j][3] *= e1;
+        }
+      }
+      wgmma_fence();
+      fence_acc(sacc);
+      fence_acc(o);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt)
+        wgmma_rs_f16<128, true>(sacc, ue[kt], f16_core_desc(K + kt * kTokens16D, kRowGroupD, 128),
+                                true);
+      if constexpr (kOut) {
+        const __half* P = Pst(s);
+#pragma unroll
+        for (int kt = 0; kt < 4; ++kt)
+          wgmma_rs_f16<64>(o, ua[kt], f16_core_desc(P + 16 * kt * 8, 128, kRowGroupC), true);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(sacc);
+      fence_acc(o);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        fence_frag(ue[kt]);
+        fence_frag(ua[kt]);
+      }
+
+      if constexpr (kOut) {
+        const int m = lane >> 3, i = lane & 7;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const float sc = p.scale;
+          stmatrix_x4_trans(Ost + (16 * nt + (m >> 1) * 8 + i) * LDO + (m & 1) * 8,
+                            pack_in2<In>(sc * o[2 * nt][0], sc * o[2 * nt][1]),
+                            pack_in2<In>(sc * o[2 * nt][2], sc * o[2 * nt][3]),
+                            pack_in2<In>(sc * o[2 * nt + 1][0], sc * o[2 * nt + 1][1]),
+                            pack_in2<In>(sc * o[2 * nt + 1][2], sc * o[2 * nt + 1][3]));
+        }
+        __syncwarp();
+        In* dst = static_cast<In*>(p.o);
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
+          if (r < L)
+            *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
+                *reinterpret_cast<const uint4*>(Ost + r * LDO + 8 * half);
+        }
+        __syncwarp();
+      }
+    };
+    if (want_o && ci >= c_begin) chunk(std::true_type{});
+    else chunk(std::false_type{});
   }
 
   if (float* dst = leaving_state(p, b)) {
