@@ -233,6 +233,26 @@ __device__ __forceinline__ void frag_b_kn_f32(uint32_t (&b)[2], const float* x, 
   b[1] = __float_as_uint(kRound ? round_tf32(x1) : x1);
 }
 
+// The cols kernels' transposed state block: warp w holds S^T (or dS^T), value columns
+// v0 + (g, g + 8) (v0 = 16 w) as rows, keys 8 jn + (2t, 2t + 1) as columns, of a 128 x 128 state stored
+// [key][value]. Loaded from src (null: zero) or, with `identity`, the identity; stored to dst.
+__device__ __forceinline__ void load_state_cols(float (&acc)[16][4], const float* src,
+                                                bool identity, int v0) {
+#pragma unroll
+  for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = v0 + acc_row(e), key = 8 * jn + acc_col(e);
+      acc[jn][e] = identity ? (v == key ? 1.f : 0.f) : src ? __ldcg(src + key * 128 + v) : 0.f;
+    }
+}
+__device__ __forceinline__ void store_state_cols(float* dst, const float (&acc)[16][4], int v0) {
+#pragma unroll
+  for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) __stcg(dst + (8 * jn + acc_col(e)) * 128 + v0 + acc_row(e), acc[jn][e]);
+}
+
 // The paired-k tf32 A fragment of one m16n8 fp32 accumulator tile (its 8 columns are the k
 // step), each column pair scaled by f0 (column 2t) and f1 (column 2t + 1).
 __device__ __forceinline__ void acc_to_a_tf32(uint32_t (&a)[4], const float (&c)[4], float f0,

@@ -88,13 +88,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
     const float* src = nullptr;
     if (b.ss.src == SegSource::H0 && p.dht) src = p.dht + (n * p.Hv + h) * D * D;
     if (p.phase == 0 && b.ss.src == SegSource::Exact) src = p.seg_in + (z * p.Hv + h) * D * D;
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = v0 + acc_row(e), key = 8 * jn + acc_col(e);
-        ds[jn][e] = identity ? (v == key ? 1.f : 0.f) : src ? __ldcg(src + key * D + v) : 0.f;
-      }
+    load_state_cols(ds, src, identity, v0);
   }
   if (c_last >= c_begin) {
     issue(c_last, 0);
@@ -109,13 +103,8 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci > c_begin) issue(ci - 1, s ^ 1);
-    if (out) {  // dh: dS leaving chunk ci
-      float* dst = p.dh + ((chunk0 + ci) * p.Hv + h) * D * D;
-#pragma unroll
-      for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), ds[jn][e]);
-    }
+    if (out)  // dh: dS leaving chunk ci
+      store_state_cols(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, ds, v0);
     const In* Q = Qst(s);
     const In* K = Kst(s);
     const float4* F = Fst(s);
@@ -223,12 +212,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
   float* dst = nullptr;
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (j == 0 && p.dh0) dst = p.dh0 + (n * p.Hv + h) * D * D;
-  if (dst) {
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), ds[jn][e]);
-  }
+  if (dst) store_state_cols(dst, ds, v0);
 }
 
 }  // namespace cuda

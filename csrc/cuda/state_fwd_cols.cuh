@@ -42,6 +42,90 @@ __device__ __forceinline__ uint32_t pack_in2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(pair);
 }
 
+// Pieces shared by the cols kernels' chunk steps. A thread's token columns of n8 tile j are
+// 8 j + 2t and 8 j + 2t + 1 (tc = 2t); E holds (e^G, e^{G_last - G}) per token.
+
+// W'^T = V^T - X^T diag(e^G) as fp16 A fragments (k = tokens 16 kt ..): V^T from the padded
+// V tile (ldmatrix.trans: a0 (v g, tokens 2t..), a1 (v g + 8), a2 / a3 tokens + 8), zero for
+// the transition.
+template <typename In>
+__device__ __forceinline__ void w_prime_frags(uint32_t (&wa)[4][4], const float (&x)[8][4],
+                                              const In* V, const float2* E, int v0,
+                                              bool identity) {
+  const int tc = 2 * (lane_id() & 3);
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    uint32_t vf[4] = {0u, 0u, 0u, 0u};
+    if (!identity) frag_a16_trans(vf, reinterpret_cast<const __half*>(V), LDH, v0, 16 * kt);
+    const In* vt = nullptr;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {  // tile 2 kt + hf
+      const int j = 2 * kt + hf;
+      const float2 e0 = E[8 * j + tc], e1 = E[8 * j + tc + 1];
+      const float2 lo = pair_to_float2(vf[2 * hf], vt), hi = pair_to_float2(vf[2 * hf + 1], vt);
+      wa[kt][2 * hf] = pack_half2(lo.x - e0.x * x[j][0], lo.y - e1.x * x[j][1]);
+      wa[kt][2 * hf + 1] = pack_half2(hi.x - e0.x * x[j][2], hi.y - e1.x * x[j][3]);
+    }
+  }
+}
+
+// fp16 A fragments of U^T (for P U) and of U^T diag(e^{G_last - G}) (for the state update).
+__device__ __forceinline__ void u_frags(uint32_t (&ua)[4][4], uint32_t (&ue)[4][4],
+                                        const float (&u)[8][4], const float2* E) {
+  const int tc = 2 * (lane_id() & 3);
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    acc_to_a16(ua[kt], u[2 * kt], u[2 * kt + 1]);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int j = 2 * kt + hf;
+      const float l0 = E[8 * j + tc].y, l1 = E[8 * j + tc + 1].y;
+      ue[kt][2 * hf] = pack_half2(u[j][0] * l0, u[j][1] * l1);
+      ue[kt][2 * hf + 1] = pack_half2(u[j][2] * l0, u[j][3] * l1);
+    }
+  }
+}
+
+// o (O^T tiles) *= e^G of each token column.
+__device__ __forceinline__ void scale_by_eg(float (&o)[8][4], const float2* E) {
+  const int tc = 2 * (lane_id() & 3);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float e0 = E[8 * j + tc].x, e1 = E[8 * j + tc + 1].x;
+    o[j][0] *= e0;
+    o[j][1] *= e1;
+    o[j][2] *= e0;
+    o[j][3] *= e1;
+  }
+}
+
+// O^T out, times p.scale: the warp's tiles transposed by stmatrix into its staging tile Ost
+// [token][ldo] (16 values), then 16-byte rows to o (rows below L).
+template <typename In>
+__device__ __forceinline__ void store_o_cols(const FwdParams& p, const float (&o)[8][4],
+                                             __half* Ost, int ldo, int64_t tok0, int L,
+                                             int64_t h, int v0) {
+  const int lane = lane_id(), m = lane >> 3, i = lane & 7;
+  const float sc = p.scale;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+    stmatrix_x4_trans(Ost + (16 * nt + (m >> 1) * 8 + i) * ldo + (m & 1) * 8,
+                      pack_in2<In>(sc * o[2 * nt][0], sc * o[2 * nt][1]),
+                      pack_in2<In>(sc * o[2 * nt][2], sc * o[2 * nt][3]),
+                      pack_in2<In>(sc * o[2 * nt + 1][0], sc * o[2 * nt + 1][1]),
+                      pack_in2<In>(sc * o[2 * nt + 1][2], sc * o[2 * nt + 1][3]));
+  __syncwarp();
+  In* dst = static_cast<In*>(p.o);
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
+    if (r < L)
+      *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
+          *reinterpret_cast<const uint4*>(Ost + r * ldo + 8 * half);
+  }
+  __syncwarp();
+}
+
 // kRecord: the backward's recomputation (p.h, p.U set); the forward's instantiation has no
 // recording code at all.
 template <typename In, bool kRecord = false>
@@ -91,16 +175,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
 
   // S^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); S is stored [key][value]
   float sacc[16][4];
-  {
-    const float* src = entering_state(p, b);
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = v0 + acc_row(e), key = 8 * jn + acc_col(e);
-        sacc[jn][e] = identity ? (v == key ? 1.f : 0.f) : src ? __ldcg(src + key * D + v) : 0.f;
-      }
-  }
+  load_state_cols(sacc, entering_state(p, b), identity, v0);
 
   if (c_first < c_end) issue(c_first, 0);
   for (int64_t ci = c_first; ci < c_end; ++ci) {
@@ -157,23 +232,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
     // this thread's token columns of tile j: 8 j + 2t, + 1
     const int tc = 2 * (lane & 3);
 
-    // W'^T = V^T - X^T diag(e^G) as fp16 A fragments (k = tokens 16 kt ..)
-    uint32_t wa[4][4];
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      uint32_t vf[4] = {0u, 0u, 0u, 0u};
-      if (!identity)  // V^T fragment: a0 (v g, tokens 2t..), a1 (v g + 8), a2 / a3 tokens + 8
-        frag_a16_trans(vf, reinterpret_cast<const __half*>(Vst(s)), LDH, v0, 16 * kt);
-      const In* vt = nullptr;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {  // tile 2 kt + hf
-        const int j = 2 * kt + hf;
-        const float2 e0 = E[8 * j + tc], e1 = E[8 * j + tc + 1];
-        const float2 lo = pair_to_float2(vf[2 * hf], vt), hi = pair_to_float2(vf[2 * hf + 1], vt);
-        wa[kt][2 * hf] = pack_half2(lo.x - e0.x * x[j][0], lo.y - e1.x * x[j][1]);
-        wa[kt][2 * hf + 1] = pack_half2(hi.x - e0.x * x[j][2], hi.y - e1.x * x[j][3]);
-      }
-    }
+    uint32_t wa[4][4];  // W'^T = V^T - X^T diag(e^G)
+    w_prime_frags(wa, x, Vst(s), E, v0, identity);
     // U^T = W'^T (T diag(beta))^T: T diag(beta) [r][s] is zero for s > r
     float u[8][4] = {};
     {
@@ -198,19 +258,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
           if (r < L) __stcg(p.U + ((tok0 + r) * p.Hv + h) * D + v0 + acc_row(e), u[j][e]);
         }
     }
-    // fp16 A fragments of U^T and of U^T diag(e^{G_last - G})
-    uint32_t ua[4][4], ue[4][4];
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      acc_to_a16(ua[kt], u[2 * kt], u[2 * kt + 1]);
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int j = 2 * kt + hf;
-        const float l0 = E[8 * j + tc].y, l1 = E[8 * j + tc + 1].y;
-        ue[kt][2 * hf] = pack_half2(u[j][0] * l0, u[j][1] * l1);
-        ue[kt][2 * hf + 1] = pack_half2(u[j][2] * l0, u[j][3] * l1);
-      }
-    }
+    uint32_t ua[4][4], ue[4][4];  // U^T and U^T diag(e^{G_last - G})
+    u_frags(ua, ue, u, E);
     // S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K: n8 tiles of keys, k = tokens
     {
       const float egl = E[C - 1].x;
@@ -228,7 +277,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
           mma_f16(sacc[2 * jp + 1], ue[kt], b1);
         }
     }
-    if (out) {  // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory
+    // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory: scale_by_eg and
+    // store_o_cols written out (those helpers change this GPU-tested kernel's integer address
+    // arithmetic; to be called here once it has run again)
+    if (out) {
       const __half* P = Pst(s);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -273,13 +325,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   }
 
   // the state leaving the segment: the final state, or this block's summary
-  if (float* dst = leaving_state(p, b)) {
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), sacc[jn][e]);
-  }
+  if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
 }
 
 
@@ -325,7 +371,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
   auto Pst = [&](int s) { return Tst(s) + C * C; };
   auto Vst = [&](int s) { return reinterpret_cast<In*>(Pst(s) + C * C); };
   auto Est = [&](int s) { return reinterpret_cast<float2*>(Vst(s) + C * LDH); };
-  const int warp = threadIdx.x >> 5, lane = lane_id();
+  const int warp = threadIdx.x >> 5;
   __half* Ost = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage) + warp * C * LDO;
   const int v0 = 16 * warp;
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
@@ -351,16 +397,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
   };
 
   float sacc[16][4];
-  {
-    const float* src = entering_state(p, b);
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = v0 + acc_row(e), key = 8 * jn + acc_col(e);
-        sacc[jn][e] = identity ? (v == key ? 1.f : 0.f) : src ? __ldcg(src + key * D + v) : 0.f;
-      }
-  }
+  load_state_cols(sacc, entering_state(p, b), identity, v0);
 
   if (c_first < c_end) issue(c_first, 0);
   for (int64_t ci = c_first; ci < c_end; ++ci) {
@@ -377,7 +414,6 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
       constexpr bool kOut = decltype(with_out)::value;
       const __half* K = Kst(s);
       const float2* E = Est(s);
-      const int tc = 2 * (lane & 3);
 
       uint32_t sa[8][4];
 #pragma unroll
@@ -404,22 +440,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) fence_frag(sa[kk]);
 
-      uint32_t wa[4][4];
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        uint32_t vf[4] = {0u, 0u, 0u, 0u};
-        if (!identity)
-          frag_a16_trans(vf, reinterpret_cast<const __half*>(Vst(s)), LDH, v0, 16 * kt);
-        const In* vt = nullptr;
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int j = 2 * kt + hf;
-          const float2 e0 = E[8 * j + tc], e1 = E[8 * j + tc + 1];
-          const float2 lo = pair_to_float2(vf[2 * hf], vt), hi = pair_to_float2(vf[2 * hf + 1], vt);
-          wa[kt][2 * hf] = pack_half2(lo.x - e0.x * x[j][0], lo.y - e1.x * x[j][1]);
-          wa[kt][2 * hf + 1] = pack_half2(hi.x - e0.x * x[j][2], hi.y - e1.x * x[j][3]);
-        }
-      }
+      uint32_t wa[4][4];  // W'^T = V^T - X^T diag(e^G)
+      w_prime_frags(wa, x, Vst(s), E, v0, identity);
       // U^T = W'^T (T diag(beta))^T: B K-major on the [r][s] tile (r rows, s contiguous)
       float u[8][4] = {};
       wgmma_fence();
@@ -433,18 +455,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) fence_frag(wa[kt]);
 
-      uint32_t ua[4][4], ue[4][4];
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        acc_to_a16(ua[kt], u[2 * kt], u[2 * kt + 1]);
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int j = 2 * kt + hf;
-          const float l0 = E[8 * j + tc].y, l1 = E[8 * j + tc + 1].y;
-          ue[kt][2 * hf] = pack_half2(u[j][0] * l0, u[j][1] * l1);
-          ue[kt][2 * hf + 1] = pack_half2(u[j][2] * l0, u[j][3] * l1);
-        }
-      }
+      uint32_t ua[4][4], ue[4][4];  // U^T and U^T diag(e^{G_last - G})
+      u_frags(ua, ue, u, E);
       // S^T <- e^{G_last} S^T + U^T diag(eL) K: B = K N-major (keys contiguous in the core
       // rows, token groups along k), k16 = 2 token groups; O^T += U^T P^T (P K-major)
       const float egl = E[C - 1].x;
@@ -452,16 +464,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
       for (int jn = 0; jn < 16; ++jn)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
-      if constexpr (kOut) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float e0 = E[8 * j + tc].x, e1 = E[8 * j + tc + 1].x;
-          o[j][0] *= e0;
-          o[j][1] *= e1;
-          o[j][2] *= e0;
-          o[j][3] *= e1;
-        }
-      }
+      if constexpr (kOut) scale_by_eg(o, E);
       wgmma_fence();
       fence_acc(sacc);
       fence_acc(o);
@@ -485,40 +488,13 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
         fence_frag(ua[kt]);
       }
 
-      if constexpr (kOut) {
-        const int m = lane >> 3, i = lane & 7;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const float sc = p.scale;
-          stmatrix_x4_trans(Ost + (16 * nt + (m >> 1) * 8 + i) * LDO + (m & 1) * 8,
-                            pack_in2<In>(sc * o[2 * nt][0], sc * o[2 * nt][1]),
-                            pack_in2<In>(sc * o[2 * nt][2], sc * o[2 * nt][3]),
-                            pack_in2<In>(sc * o[2 * nt + 1][0], sc * o[2 * nt + 1][1]),
-                            pack_in2<In>(sc * o[2 * nt + 1][2], sc * o[2 * nt + 1][3]));
-        }
-        __syncwarp();
-        In* dst = static_cast<In*>(p.o);
-#pragma unroll
-        for (int it = 0; it < 4; ++it) {
-          const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
-          if (r < L)
-            *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
-                *reinterpret_cast<const uint4*>(Ost + r * LDO + 8 * half);
-        }
-        __syncwarp();
-      }
+      if constexpr (kOut) store_o_cols<In>(p, o, Ost, LDO, tok0, L, h, v0);
     };
     if (want_o && ci >= c_begin) chunk(std::true_type{});
     else chunk(std::false_type{});
   }
 
-  if (float* dst = leaving_state(p, b)) {
-#pragma unroll
-    for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), sacc[jn][e]);
-  }
+  if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
 }
 
 }  // namespace cuda
