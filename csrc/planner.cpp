@@ -40,6 +40,15 @@ SegmentPlan with_length(const SegmentQuery& q, int64_t seg, int col_block) {
   return p;
 }
 
+// The shortest segment length any allowed column block tries (kMinSegChunks with column
+// block 128, else the first power of two after it).
+int64_t shortest_candidate(const SegmentQuery& q) {
+  int64_t seg = kMinSegChunks;
+  while (!q.allow_cols && !seg_candidate_for(32, seg, longest_chunks(q)))
+    seg = next_seg_candidate(seg);
+  return seg;
+}
+
 // The cost model's estimate for plan p (csrc/planner.h), lengths as the host sees them.
 double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCost& c) {
   LoadStats s;
@@ -86,7 +95,8 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& c
     SegmentPlan u = unsplit(q, bw);
     u.est_us = estimate_us(q, u, cost);
     if (u.est_us < best_unsplit.est_us) best_unsplit = u;
-    for (int64_t seg = kMinSegChunks; seg < longest; seg *= 2) {
+    for (int64_t seg = kMinSegChunks; seg < longest; seg = next_seg_candidate(seg)) {
+      if (!seg_candidate_for(bw, seg, longest)) continue;
       SegmentPlan s = with_length(q, seg, bw);
       if (!s.split) continue;
       s.est_us = estimate_us(q, s, cost);
@@ -98,7 +108,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& c
     if (q.fixed_chunks < 0 && q.N > 1) {
       // varlen: the estimate took the total as the longest sequence; size the grids for the
       // shortest segments and let the device choose from the actual lengths
-      SegmentPlan d = with_length(q, kMinSegChunks, best_split.col_block);
+      SegmentPlan d = with_length(q, shortest_candidate(q), best_split.col_block);
       d.est_us = best_split.est_us;
       d.device_choice = true;
       d.device_col_block = lengths_unknown;

@@ -88,6 +88,12 @@ struct LoadStats {
   double longest = 0, total = 0, segs = 0, max_segs_per_seq = 1;
 };
 
+// Smallest integer >= x, for x >= 0 (host and device).
+inline FLASHGDN_HD double ceil_pos(double x) {
+  const double f = static_cast<double>(static_cast<long long>(x));
+  return f < x ? f + 1.0 : f;
+}
+
 // Estimated time (us) of the state pass with column block bw, split into segments of seg
 // chunks (seg = 0: unsplit): per launch, the larger of the critical path and the
 // block-steps spread over the SMs; split plans add the summary pass and the combine.
@@ -98,7 +104,14 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
   const double work = s.total * heads * cbn * t / nsm;
   if (seg <= 0) return s.longest * t > work ? s.longest * t : work;
   const double len = seg < s.longest ? seg : s.longest;
-  const double crit0 = (len + c.warm_chunks) * t;
+  double crit0 = (len + c.warm_chunks) * t;
+  if (bw == 128) {
+    // one block of 128 columns per SM (255 registers a thread): the segments run in waves
+    // of nsm blocks, each wave as long as a full segment (packed sequences: counted as the
+    // equivalent number of full segments)
+    const double blocks = ceil_pos(s.total / len) * heads;
+    crit0 *= blocks > nsm ? ceil_pos(blocks / nsm) : 1.0;
+  }
   const double work0 = (s.total + c.warm_chunks * s.segs) * heads * cbn * t / nsm;
   const double ts = t * c.summary_factor;
   const double crit1 = len * ts, work1 = c.exact_share * 2.0 * work * c.summary_factor;
@@ -107,8 +120,24 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
 }
 
 // Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a
-// small part of a segment's work.
-constexpr int64_t kMinSegChunks = 32;
+// small part of a segment's work. (Measured at 2/8 x 8192, column block 128: segments of
+// 24 chunks 0.286 ms, 32 0.321, 16 0.311.)
+constexpr int64_t kMinSegChunks = 24;
+
+// The segment lengths Auto mode tries, from kMinSegChunks up: 24, 32, 48, 64, 96, 128, ...
+// (steps of 4/3 and 3/2, so that plans of one block per SM can fill their last wave).
+inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
+  return seg % 3 == 0 ? seg / 3 * 4 : seg / 2 * 3;
+}
+
+// Whether column block bw tries segments of seg chunks when the longest sequence has
+// `longest` chunks: 16 and 32 (several blocks per SM, measured at 32, 64, 128, ...) the
+// powers of two; 128 every candidate, those below 32 chunks (where the model's warm-up and
+// combine terms matter most) only for sequences of 128+ chunks, where they were measured.
+inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest) {
+  if (bw != 128) return (seg & (seg - 1)) == 0;
+  return seg >= 32 || longest >= 128;
+}
 
 SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost = ForwardCost{});
 

@@ -269,6 +269,11 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   q.N = p.N;
   q.total_chunks = p.max_chunks();
   q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
+  if (p.varlen() && p.N == 1) {
+    // one packed sequence holds every token (plan_kernel checks cu_seqlens = [0, T]): its
+    // length is known exactly, which the wave count of the cost model needs
+    q.fixed_chunks = q.total_chunks = (p.TT + C - 1) / C;
+  }
   q.Hv = p.Hv;
   q.sms = sm_count(p.device_id);
   q.mode = cp_mode_from_env();

@@ -27,7 +27,8 @@ namespace cuda {
 constexpr int kPlanThreads = 1024;
 
 // The device's choice of segment length (varlen, SegmentPlan::device_choice): the cost
-// model of csrc/planner.h on the actual lengths, over unsplit and min_seg, 2 min_seg, ...
+// model of csrc/planner.h on the actual lengths, over unsplit and min_seg and the longer
+// candidates after it (next_seg_candidate)
 struct DeviceSegChoice {
   ForwardCost cost;
   double heads = 0;
@@ -99,7 +100,8 @@ __global__ void __launch_bounds__(kPlanThreads)
     }
     int64_t best_seg = carry + 1;
     const double bar = (1.0 - choice.cost.min_gain) * best;
-    for (int64_t seg = choice.min_seg; choice.allow_split && seg > 0 && seg < longest; seg *= 2) {
+    for (int64_t seg = choice.min_seg; choice.allow_split && seg > 0 && seg < longest;
+         seg = next_seg_candidate(seg)) {
       int64_t segs = 0;
       for (int64_t n = threadIdx.x; n < s.N; n += kPlanThreads) {
         const int64_t c = chunks_of(n);
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(kPlanThreads)
       st.segs = static_cast<double>(seg_shared);
       st.max_segs_per_seq = static_cast<double>(segments_of(longest, seg));
       for (int bw : bws) {
-        if (!candidate(bw)) continue;
+        if (!candidate(bw) || !seg_candidate_for(bw, seg, longest)) continue;
         const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms, bw,
                                                 static_cast<double>(seg));
         if (t < bar && t < best) best = t, best_seg = seg, best_bw = bw;
