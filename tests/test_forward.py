@@ -141,6 +141,30 @@ def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("cp", ["off", "on"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cols_paired_b_fragments_bit_identical(monkeypatch, cp: str, dtype: torch.dtype):
+    """FLASHGDN_COLS_PAIRED=1 loads state_fwd_cols_kernel's B fragments with frag_b16_pair
+    (the same ldmatrix addresses, fragments in consecutive registers): every product gets
+    the same operands, so outputs and final states equal the default kernel's bit for bit,
+    with and without segments (warm-ups, summaries, exact states of g == 0 heads)."""
+    case = Case("paired", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
+    inp = make_inputs(case, "cuda", seed=29)
+    monkeypatch.setenv("FLASHGDN_FWD_BW", "128")
+    monkeypatch.setenv("FLASHGDN_CP", cp)
+    if cp == "on":
+        monkeypatch.setenv("FLASHGDN_CP_SEG", "3")
+    o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    monkeypatch.setenv("FLASHGDN_COLS_PAIRED", "1")
+    o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    ro, rh = reference(inp)
+    print(f"  CP {cp} {dtype}: paired o {rel_err(o2, ro):.2e} state {rel_err(ht2, rh):.2e}")
+    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_unknown_forward_pass_is_an_error(monkeypatch):
     inp = make_inputs(Case("bad", [100], 1, 2), "cuda", seed=2)
     monkeypatch.setenv("FLASHGDN_FWD_PASS", "fp8")

@@ -315,10 +315,17 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
   check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
 }
 
-// FLASHGDN_COLS_WGMMA=1 (opt-in, not yet run on a GPU): the forward's 128-column pass on
-// warpgroup tensor cores (state_fwd_cols_wg_kernel).
+// FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
+// forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
 bool cols_wgmma() {
   const char* v = std::getenv("FLASHGDN_COLS_WGMMA");
+  return v != nullptr && std::atoi(v) == 1;
+}
+
+// FLASHGDN_COLS_PAIRED=1 (opt-in, not yet run on a GPU): state_fwd_cols_kernel with its B
+// fragments in consecutive registers (kPairedB), for the forward.
+bool cols_paired() {
+  const char* v = std::getenv("FLASHGDN_COLS_PAIRED");
   return v != nullptr && std::atoi(v) == 1;
 }
 
@@ -329,6 +336,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   std::call_once(once, [] {
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
+    set_smem(state_fwd_cols_kernel<In, false, true>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
   const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
@@ -337,6 +345,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(f);
   else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
     state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
+  else if (cols_paired())
+    state_fwd_cols_kernel<In, false, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
   else
     state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");

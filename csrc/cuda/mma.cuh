@@ -170,6 +170,19 @@ __device__ __forceinline__ void frag_a16_trans(uint32_t (&a)[4], const __half* s
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(smem_addr(p)));
 }
+// B fragments of B(k, n) = X[n][k] (a tile stored [n][k], k contiguous, e.g. K for K^T),
+// k0..k0+15, columns n0..n0+7 (b0) and n0+8..n0+15 (b1). The same addresses per 8 x 8
+// matrix as frag_a16 on rows n0..n0+15, with matrices 1 and 2 swapped so that each B
+// fragment lands in two consecutive registers (frag_a16's a0, a2 / a1, a3 pairs cost ptxas
+// a register move each before the mma).
+__device__ __forceinline__ void frag_b16_pair(uint32_t (&b0)[2], uint32_t (&b1)[2],
+                                              const __half* s, int ld, int n0, int k0) {
+  const int l = lane_id();
+  const __half* p = s + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1])
+               : "r"(smem_addr(p)));
+}
 // B fragments of B(k, n) = X[k][n] (a tile stored [k][n], n contiguous), k0..k0+15:
 // columns n0..n0+7 (x2) or n0..n0+7 and n0+8..n0+15 (x4: b0 then b1).
 __device__ __forceinline__ void frag_b16_trans(uint32_t (&b)[2], const __half* s, int ld, int n0,
