@@ -56,6 +56,10 @@ class Design:
     # T_raw stored in format t, U = (Dec . T_raw . beta) (V - diag(e^G) K S) with both
     # operands of that product in format u, K S with S in format s_ws
     wy_free: bool = False
+    # format of the operands of the inverse's off-diagonal block products (wy_kernel's block
+    # rows: X_ij = sum_k A_ik T_kj, T_ij = -T_ii X_ij), "f64" for an exact inverse; the 16 x 16
+    # diagonal blocks always by fp32 substitution
+    inv: str = "f64"
 
 
 DESIGNS = (
@@ -73,7 +77,38 @@ DESIGNS = (
            t="f16", wy_free=True),
     Design("W/U0-free, bf16 (FlashQLA-like)", "-", "-", "bf16", "bf16", "bf16", "bf16",
            t="bf16", wy_free=True),
+    # the inverse's block products on tensor cores (a wy_kernel design question, perf-notes
+    # version 15): fp32 today ("f32"), tf32 or fp16 operands with fp32 accumulation
+    Design("default, inverse blocks fp32 (as wy_kernel)", "-", "-", "f16", "f16", "f16", "f16",
+           t="f16", wy_free=True, inv="f32"),
+    Design("default, inverse blocks tf32", "-", "-", "f16", "f16", "f16", "f16",
+           t="f16", wy_free=True, inv="tf32"),
+    Design("default, inverse blocks fp16", "-", "-", "f16", "f16", "f16", "f16",
+           t="f16", wy_free=True, inv="f16"),
 )
+
+
+def block_inverse(A: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A as wy_kernel forms it: 16 x 16 diagonal
+    blocks by fp32 substitution, then block rows i = 1, 2, 3: X_ij = sum_{k=j}^{i-1} A_ik T_kj
+    and T_ij = -T_ii X_ij with operands rounded to fmt and fp32 results."""
+    n, B = A.shape[0], 16
+    if fmt == "f64":
+        return torch.linalg.inv(torch.eye(n, dtype=F64) + A)
+    f32 = lambda x: rnd(x, "f32")  # noqa: E731
+    T = torch.zeros_like(A)
+    nb = (n + B - 1) // B
+    for i in range(nb):
+        r0, r1 = i * B, min(n, (i + 1) * B)
+        Ti = torch.zeros(r1 - r0, r1 - r0, dtype=F64)
+        for r in range(r1 - r0):  # substitution, fp32 per step
+            Ti[r] = f32(torch.eye(r1 - r0, dtype=F64)[r] - A[r0 + r, r0:r0 + r] @ Ti[:r])
+        T[r0:r1, r0:r1] = Ti
+    for i in range(1, nb):
+        r0, r1 = i * B, min(n, (i + 1) * B)
+        X = f32(rnd(A[r0:r1, :r0], fmt) @ rnd(T[:r0, :r0], fmt))
+        T[r0:r1, :r0] = -f32(rnd(T[r0:r1, r0:r1], fmt) @ rnd(X, fmt))
+    return T
 
 
 def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
@@ -93,7 +128,7 @@ def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
         P = rnd(f32(Q @ K.T) * dec, d.p)
         if d.wy_free:
             A0 = f32(torch.tril(b[:, None] * f32(K @ K.T), -1))
-            Traw = rnd(f32(torch.linalg.inv(torch.eye(n, dtype=F64) + A0)), d.t)
+            Traw = rnd(f32(block_inverse(A0, d.inv)), d.t)
             Ag = rnd(f32(Traw * dec * b[None, :]), d.u)
             Wp = rnd(f32(V - torch.exp(G)[:, None] * f32(K @ rnd(S, d.s_ws))), d.u)
             U = f32(Ag @ Wp)
