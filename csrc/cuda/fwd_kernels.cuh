@@ -127,6 +127,59 @@ __device__ __forceinline__ int64_t block_linear() {
 // ---------------------------------------------------------------------------------------
 // wy_kernel
 
+constexpr int kXsLd = 9;  // inverse_block_rows_tc's per-warp scratch [16][9] floats
+
+// The block rows of T = (I + A)^-1 (A strictly lower triangular, fp32 [C][LDA] in As, the
+// 16 x 16 diagonal blocks of T already in Ts and the blocks above them zero) on TF32
+// mma.sync, fp32 accumulation: for block rows i = 1, 2, 3 in turn, warp w < 2 i takes the
+// 8 columns c0 = 8 w (block column j = w / 2) and forms
+//   X = sum_{k=j}^{i-1} A_ik T_kj[:, c0..c0+8)   (16 x 8, k steps of 8 over rows 16 j .. 16 i)
+//   T_ij[:, c0..c0+8) = -T_ii X                  (X through the warp's scratch xs: the
+//                                                  accumulator layout is not a B fragment)
+// One barrier per block row. Operands rounded to tf32 (bench/precision_study.py "inverse
+// blocks tf32": o and state errors as with fp32 products).
+__device__ __forceinline__ void inverse_block_rows_tc(const float* As, float* Ts, float* xs) {
+  constexpr int B = 16;
+  const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3;
+  // B fragment of B(k, n) = M[k][n] (fp32, n contiguous) in the paired-k convention
+  auto frag_b_kn = [&](uint32_t(&b)[2], const float* m, int ld, int n0, int k0) {
+    b[0] = __float_as_uint(round_tf32(m[(k0 + 2 * t) * ld + n0 + g]));
+    b[1] = __float_as_uint(round_tf32(m[(k0 + 2 * t + 1) * ld + n0 + g]));
+  };
+#pragma unroll
+  for (int bi = 1; bi < C / B; ++bi) {
+    if (warp < 2 * bi) {
+      const int c0 = 8 * warp, bj = warp / 2, r0 = B * bi;
+      float x[4] = {};
+      for (int k0 = B * bj; k0 < r0; k0 += 8) {
+        uint32_t a[4], b[2];
+        frag_a_rna(a, As, LDA, r0, k0);
+        frag_b_kn(b, Ts, LDA, c0, k0);
+        mma_tf32(x, a, b);
+      }
+      xs[g * kXsLd + 2 * t] = x[0];
+      xs[g * kXsLd + 2 * t + 1] = x[1];
+      xs[(g + 8) * kXsLd + 2 * t] = x[2];
+      xs[(g + 8) * kXsLd + 2 * t + 1] = x[3];
+      __syncwarp();
+      float y[4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < B; k0 += 8) {
+        uint32_t a[4], b[2];
+        frag_a_rna(a, Ts, LDA, r0, r0 + k0);
+        frag_b_kn(b, xs, kXsLd, 0, k0);
+        mma_tf32(y, a, b);
+      }
+      __syncwarp();  // xs is rewritten in the next block row
+      Ts[(r0 + g) * LDA + c0 + 2 * t] = -y[0];
+      Ts[(r0 + g) * LDA + c0 + 2 * t + 1] = -y[1];
+      Ts[(r0 + g + 8) * LDA + c0 + 2 * t] = -y[2];
+      Ts[(r0 + g + 8) * LDA + c0 + 2 * t + 1] = -y[3];
+    }
+    __syncthreads();
+  }
+}
+
 // kFree: no V tile and no T diag(beta) tile (70 KB, 3 blocks per SM), else 105 KB (2 per SM)
 template <bool kFree>
 constexpr size_t kWySmem =
@@ -134,7 +187,9 @@ constexpr size_t kWySmem =
 
 // kFree (the default f16 pass): T diag(beta) goes out as fp16 (Tv16) instead of W and U0,
 // which are never formed (the state pass builds U from V, K S and Tv16), so v is not read.
-template <typename In, bool kFree = false>
+// kTcInv (FLASHGDN_WY_TC=1, with kFree; not yet run on a GPU): the inverse's block rows on
+// TF32 mma.sync (inverse_block_rows_tc) instead of the fp32 loops of all 256 threads.
+template <typename In, bool kFree = false, bool kTcInv = false>
 __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
@@ -277,6 +332,10 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
       if (c / B > r / B) Ts[r * LDA + c] = 0.f;
     }
     __syncthreads();
+    if constexpr (kTcInv) {
+      // Qs is free once Q K^T is formed: each warp's 16 x 8 scratch for X
+      inverse_block_rows_tc(As, Ts, reinterpret_cast<float*>(Qs) + warp * 16 * kXsLd);
+    } else {
     static_assert((C / B - 1) * B * B <= 3 * NT, "three X values per thread at most");
 #pragma unroll
     for (int bi = 1; bi < C / B; ++bi) {
@@ -309,6 +368,7 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
       }
       __syncthreads();
     }
+    }  // kTcInv
   }
   // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
   {  // each thread keeps one column s, so its factors are computed once

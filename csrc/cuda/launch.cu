@@ -360,16 +360,26 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
+// FLASHGDN_WY_TC=1 (opt-in, not yet run on a GPU): wy_kernel's inverse block rows on TF32
+// tensor cores (kTcInv), for the default (W/U0-free) pass.
+bool wy_tc() {
+  const char* v = std::getenv("FLASHGDN_WY_TC");
+  return v != nullptr && std::atoi(v) == 1;
+}
+
 template <typename In>
 void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(wy_kernel<In>, kWySmem<false>);
     set_smem(wy_kernel<In, true>, kWySmem<true>);
+    set_smem(wy_kernel<In, true, true>, kWySmem<true>);
   });
   if (p.max_chunks() == 0) return;
   const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv));
-  if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
+  if (f.Tv16 != nullptr && wy_tc())
+    wy_kernel<In, true, true><<<grid, NT, kWySmem<true>, st>>>(f);
+  else if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
   else wy_kernel<In><<<grid, NT, kWySmem<false>, st>>>(f);
   check_cuda(cudaGetLastError(), "wy_kernel launch");
 }
