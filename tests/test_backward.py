@@ -196,17 +196,19 @@ def test_reverse_pass_cols_kernel(monkeypatch, cp: str, dtype: torch.dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("level", ["1", "2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_wy_inverse_on_tensor_cores_backward(monkeypatch, dtype: torch.dtype):
-    """FLASHGDN_WY_TC=1: wy_kernel forms T's block rows on TF32 mma.sync; the backward reads
-    that T (its recomputation runs wy_kernel): every gradient as accurate as the default's
-    against the float64 reference and within TF32 rounding of it."""
+def test_wy_inverse_on_tensor_cores_backward(monkeypatch, level: str, dtype: torch.dtype):
+    """FLASHGDN_WY_TC=1 (T's block rows on TF32 mma.sync) and =2 (also K K^T, Q K^T on
+    16-bit m16n8k16): the backward reads that T and P (its recomputation runs wy_kernel):
+    every gradient as accurate as the default's against the float64 reference and within
+    TF32 rounding of it."""
     case = Case("wy_tc", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
     names, dflt, refs, _ = run_grads(case, "cuda", seed=43)
-    monkeypatch.setenv("FLASHGDN_WY_TC", "1")
+    monkeypatch.setenv("FLASHGDN_WY_TC", level)
     _, tc, _, _ = run_grads(case, "cuda", seed=43)
     for n, a, b, r in zip(names, tc, dflt, refs):
         e_t, e_d = rel_err(a, r), rel_err(b, r)
-        print(f"  {dtype}: d{n} wy_tc {e_t:.2e}, default {e_d:.2e}")
+        print(f"  level {level} {dtype}: d{n} wy_tc {e_t:.2e}, default {e_d:.2e}")
         assert e_t < max(1.2 * e_d, 2e-3), f"d{n}: wy_tc {e_t:.3e} vs default {e_d:.3e}"
         assert rel_err(a, b.double()) < 2e-3, f"d{n}: wy_tc and default differ"

@@ -165,26 +165,29 @@ def test_cols_paired_b_fragments_bit_identical(monkeypatch, cp: str, dtype: torc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("level", ["1", "2"])
 @pytest.mark.parametrize("cp", ["off", "on"])
 @pytest.mark.parametrize("gate", ["normal", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_wy_inverse_on_tensor_cores(monkeypatch, cp: str, gate: str, dtype: torch.dtype):
+def test_wy_inverse_on_tensor_cores(monkeypatch, level: str, cp: str, gate: str,
+                                    dtype: torch.dtype):
     """FLASHGDN_WY_TC=1: wy_kernel forms the block rows of T = (I + A)^-1 on TF32 mma.sync
-    (bench/precision_study.py "inverse blocks tf32": the same errors as fp32 products). o
-    and the final state as accurate as the default's against the float64 reference and
-    within TF32 rounding of it; also the warm-up bounds the inverse does not touch (CP on)."""
+    (bench/precision_study.py "inverse blocks tf32": the same errors as fp32 products); =2
+    also K K^T and Q K^T on 16-bit m16n8k16. o and the final state as accurate as the
+    default's against the float64 reference and within TF32 rounding of it; with CP on,
+    also the warm-up bounds (from |k|^2 on the diagonal of K K^T)."""
     case = Case("wy_tc", [700, 1300, 64, 1], 2, 8, gate=gate, dtype=dtype)
     inp = make_inputs(case, "cuda", seed=37)
     monkeypatch.setenv("FLASHGDN_CP", cp)
     if cp == "on":
         monkeypatch.setenv("FLASHGDN_CP_SEG", "3")
     o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    monkeypatch.setenv("FLASHGDN_WY_TC", "1")
+    monkeypatch.setenv("FLASHGDN_WY_TC", level)
     o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     o3, ht3 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     ro, rh = reference(inp)
     e_o, e_h, d_o, d_h = rel_err(o2, ro), rel_err(ht2, rh), rel_err(o, ro), rel_err(ht, rh)
-    print(f"  CP {cp} {gate} {dtype}: wy_tc o {e_o:.2e} state {e_h:.2e}; "
+    print(f"  level {level} CP {cp} {gate} {dtype}: wy_tc o {e_o:.2e} state {e_h:.2e}; "
           f"default o {d_o:.2e} state {d_h:.2e}")
     assert torch.equal(o2, o3) and torch.equal(ht2, ht3), "two wy_tc runs differ"
     assert e_o < O_TOL and e_h < STATE_TOL

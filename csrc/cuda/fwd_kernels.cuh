@@ -187,9 +187,12 @@ constexpr size_t kWySmem =
 
 // kFree (the default f16 pass): T diag(beta) goes out as fp16 (Tv16) instead of W and U0,
 // which are never formed (the state pass builds U from V, K S and Tv16), so v is not read.
-// kTcInv (FLASHGDN_WY_TC=1, with kFree; not yet run on a GPU): the inverse's block rows on
-// TF32 mma.sync (inverse_block_rows_tc) instead of the fp32 loops of all 256 threads.
-template <typename In, bool kFree = false, bool kTcInv = false>
+// kTcInv (FLASHGDN_WY_TC=1 or 2, with kFree; not yet run on a GPU): the inverse's block
+// rows on TF32 mma.sync (inverse_block_rows_tc) instead of the fp32 loops of all 256
+// threads. kMma16 (FLASHGDN_WY_TC=2, with kTcInv): K K^T and Q K^T on m16n8k16 in the
+// inputs' own type (ldmatrix fragments, half the mma of TF32, no widening; the products of
+// 16-bit values are exact in both, only the fp32 accumulation order differs).
+template <typename In, bool kFree = false, bool kTcInv = false, bool kMma16 = false>
 __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
@@ -256,6 +259,26 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
   {
     const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
     float kk[4][4] = {}, qk[4][4] = {};
+    if constexpr (kMma16) {
+      // ldmatrix moves bits: the 16-bit tiles are read through __half pointers
+      const __half* Kh = reinterpret_cast<const __half*>(Ks);
+      const __half* Qh = reinterpret_cast<const __half*>(Qs);
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t ak[4], aq[4];
+        frag_a16(ak, Kh, LDH, m0, k0);
+        frag_a16(aq, Qh, LDH, m0, k0);
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp) {  // B(k, n) = K[n][k]: columns n0 + 16 jp .. + 16
+          uint32_t b0[2], b1[2];
+          frag_b16_pair(b0, b1, Kh, LDH, n0 + 16 * jp, k0);
+          mma_16(kk[2 * jp], ak, b0, Ks);
+          mma_16(kk[2 * jp + 1], ak, b1, Ks);
+          mma_16(qk[2 * jp], aq, b0, Ks);
+          mma_16(qk[2 * jp + 1], aq, b1, Ks);
+        }
+      }
+    } else {
 #pragma unroll 4
     for (int k0 = 0; k0 < D; k0 += 8) {
       uint32_t ak[4], aq[4];
@@ -269,6 +292,7 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
         mma_tf32(qk[j], aq, b);
       }
     }
+    }  // kMma16
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll

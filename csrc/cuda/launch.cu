@@ -361,10 +361,12 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
 }
 
 // FLASHGDN_WY_TC=1 (opt-in, not yet run on a GPU): wy_kernel's inverse block rows on TF32
-// tensor cores (kTcInv), for the default (W/U0-free) pass.
-bool wy_tc() {
+// tensor cores (kTcInv), for the default (W/U0-free) pass; =2 also its K K^T and Q K^T on
+// 16-bit m16n8k16 (kMma16). 0 when unset.
+int wy_tc() {
   const char* v = std::getenv("FLASHGDN_WY_TC");
-  return v != nullptr && std::atoi(v) == 1;
+  const int level = v != nullptr ? std::atoi(v) : 0;
+  return level == 1 || level == 2 ? level : 0;
 }
 
 template <typename In>
@@ -374,10 +376,14 @@ void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
     set_smem(wy_kernel<In>, kWySmem<false>);
     set_smem(wy_kernel<In, true>, kWySmem<true>);
     set_smem(wy_kernel<In, true, true>, kWySmem<true>);
+    set_smem(wy_kernel<In, true, true, true>, kWySmem<true>);
   });
   if (p.max_chunks() == 0) return;
   const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv));
-  if (f.Tv16 != nullptr && wy_tc())
+  const int tc = f.Tv16 != nullptr ? wy_tc() : 0;
+  if (tc == 2)
+    wy_kernel<In, true, true, true><<<grid, NT, kWySmem<true>, st>>>(f);
+  else if (tc == 1)
     wy_kernel<In, true, true><<<grid, NT, kWySmem<true>, st>>>(f);
   else if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
   else wy_kernel<In><<<grid, NT, kWySmem<false>, st>>>(f);

@@ -147,6 +147,25 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// d += a b, m16n8k16, bf16 inputs, fp32 accumulators (same fragment layout as mma_f16)
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// m16n8k16 on the inputs' own 16-bit type (products exact, fp32 accumulation).
+__device__ __forceinline__ void mma_16(float (&d)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&b)[2], const __half*) {
+  mma_f16(d, a, b);
+}
+__device__ __forceinline__ void mma_16(float (&d)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&b)[2], const __nv_bfloat16*) {
+  mma_bf16(d, a, b);
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
