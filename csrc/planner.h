@@ -44,6 +44,7 @@ struct SegmentQuery {
   int64_t N = 0;              // sequences
   int64_t total_chunks = 0;   // upper bound on the chunks of all sequences together
   int64_t fixed_chunks = -1;  // chunks of every sequence (fixed length), -1 for varlen
+                              //   (a single packed sequence: pass its exact chunks here)
   int64_t Hv = 0;             // value heads
   int sms = 132;              // streaming multiprocessors
   CpMode mode = CpMode::Auto;
