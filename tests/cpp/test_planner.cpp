@@ -198,3 +198,28 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
   v.allow_cols = true;
   EXPECT_TRUE(plan_segments(v).device_col_block);
 }
+
+TEST(Planner, SegmentCandidatesAndWaves) {
+  // 24, 32, 48, 64, 96, 128, ...: steps of 4/3 and 3/2
+  int64_t seg = flashgdn::kMinSegChunks;
+  const int64_t expect[] = {24, 32, 48, 64, 96, 128, 192, 256};
+  for (int64_t e : expect) {
+    EXPECT_EQ(seg, e);
+    seg = flashgdn::next_seg_candidate(seg);
+  }
+  // 16/32 columns keep the powers of two; 128 tries 24 only for sequences of 128+ chunks
+  EXPECT_FALSE(flashgdn::seg_candidate_for(32, 24, 512));
+  EXPECT_TRUE(flashgdn::seg_candidate_for(32, 64, 512));
+  EXPECT_TRUE(flashgdn::seg_candidate_for(128, 24, 128));
+  EXPECT_FALSE(flashgdn::seg_candidate_for(128, 24, 127));
+  EXPECT_TRUE(flashgdn::seg_candidate_for(128, 48, 64));
+  // one block of 128 columns per SM: 129 blocks take two waves, 132 one
+  flashgdn::ForwardCost c;
+  flashgdn::LoadStats s;
+  s.longest = s.total = 512;
+  s.segs = 16;
+  s.max_segs_per_seq = 16;
+  const double one_wave = flashgdn::estimate_state_pass_us(c, s, 8, 132, 128, 32);  // 128 blocks
+  const double two_waves = flashgdn::estimate_state_pass_us(c, s, 9, 132, 128, 32); // 144 blocks
+  EXPECT_GT(two_waves - one_wave, 0.9 * (32 + c.warm_chunks) * c.step_us_bw128);
+}
