@@ -1383,6 +1383,13 @@ constexpr int kCombineCols = 16;
 constexpr int kCombineRows = D * kCombineCols / NT;  // rows of S_in per thread
 constexpr size_t kCombineSmem = sizeof(float) * (D * D + D * kCombineCols);
 
+// kFlagsFirst (FLASHGDN_COMBINE_FLAGS=1, opt-in, not yet run on a GPU): whether each
+// segment starts exact is decided for up to NT segments at once, one per thread, before
+// the sequential walk, instead of inside it. segment_start's warm-up test reads up to
+// kWarmupMax bounds one after the other (each load waits for the previous sum), ~16 L2
+// latencies per step for the g == 0 heads, which never pass it. Same decisions, same
+// arithmetic: bit-identical seg_in.
+template <bool kFlagsFirst = false>
 __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
   const int64_t h = blockIdx.y, n = blockIdx.x;
@@ -1396,9 +1403,9 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
   float* Sc = Ms + D * D;                         // [D][kCombineCols] S_in of the previous one
   const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
   bool prev_exact = false;  // the previous segment is exact (its S_in is in Sc)
-  for (int64_t t = 0; t + 1 < count; ++t) {
+  // step t: from segment prev to segment next (pass order), when next starts exact
+  auto step = [&](int64_t t, bool next_exact) {
     const int64_t prev = reverse ? count - 1 - t : t, next = reverse ? prev - 1 : prev + 1;
-    const bool next_exact = segment_start(p, chunk0, nch, h, next, reverse).src == SegSource::Exact;
     if (next_exact) {
       const size_t base = static_cast<size_t>((z0 + prev) * p.Hv + h) * D * D;
       float acc[kCombineRows];
@@ -1428,6 +1435,24 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
       __syncthreads();
     }
     prev_exact = next_exact;
+  };
+  auto next_of = [&](int64_t t) {
+    const int64_t prev = reverse ? count - 1 - t : t;
+    return reverse ? prev - 1 : prev + 1;
+  };
+  if constexpr (kFlagsFirst) {
+    __shared__ bool exact[NT];
+    for (int64_t t0 = 0; t0 + 1 < count; t0 += NT) {
+      const int64_t t = t0 + threadIdx.x;
+      if (t + 1 < count)
+        exact[threadIdx.x] = segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact;
+      __syncthreads();
+      for (int64_t u = t0; u + 1 < count && u < t0 + NT; ++u) step(u, exact[u - t0]);
+      __syncthreads();  // exact[] is rewritten for the next NT steps
+    }
+  } else {
+    for (int64_t t = 0; t + 1 < count; ++t)
+      step(t, segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact);
   }
 }
 

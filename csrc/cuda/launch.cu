@@ -352,11 +352,24 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
 }
 
+// FLASHGDN_COMBINE_FLAGS=1 (opt-in, not yet run on a GPU): seg_combine_kernel decides which
+// segments start exact before its sequential walk (kFlagsFirst).
+bool combine_flags() {
+  const char* v = std::getenv("FLASHGDN_COMBINE_FLAGS");
+  return v != nullptr && std::atoi(v) == 1;
+}
+
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
-  seg_combine_kernel<<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols),
-                       NT, kCombineSmem, st>>>(f, reverse);
+  std::call_once(once, [] {
+    set_smem(seg_combine_kernel<>, kCombineSmem);
+    set_smem(seg_combine_kernel<true>, kCombineSmem);
+  });
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols);
+  if (combine_flags())
+    seg_combine_kernel<true><<<grid, NT, kCombineSmem, st>>>(f, reverse);
+  else
+    seg_combine_kernel<><<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
