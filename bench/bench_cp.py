@@ -3,13 +3,15 @@
 For each row, in one process on one GPU, times flashgdn's forward with
 FLASHGDN_CP=off (one segment per sequence) and =auto (the planner's split), plus any
 `--sweep` settings (FLASHGDN_FWD_BW / FLASHGDN_CP_SEG), with `--passes tf32,wgmma` the
-other state-pass kernels (FLASHGDN_FWD_PASS), and FLA's forward when it is
+other state-pass kernels (FLASHGDN_FWD_PASS), with `--switches` opt-in kernels
+(FLASHGDN_COLS_PAIRED, _WY_TC, _COMBINE_FLAGS, ...), and FLA's forward when it is
 installed; prints a markdown table with the CP speedup and FLA / flashgdn, and the
 relative difference of each CP setting's outputs from the unsplit pass. Inputs and
 timing (CUDA graphs, median of replays) as bench/bench_gdn.py.
 
     python bench/bench_cp.py                                  # 2/8 and 4/16 rows
     python bench/bench_cp.py --sweep 16:64,32:64,32:128       # BW:SEG settings as well
+    python bench/bench_cp.py --switches COLS_PAIRED=1,WY_TC=2   # opt-in kernels, CP auto
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import bench_gdn as bg  # noqa: E402
 ROWS = ("1x32768", "1x16384", "28672+4096", "1x8192", "8192x4")
 MODELS = ("2/8", "4/16")
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_WGMMA",
-            "FLASHGDN_FWD_PASS")
+            "FLASHGDN_FWD_PASS", "FLASHGDN_COLS_WGMMA", "FLASHGDN_COLS_PAIRED", "FLASHGDN_WY_TC",
+            "FLASHGDN_COMBINE_FLAGS")
 
 
 @contextmanager
@@ -44,10 +47,19 @@ def env(settings: Dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def settings_list(sweep: Optional[str], passes: List[str]) -> List[Tuple[str, Dict[str, str]]]:
+def settings_list(sweep: Optional[str], passes: List[str],
+                  switches: Optional[str] = None) -> List[Tuple[str, Dict[str, str]]]:
     out = [("CP off", {"FLASHGDN_CP": "off"}), ("CP auto", {"FLASHGDN_CP": "auto"})]
     for name in passes:
         out.append((f"CP auto {name}", {"FLASHGDN_CP": "auto", "FLASHGDN_FWD_PASS": name}))
+    for item in (switches.split(",") if switches else []):
+        # NAME=VAL[+NAME=VAL...], NAME without the FLASHGDN_ prefix
+        pairs = [kv.split("=", 1) for kv in item.split("+")]
+        env_set = {"FLASHGDN_CP": "auto", **{f"FLASHGDN_{k}": v for k, v in pairs}}
+        unknown = [k for k in env_set if k not in ENV_KEYS]
+        if unknown:
+            raise SystemExit(f"--switches: unknown {unknown}; known: {list(ENV_KEYS)}")
+        out.append((f"auto {item}", env_set))
     for item in (sweep.split(",") if sweep else []):
         bw, seg, *fwd_pass = item.split(":")
         name = f"BW{bw} seg{seg}" + (f" {fwd_pass[0]}" if fwd_pass else "")
@@ -69,6 +81,10 @@ def main() -> None:
     ap.add_argument("--passes", default="",
                     help="other state passes to time with CP auto (FLASHGDN_FWD_PASS), "
                          "e.g. tf32,wgmma; the default columns use the default pass (f16)")
+    ap.add_argument("--switches", default=None,
+                    help="opt-in switches to time with CP auto, one column each, NAME=VAL "
+                         "without the FLASHGDN_ prefix, + to combine, e.g. "
+                         "COLS_PAIRED=1,WY_TC=2,COLS_PAIRED=1+WY_TC=2+COMBINE_FLAGS=1")
     args = ap.parse_args()
 
     import torch
@@ -84,7 +100,7 @@ def main() -> None:
     passes = [x for x in args.passes.split(",") if x]
     if args.wgmma and "wgmma" not in passes:
         passes.append("wgmma")
-    settings = settings_list(args.sweep, passes)
+    settings = settings_list(args.sweep, passes, args.switches)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashgdn "
           f"{flashgdn.__version__}")
     head = ["h_qk/h_v", "sequences"] + [f"{n} ms" for n, _ in settings] + \
