@@ -1445,7 +1445,8 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
     for (int64_t t0 = 0; t0 + 1 < count; t0 += NT) {
       const int64_t t = t0 + threadIdx.x;
       if (t + 1 < count)
-        exact[threadIdx.x] = segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact;
+        exact[threadIdx.x] =
+            segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact;
       __syncthreads();
       for (int64_t u = t0; u + 1 < count && u < t0 + NT; ++u) step(u, exact[u - t0]);
       __syncthreads();  // exact[] is rewritten for the next NT steps
