@@ -1,6 +1,8 @@
 """Gradients (dq, dk, dv, dg, dbeta, dh0) against autograd through the float64 reference."""
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -152,6 +154,19 @@ def test_auto_pass_backward_out_of_fp16_range(monkeypatch):
         assert rel_err(a, b.double()) < 2e-3
 
 
+def assert_as_accurate_as_default(label: str, names, other, dflt, refs,
+                                  agree: Optional[float] = None) -> None:
+    """Gradients of a switched kernel (`other`) against the default's: each as accurate
+    against the float64 reference (within 1.2x, or 2e-3), and with `agree` also within that
+    relative difference of the default's."""
+    for n, a, b, r in zip(names, other, dflt, refs):
+        e_o, e_d = rel_err(a, r), rel_err(b, r)
+        print(f"  d{n}: {label} {e_o:.2e}, default {e_d:.2e}")
+        assert e_o < max(1.2 * e_d, 2e-3), f"d{n}: {label} {e_o:.3e} vs default {e_d:.3e}"
+        if agree is not None:
+            assert rel_err(a, b.double()) < agree, f"d{n}: {label} and default differ"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("fwd_pass", ["tf32", "f16wu"])
@@ -163,10 +178,7 @@ def test_backward_with_other_forward_passes(monkeypatch, fwd_pass: str):
     names, dflt, refs, _ = run_grads(case, "cuda", seed=31)
     monkeypatch.setenv("FLASHGDN_FWD_PASS", fwd_pass)
     _, other, _, _ = run_grads(case, "cuda", seed=31)
-    for n, a, b, r in zip(names, other, dflt, refs):
-        e_o, e_d = rel_err(a, r), rel_err(b, r)
-        print(f"  d{n}: {fwd_pass} {e_o:.2e}, default {e_d:.2e}")
-        assert e_o < max(1.2 * e_d, 2e-3), f"d{n}: {fwd_pass} {e_o:.3e} vs default {e_d:.3e}"
+    assert_as_accurate_as_default(fwd_pass, names, other, dflt, refs)
 
 
 @pytest.mark.gpu
@@ -187,11 +199,8 @@ def test_reverse_pass_cols_kernel(monkeypatch, cp: str, dtype: torch.dtype):
     names, dflt, refs, _ = run_grads(case, "cuda", seed=41)
     monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
     _, cols, _, _ = run_grads(case, "cuda", seed=41)
-    for n, a, b, r in zip(names, cols, dflt, refs):
-        e_c, e_d = rel_err(a, r), rel_err(b, r)
-        print(f"  CP {cp} {dtype}: d{n} cols {e_c:.2e}, default {e_d:.2e}")
-        assert e_c < max(1.2 * e_d, 2e-3), f"d{n}: cols {e_c:.3e} vs default {e_d:.3e}"
-        assert rel_err(a, b.double()) < 2e-3, f"d{n}: cols and default differ"
+    assert_as_accurate_as_default(f"cols (CP {cp} {dtype})", names, cols, dflt, refs,
+                                  agree=2e-3)
 
 
 @pytest.mark.gpu
@@ -207,8 +216,5 @@ def test_wy_inverse_on_tensor_cores_backward(monkeypatch, level: str, dtype: tor
     names, dflt, refs, _ = run_grads(case, "cuda", seed=43)
     monkeypatch.setenv("FLASHGDN_WY_TC", level)
     _, tc, _, _ = run_grads(case, "cuda", seed=43)
-    for n, a, b, r in zip(names, tc, dflt, refs):
-        e_t, e_d = rel_err(a, r), rel_err(b, r)
-        print(f"  level {level} {dtype}: d{n} wy_tc {e_t:.2e}, default {e_d:.2e}")
-        assert e_t < max(1.2 * e_d, 2e-3), f"d{n}: wy_tc {e_t:.3e} vs default {e_d:.3e}"
-        assert rel_err(a, b.double()) < 2e-3, f"d{n}: wy_tc and default differ"
+    assert_as_accurate_as_default(f"wy_tc {level} ({dtype})", names, tc, dflt, refs,
+                                  agree=2e-3)
