@@ -280,19 +280,19 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
       }
     } else {
 #pragma unroll 4
-    for (int k0 = 0; k0 < D; k0 += 8) {
-      uint32_t ak[4], aq[4];
-      frag_a(ak, Ks, LDH, m0, k0);
-      frag_a(aq, Qs, LDH, m0, k0);
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        uint32_t ak[4], aq[4];
+        frag_a(ak, Ks, LDH, m0, k0);
+        frag_a(aq, Qs, LDH, m0, k0);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t b[2];
-        frag_b(b, Ks, LDH, n0 + 8 * j, k0);
-        mma_tf32(kk[j], ak, b);
-        mma_tf32(qk[j], aq, b);
+        for (int j = 0; j < 4; ++j) {
+          uint32_t b[2];
+          frag_b(b, Ks, LDH, n0 + 8 * j, k0);
+          mma_tf32(kk[j], ak, b);
+          mma_tf32(qk[j], aq, b);
+        }
       }
     }
-    }  // kMma16
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -360,39 +360,39 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
       // Qs is free once Q K^T is formed: each warp's 16 x 8 scratch for X
       inverse_block_rows_tc(As, Ts, reinterpret_cast<float*>(Qs) + warp * 16 * kXsLd);
     } else {
-    static_assert((C / B - 1) * B * B <= 3 * NT, "three X values per thread at most");
+      static_assert((C / B - 1) * B * B <= 3 * NT, "three X values per thread at most");
 #pragma unroll
-    for (int bi = 1; bi < C / B; ++bi) {
-      float x[3];
+      for (int bi = 1; bi < C / B; ++bi) {
+        float x[3];
 #pragma unroll
-      for (int i = 0; i < 3; ++i) {  // X_ij for j < bi: element e = threadIdx.x + i NT
-        const int e = threadIdx.x + i * NT;
-        if (e < bi * B * B) {
+        for (int i = 0; i < 3; ++i) {  // X_ij for j < bi: element e = threadIdx.x + i NT
+          const int e = threadIdx.x + i * NT;
+          if (e < bi * B * B) {
+            const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+            float acc = 0.f;
+            for (int s = bj * B; s < bi * B; ++s) acc += As[r * LDA + s] * Ts[s * LDA + c];
+            x[i] = acc;
+          }
+        }
+        __syncthreads();  // every read of block row bi of A done
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+          const int e = threadIdx.x + i * NT;
+          if (e < bi * B * B) {
+            const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+            As[r * LDA + c] = x[i];
+          }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // T_ij = -T_ii X_ij
           const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
           float acc = 0.f;
-          for (int s = bj * B; s < bi * B; ++s) acc += As[r * LDA + s] * Ts[s * LDA + c];
-          x[i] = acc;
+          for (int s = bi * B; s <= r; ++s) acc += Ts[r * LDA + s] * As[s * LDA + c];
+          Ts[r * LDA + c] = -acc;
         }
+        __syncthreads();
       }
-      __syncthreads();  // every read of block row bi of A done
-#pragma unroll
-      for (int i = 0; i < 3; ++i) {
-        const int e = threadIdx.x + i * NT;
-        if (e < bi * B * B) {
-          const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
-          As[r * LDA + c] = x[i];
-        }
-      }
-      __syncthreads();
-      for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // T_ij = -T_ii X_ij
-        const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
-        float acc = 0.f;
-        for (int s = bi * B; s <= r; ++s) acc += Ts[r * LDA + s] * As[s * LDA + c];
-        Ts[r * LDA + c] = -acc;
-      }
-      __syncthreads();
     }
-    }  // kTcInv
   }
   // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
   {  // each thread keeps one column s, so its factors are computed once

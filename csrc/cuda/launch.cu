@@ -59,10 +59,15 @@ enum class FwdPass { F16, F16WU, Tf32, Wgmma, Auto };
 bool uses_f16(FwdPass pass) {
   return pass == FwdPass::F16 || pass == FwdPass::F16WU || pass == FwdPass::Auto;
 }
+// An integer switch from the environment: its value, 0 when unset.
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : 0;
+}
+
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
-  if (const char* v = std::getenv("FLASHGDN_WGMMA"); v != nullptr && std::atoi(v) != 0)
-    return FwdPass::Wgmma;
+  if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
   const char* env = std::getenv("FLASHGDN_FWD_PASS");
   const std::string v = env != nullptr ? env : "";
   if (v.empty() || v == "f16") return FwdPass::F16;
@@ -251,13 +256,11 @@ int sm_count(int device) {
   return sms;
 }
 
-// FLASHGDN_BWD_COLS=1 (opt-in, not yet run on a GPU): the backward's sequential passes in
-// the one-block-per-head kernels, the reverse pass in state_bwd_cols_kernel
+// FLASHGDN_BWD_COLS=1 (opt-in; tests pass on H100, not the default: the backward plan has
+// no step cost of its own for it yet, perf-notes version 15): the backward's sequential
+// passes in the one-block-per-head kernels, the reverse pass in state_bwd_cols_kernel
 // (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
-bool bwd_cols() {
-  const char* v = std::getenv("FLASHGDN_BWD_COLS");
-  return v != nullptr && std::atoi(v) == 1;
-}
+bool bwd_cols() { return env_int("FLASHGDN_BWD_COLS") == 1; }
 
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
@@ -317,17 +320,11 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
 // forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
-bool cols_wgmma() {
-  const char* v = std::getenv("FLASHGDN_COLS_WGMMA");
-  return v != nullptr && std::atoi(v) == 1;
-}
+bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 
 // FLASHGDN_COLS_PAIRED=1 (opt-in, not yet run on a GPU): state_fwd_cols_kernel with its B
 // fragments in consecutive registers (kPairedB), for the forward.
-bool cols_paired() {
-  const char* v = std::getenv("FLASHGDN_COLS_PAIRED");
-  return v != nullptr && std::atoi(v) == 1;
-}
+bool cols_paired() { return env_int("FLASHGDN_COLS_PAIRED") == 1; }
 
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
@@ -354,10 +351,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
 
 // FLASHGDN_COMBINE_FLAGS=1 (opt-in, not yet run on a GPU): seg_combine_kernel decides which
 // segments start exact before its sequential walk (kFlagsFirst).
-bool combine_flags() {
-  const char* v = std::getenv("FLASHGDN_COMBINE_FLAGS");
-  return v != nullptr && std::atoi(v) == 1;
-}
+bool combine_flags() { return env_int("FLASHGDN_COMBINE_FLAGS") == 1; }
 
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
@@ -377,8 +371,7 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
 // tensor cores (kTcInv), for the default (W/U0-free) pass; =2 also its K K^T and Q K^T on
 // 16-bit m16n8k16 (kMma16). 0 when unset.
 int wy_tc() {
-  const char* v = std::getenv("FLASHGDN_WY_TC");
-  const int level = v != nullptr ? std::atoi(v) : 0;
+  const int level = env_int("FLASHGDN_WY_TC");
   return level == 1 || level == 2 ? level : 0;
 }
 
