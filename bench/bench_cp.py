@@ -4,14 +4,14 @@ For each row, in one process on one GPU, times flashgdn's forward with
 FLASHGDN_CP=off (one segment per sequence) and =auto (the planner's split), plus any
 `--sweep` settings (FLASHGDN_FWD_BW / FLASHGDN_CP_SEG), with `--passes tf32,wgmma` the
 other state-pass kernels (FLASHGDN_FWD_PASS), with `--switches` opt-in kernels
-(FLASHGDN_COLS_PAIRED, _WY_TC, _COMBINE_FLAGS, ...), and FLA's forward when it is
+(FLASHGDN_COLS_WGMMA, ...), and FLA's forward when it is
 installed; prints a markdown table with the CP speedup and FLA / flashgdn, and the
 relative difference of each CP setting's outputs from the unsplit pass. Inputs and
 timing (CUDA graphs, median of replays) as bench/bench_gdn.py.
 
     python bench/bench_cp.py                                  # 2/8 and 4/16 rows
     python bench/bench_cp.py --sweep 16:64,32:64,32:128       # BW:SEG settings as well
-    python bench/bench_cp.py --switches COLS_PAIRED=1,WY_TC=2   # opt-in kernels, CP auto
+    python bench/bench_cp.py --switches COLS_WGMMA=1   # opt-in kernels, CP auto
 """
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ import bench_gdn as bg  # noqa: E402
 ROWS = ("1x32768", "1x16384", "28672+4096", "1x8192", "8192x4")
 MODELS = ("2/8", "4/16")
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_WGMMA",
-            "FLASHGDN_FWD_PASS", "FLASHGDN_COLS_WGMMA", "FLASHGDN_COLS_PAIRED", "FLASHGDN_WY_TC",
-            "FLASHGDN_COMBINE_FLAGS")
+            "FLASHGDN_FWD_PASS", "FLASHGDN_COLS_WGMMA", "FLASHGDN_BWD_COLS")
 
 
 @contextmanager
@@ -84,7 +83,7 @@ def main() -> None:
     ap.add_argument("--switches", default=None,
                     help="opt-in switches to time with CP auto, one column each, NAME=VAL "
                          "without the FLASHGDN_ prefix, + to combine, e.g. "
-                         "COLS_PAIRED=1,WY_TC=2,COLS_PAIRED=1+WY_TC=2+COMBINE_FLAGS=1")
+                         "COLS_WGMMA=1,FWD_BW=128+CP=off")
     args = ap.parse_args()
 
     import torch

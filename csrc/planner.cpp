@@ -60,6 +60,21 @@ double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCos
                                 p.split ? static_cast<double>(p.seg_chunks) : 0.0);
 }
 
+// The column blocks the device may pick for packed sequences (SegmentPlan::device_col_blocks):
+// those whose least cost, the work term at ceil(tokens / 64) chunks (any split only adds),
+// does not exceed `bound`, an upper bound on the cost of the device's choice.
+int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound) {
+  LoadStats least;
+  least.total = static_cast<double>(q.total_chunks - q.N);  // varlen: total_chunks adds N
+  int mask = 0;
+  for (int bw : {16, 32, 128}) {
+    if (bw == 128 && !q.allow_cols) continue;
+    if (estimate_state_pass_us(c, least, static_cast<double>(q.Hv), q.sms, bw, 0.0) <= bound)
+      mask |= col_block_bit(bw);
+  }
+  return mask;
+}
+
 }  // namespace
 
 // The plan among the column blocks q allows (see plan_segments).
@@ -104,7 +119,14 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& c
     }
   }
   const bool lengths_unknown = q.fixed_chunks < 0 && q.N > 1 && !forced_bw;
-  if (best_split.split && best_split.est_us < (1.0 - cost.min_gain) * best_unsplit.est_us) {
+  // The host's estimates take the worst case (one sequence holding every chunk, the most
+  // segments), so they bound the plans' costs at the actual lengths; the device picks a
+  // split only when it saves min_gain over the best unsplit plan, so its choice costs at
+  // most the best unsplit estimate and at most the best split's over (1 - min_gain).
+  const double bound = std::min(best_unsplit.est_us, best_split.est_us / (1.0 - cost.min_gain));
+  const bool split_wins =
+      best_split.split && best_split.est_us < (1.0 - cost.min_gain) * best_unsplit.est_us;
+  if (split_wins) {
     if (q.fixed_chunks < 0 && q.N > 1) {
       // varlen: the estimate took the total as the longest sequence; size the grids for the
       // shortest segments and let the device choose from the actual lengths
@@ -112,6 +134,8 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& c
       d.est_us = best_split.est_us;
       d.device_choice = true;
       d.device_col_block = lengths_unknown;
+      if (lengths_unknown)
+        d.device_col_blocks = device_col_blocks(q, cost, bound) | col_block_bit(d.col_block);
       return d;
     }
     return best_split;
@@ -120,6 +144,9 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& c
   // cannot tell for packed sequences: the device decides (likewise between 128 and the
   // others: 128 pays when the total work, not one sequence, bounds the pass)
   best_unsplit.device_col_block = lengths_unknown && (best_unsplit.col_block == 16 || q.allow_cols);
+  if (best_unsplit.device_col_block)
+    best_unsplit.device_col_blocks =
+        device_col_blocks(q, cost, bound) | col_block_bit(best_unsplit.col_block);
   return best_unsplit;
 }
 

@@ -203,18 +203,3 @@ def test_reverse_pass_cols_kernel(monkeypatch, cp: str, dtype: torch.dtype):
                                   agree=2e-3)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("level", ["1", "2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_wy_inverse_on_tensor_cores_backward(monkeypatch, level: str, dtype: torch.dtype):
-    """FLASHGDN_WY_TC=1 (T's block rows on TF32 mma.sync) and =2 (also K K^T, Q K^T on
-    16-bit m16n8k16): the backward reads that T and P (its recomputation runs wy_kernel):
-    every gradient as accurate as the default's against the float64 reference and within
-    TF32 rounding of it."""
-    case = Case("wy_tc", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
-    names, dflt, refs, _ = run_grads(case, "cuda", seed=43)
-    monkeypatch.setenv("FLASHGDN_WY_TC", level)
-    _, tc, _, _ = run_grads(case, "cuda", seed=43)
-    assert_as_accurate_as_default(f"wy_tc {level} ({dtype})", names, tc, dflt, refs,
-                                  agree=2e-3)

@@ -187,12 +187,14 @@ constexpr size_t kWySmem =
 
 // kFree (the default f16 pass): T diag(beta) goes out as fp16 (Tv16) instead of W and U0,
 // which are never formed (the state pass builds U from V, K S and Tv16), so v is not read.
-// kTcInv (FLASHGDN_WY_TC=1 or 2, with kFree; not yet run on a GPU): the inverse's block
-// rows on TF32 mma.sync (inverse_block_rows_tc) instead of the fp32 loops of all 256
-// threads. kMma16 (FLASHGDN_WY_TC=2, with kTcInv): K K^T and Q K^T on m16n8k16 in the
-// inputs' own type (ldmatrix fragments, half the mma of TF32, no widening; the products of
-// 16-bit values are exact in both, only the fp32 accumulation order differs).
-template <typename In, bool kFree = false, bool kTcInv = false, bool kMma16 = false>
+// It also runs on tensor cores where the !kFree (tf32 / wgmma pass) kernel loops in fp32:
+// K K^T and Q K^T on m16n8k16 in the inputs' own type (ldmatrix fragments, half the mma of
+// TF32, no widening; the products of 16-bit values are exact in both, only the fp32
+// accumulation order differs), and the inverse's block rows on TF32 mma.sync
+// (inverse_block_rows_tc, one barrier per block row instead of fp32 loops of all 256
+// threads; bench/precision_study.py "inverse blocks tf32": the same o and state errors).
+// H100, 16/32 x 32768: 0.811 -> 0.680 ms (perf-notes version 16).
+template <typename In, bool kFree = false>
 __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
@@ -259,7 +261,7 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
   {
     const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
     float kk[4][4] = {}, qk[4][4] = {};
-    if constexpr (kMma16) {
+    if constexpr (kFree) {  // 16-bit m16n8k16
       // ldmatrix moves bits: the 16-bit tiles are read through __half pointers
       const __half* Kh = reinterpret_cast<const __half*>(Ks);
       const __half* Qh = reinterpret_cast<const __half*>(Qs);
@@ -356,7 +358,7 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
       if (c / B > r / B) Ts[r * LDA + c] = 0.f;
     }
     __syncthreads();
-    if constexpr (kTcInv) {
+    if constexpr (kFree) {  // TF32 block rows
       // Qs is free once Q K^T is formed: each warp's 16 x 8 scratch for X
       inverse_block_rows_tc(As, Ts, reinterpret_cast<float*>(Qs) + warp * 16 * kXsLd);
     } else {
@@ -1383,13 +1385,10 @@ constexpr int kCombineCols = 16;
 constexpr int kCombineRows = D * kCombineCols / NT;  // rows of S_in per thread
 constexpr size_t kCombineSmem = sizeof(float) * (D * D + D * kCombineCols);
 
-// kFlagsFirst (FLASHGDN_COMBINE_FLAGS=1, opt-in, not yet run on a GPU): whether each
-// segment starts exact is decided for up to NT segments at once, one per thread, before
-// the sequential walk, instead of inside it. segment_start's warm-up test reads up to
-// kWarmupMax bounds one after the other (each load waits for the previous sum), ~16 L2
-// latencies per step for the g == 0 heads, which never pass it. Same decisions, same
-// arithmetic: bit-identical seg_in.
-template <bool kFlagsFirst = false>
+// Whether each segment starts exact is decided for up to NT segments at once, one per
+// thread, before the sequential walk: segment_start's warm-up test reads up to kWarmupMax
+// bounds one after the other (each load waits for the previous sum), ~16 L2 latencies per
+// step for the g == 0 heads, which never pass it. H100, 2/8 x 32768: 121 -> 72 us.
 __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
   const int64_t h = blockIdx.y, n = blockIdx.x;
@@ -1440,20 +1439,15 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
     const int64_t prev = reverse ? count - 1 - t : t;
     return reverse ? prev - 1 : prev + 1;
   };
-  if constexpr (kFlagsFirst) {
-    __shared__ bool exact[NT];
-    for (int64_t t0 = 0; t0 + 1 < count; t0 += NT) {
-      const int64_t t = t0 + threadIdx.x;
-      if (t + 1 < count)
-        exact[threadIdx.x] =
-            segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact;
-      __syncthreads();
-      for (int64_t u = t0; u + 1 < count && u < t0 + NT; ++u) step(u, exact[u - t0]);
-      __syncthreads();  // exact[] is rewritten for the next NT steps
-    }
-  } else {
-    for (int64_t t = 0; t + 1 < count; ++t)
-      step(t, segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact);
+  __shared__ bool exact[NT];
+  for (int64_t t0 = 0; t0 + 1 < count; t0 += NT) {
+    const int64_t t = t0 + threadIdx.x;
+    if (t + 1 < count)
+      exact[threadIdx.x] =
+          segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact;
+    __syncthreads();
+    for (int64_t u = t0; u + 1 < count && u < t0 + NT; ++u) step(u, exact[u - t0]);
+    __syncthreads();  // exact[] is rewritten for the next NT steps
   }
 }
 

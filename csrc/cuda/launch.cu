@@ -322,10 +322,6 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 // forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
 bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 
-// FLASHGDN_COLS_PAIRED=1 (opt-in, not yet run on a GPU): state_fwd_cols_kernel with its B
-// fragments in consecutive registers (kPairedB), for the forward.
-bool cols_paired() { return env_int("FLASHGDN_COLS_PAIRED") == 1; }
-
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st) {
@@ -333,7 +329,6 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   std::call_once(once, [] {
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
-    set_smem(state_fwd_cols_kernel<In, false, true>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
   const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
@@ -342,37 +337,19 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(f);
   else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
     state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
-  else if (cols_paired())
-    state_fwd_cols_kernel<In, false, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
   else
     state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
   check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
 }
 
-// FLASHGDN_COMBINE_FLAGS=1 (opt-in, not yet run on a GPU): seg_combine_kernel decides which
-// segments start exact before its sequential walk (kFlagsFirst).
-bool combine_flags() { return env_int("FLASHGDN_COMBINE_FLAGS") == 1; }
-
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
-    set_smem(seg_combine_kernel<>, kCombineSmem);
-    set_smem(seg_combine_kernel<true>, kCombineSmem);
+    set_smem(seg_combine_kernel, kCombineSmem);
   });
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols);
-  if (combine_flags())
-    seg_combine_kernel<true><<<grid, NT, kCombineSmem, st>>>(f, reverse);
-  else
-    seg_combine_kernel<><<<grid, NT, kCombineSmem, st>>>(f, reverse);
+  seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
-}
-
-// FLASHGDN_WY_TC=1 (opt-in, not yet run on a GPU): wy_kernel's inverse block rows on TF32
-// tensor cores (kTcInv), for the default (W/U0-free) pass; =2 also its K K^T and Q K^T on
-// 16-bit m16n8k16 (kMma16). 0 when unset.
-int wy_tc() {
-  const int level = env_int("FLASHGDN_WY_TC");
-  return level == 1 || level == 2 ? level : 0;
 }
 
 template <typename In>
@@ -381,17 +358,10 @@ void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
   std::call_once(once, [] {
     set_smem(wy_kernel<In>, kWySmem<false>);
     set_smem(wy_kernel<In, true>, kWySmem<true>);
-    set_smem(wy_kernel<In, true, true>, kWySmem<true>);
-    set_smem(wy_kernel<In, true, true, true>, kWySmem<true>);
   });
   if (p.max_chunks() == 0) return;
   const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv));
-  const int tc = f.Tv16 != nullptr ? wy_tc() : 0;
-  if (tc == 2)
-    wy_kernel<In, true, true, true><<<grid, NT, kWySmem<true>, st>>>(f);
-  else if (tc == 1)
-    wy_kernel<In, true, true><<<grid, NT, kWySmem<true>, st>>>(f);
-  else if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
+  if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
   else wy_kernel<In><<<grid, NT, kWySmem<false>, st>>>(f);
   check_cuda(cudaGetLastError(), "wy_kernel launch");
 }
@@ -425,7 +395,8 @@ void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdP
 // or both when the device picks one (the other returns at once).
 bool launches(const SegmentPlan& plan, int bw) {
   if (bw == D && !plan.cols) return false;  // 128: state_fwd_cols_kernel (SegmentPlan::cols)
-  return plan.device_col_block || plan.col_block == bw;
+  return plan.device_col_block ? (plan.device_col_blocks & col_block_bit(bw)) != 0
+                               : plan.col_block == bw;
 }
 
 // The reverse pass over the forward's segments (last to first), with the summaries and
@@ -471,6 +442,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     choice.col_block = plan.col_block;
     choice.pick_col_block = plan.device_col_block;
     choice.allow_cols = plan.cols;
+    choice.col_blocks = plan.device_col_block ? plan.device_col_blocks : col_block_bit(plan.col_block);
     choice.allow_split = plan.device_choice;
     choice.min_seg = plan.seg_chunks;
     choice.chosen = b.seg_chunks;

@@ -36,6 +36,7 @@ struct DeviceSegChoice {
   bool pick_col_block = false;  // also choose the column block (16, 32, or 128 if allow_cols)
   bool allow_cols = false;      // column block 128 (state_fwd_cols_kernel) is a candidate
   bool allow_split = true;      // false: only the column block is chosen (unsplit plan)
+  int col_blocks = 0;           // the column blocks launched (SegmentPlan::device_col_blocks)
   int64_t min_seg = 0;
   int64_t* chosen = nullptr;  // writes [chunks per segment, column block] here
 };
@@ -91,7 +92,8 @@ __global__ void __launch_bounds__(kPlanThreads)
     double best = 1e300;
     const int bws[3] = {16, 32, 128};
     auto candidate = [&](int bw) {
-      return choice.pick_col_block ? bw != 128 || choice.allow_cols : bw == choice.col_block;
+      if (!choice.pick_col_block) return bw == choice.col_block;
+      return (bw != 128 || choice.allow_cols) && (choice.col_blocks & col_block_bit(bw)) != 0;
     };
     for (int bw : bws) {
       if (!candidate(bw)) continue;

@@ -127,23 +127,13 @@ __device__ __forceinline__ void store_o_cols(const FwdParams& p, const float (&o
 }
 
 // kRecord: the backward's recomputation (p.h, p.U set); the forward's instantiation has no
-// recording code at all. kPairedB (FLASHGDN_COLS_PAIRED=1, not yet run on a GPU): the B
-// fragments of K^T, Q^T, (T diag(beta))^T and P^T come from frag_b16_pair (each fragment
-// in consecutive registers) instead of frag_a16 (pairs a0, a2 / a1, a3, which ptxas joins
-// with ~330 register moves per chunk): the same ldmatrix addresses, bit-identical products.
-template <typename In, bool kRecord = false, bool kPairedB = false>
+// recording code at all. The B fragments of K^T, Q^T, (T diag(beta))^T and P^T come from
+// frag_b16_pair (each fragment in consecutive registers; frag_a16's pairs a0, a2 / a1, a3
+// cost ~330 register moves per chunk): chunk loop 1631 -> 1220 SASS instructions, H100
+// 1-2% faster on 18 of the 20 TP rows (perf-notes version 16).
+template <typename In, bool kRecord = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   using Sm = StateFwdColsSmem;
-  auto b_frags = [](uint32_t(&b0)[2], uint32_t(&b1)[2], const __half* s, int ld, int n0,
-                    int k0) {
-    if constexpr (kPairedB) {
-      frag_b16_pair(b0, b1, s, ld, n0, k0);
-    } else {
-      uint32_t f[4];
-      frag_a16(f, s, ld, n0, k0);
-      b0[0] = f[0], b0[1] = f[2], b1[0] = f[1], b1[1] = f[3];
-    }
-  };
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   SegmentBlock b;
@@ -226,12 +216,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
             uint32_t b0[2], b1[2];
-            b_frags(b0, b1, K, LDH, 16 * nt, 16 * kk);  // rows = tokens: B fragments of K^T
+            frag_b16_pair(b0, b1, K, LDH, 16 * nt, 16 * kk);  // rows = tokens: B fragments of K^T
             mma_f16(x[2 * nt], sa[kk], b0);
             mma_f16(x[2 * nt + 1], sa[kk], b1);
             if constexpr (kQ) {
               uint32_t c0[2], c1[2];
-              b_frags(c0, c1, Q, LDH, 16 * nt, 16 * kk);
+              frag_b16_pair(c0, c1, Q, LDH, 16 * nt, 16 * kk);
               mma_f16(o[2 * nt], sa[kk], c0);
               mma_f16(o[2 * nt + 1], sa[kk], c1);
             }
@@ -254,7 +244,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
 #pragma unroll
         for (int kt = 0; kt <= nt; ++kt) {
           uint32_t b0[2], b1[2];
-          b_frags(b0, b1, T, LDP, 16 * nt, 16 * kt);
+          frag_b16_pair(b0, b1, T, LDP, 16 * nt, 16 * kt);
           mma_f16(u[2 * nt], wa[kt], b0);
           mma_f16(u[2 * nt + 1], wa[kt], b1);
         }
@@ -305,7 +295,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
 #pragma unroll
         for (int kt = 0; kt <= nt; ++kt) {
           uint32_t b0[2], b1[2];
-          b_frags(b0, b1, P, LDP, 16 * nt, 16 * kt);
+          frag_b16_pair(b0, b1, P, LDP, 16 * nt, 16 * kt);
           mma_f16(o[2 * nt], ua[kt], b0);
           mma_f16(o[2 * nt + 1], ua[kt], b1);
         }

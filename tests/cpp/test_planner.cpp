@@ -223,3 +223,29 @@ TEST(Planner, SegmentCandidatesAndWaves) {
   const double two_waves = flashgdn::estimate_state_pass_us(c, s, 9, 132, 128, 32); // 144 blocks
   EXPECT_GT(two_waves - one_wave, 0.9 * (32 + c.warm_chunks) * c.step_us_bw128);
 }
+
+TEST(Planner, PackedSequencesLaunchOnlyColumnBlocksThatCanWin) {
+  using flashgdn::col_block_bit;
+  // 8192 x 4 at 8/32 and 16/32 heads: 512 chunks of 32 heads are 3300+ us of 16-column and
+  // 2000+ us of 32-column work whatever the lengths, against ~1000 us for 128 columns split
+  // at the worst case: only the 128-column kernel is launched
+  for (int64_t hv : {16, 32}) {
+    auto q = query(4, 128, hv, /*varlen=*/true);
+    q.allow_cols = true;
+    const auto p = plan_segments(q);
+    EXPECT_TRUE(p.device_col_block) << hv;
+    EXPECT_EQ(p.device_col_blocks, col_block_bit(128)) << hv;
+  }
+  // 8 x 1024 tokens at 16/16 heads without 128 columns (the backward's plans): one
+  // sequence of all 128 chunks would run best at 16 columns, 8 short ones at 32: both stay
+  auto q = query(8, 16, 16, /*varlen=*/true);
+  auto p = plan_segments(q);
+  EXPECT_TRUE(p.device_col_block);
+  EXPECT_EQ(p.device_col_blocks, col_block_bit(16) | col_block_bit(32));
+  // with 128 columns: a split at 128 beats 16 columns at any lengths
+  q.allow_cols = true;
+  p = plan_segments(q);
+  EXPECT_TRUE(p.device_col_block);
+  EXPECT_EQ(p.device_col_blocks & col_block_bit(16), 0);
+  EXPECT_NE(p.device_col_blocks & col_block_bit(p.col_block), 0);
+}
