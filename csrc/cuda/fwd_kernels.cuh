@@ -1372,7 +1372,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 72 KB smem
+// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 132 KB smem
 //   Walks the segments of one sequence in pass order (first to last for the forward,
 //   last to first for the backward's reverse pass, `reverse`) for kCombineCols state
 //   columns of one head and forms the exact state entering every segment that starts from
@@ -1380,15 +1380,17 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 //   previous segment is exact itself, else L_prev (what it leaves from its own start:
 //   h0 / dht or a warm-up). fp32 FMA.
 //   reads  Lb, seg_L, seg_M     writes seg_in
+//   The walk is a chain of dependent steps, so each step's loads are issued one step ahead:
+//   whether each segment starts exact is decided for up to NT steps at once (one per
+//   thread; segment_start's warm-up test alone reads up to kWarmupMax bounds one after the
+//   other), then the next step's M (64 KB, cp.async into the other of two buffers) and L
+//   (registers) load while the current step multiplies. 8 columns per block: twice the
+//   blocks of 16 (2/8 heads: 128 for 132 SMs), half the FMAs of a step.
 
-constexpr int kCombineCols = 16;
+constexpr int kCombineCols = 8;
 constexpr int kCombineRows = D * kCombineCols / NT;  // rows of S_in per thread
-constexpr size_t kCombineSmem = sizeof(float) * (D * D + D * kCombineCols);
+constexpr size_t kCombineSmem = sizeof(float) * (2 * D * D + D * kCombineCols);
 
-// Whether each segment starts exact is decided for up to NT segments at once, one per
-// thread, before the sequential walk: segment_start's warm-up test reads up to kWarmupMax
-// bounds one after the other (each load waits for the previous sum), ~16 L2 latencies per
-// step for the g == 0 heads, which never pass it. H100, 2/8 x 32768: 121 -> 72 us.
 __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
   const int64_t h = blockIdx.y, n = blockIdx.x;
@@ -1398,22 +1400,60 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
   sequence_segments(p, n, z0, count);
   const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M of the previous segment
-  float* Sc = Ms + D * D;                         // [D][kCombineCols] S_in of the previous one
+  float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][D] M of the previous segment
+  float* Sc = Mbuf + 2 * D * D;                     // [D][kCombineCols] its S_in
   const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
-  bool prev_exact = false;  // the previous segment is exact (its S_in is in Sc)
-  // step t: from segment prev to segment next (pass order), when next starts exact
-  auto step = [&](int64_t t, bool next_exact) {
-    const int64_t prev = reverse ? count - 1 - t : t, next = reverse ? prev - 1 : prev + 1;
-    if (next_exact) {
-      const size_t base = static_cast<size_t>((z0 + prev) * p.Hv + h) * D * D;
+  // exact[1 + i]: step t0 + i goes from segment prev to segment next (pass order) and next
+  // starts exact; exact[0]: the same for the step before the batch (prev is exact)
+  __shared__ bool exact[NT + 1];
+  auto prev_of = [&](int64_t t) { return reverse ? count - 1 - t : t; };
+  auto base_of = [&](int64_t t) {
+    return static_cast<size_t>((z0 + prev_of(t)) * p.Hv + h) * D * D;
+  };
+  bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
+  for (int64_t t0 = 0; t0 + 1 < count; t0 += NT) {
+    const int64_t t = t0 + threadIdx.x, t_end = t0 + NT < count - 1 ? t0 + NT : count - 1;
+    if (t < t_end) {
+      const int64_t prev = prev_of(t), next = reverse ? prev - 1 : prev + 1;
+      exact[1 + threadIdx.x] =
+          segment_start(p, chunk0, nch, h, next, reverse).src == SegSource::Exact;
+    }
+    if (threadIdx.x == 0) exact[0] = last_flag;
+    __syncthreads();
+    auto needs = [&](int64_t u) { return exact[1 + u - t0]; };
+    auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
+    auto load_m = [&](int64_t u) {  // step u's M into buffer u % 2 (one commit group)
+      if (needs_m(u)) {
+        float* dst = Mbuf + (u & 1) * D * D;
+        const float* src = p.seg_M + base_of(u);
+        for (int e = threadIdx.x; e < D * D / 4; e += NT) cp_async16(dst + 4 * e, src + 4 * e, true);
+      }
+      cp_async_commit();
+    };
+    auto load_l = [&](int64_t u, float (&l)[kCombineRows]) {
+      if (!needs(u)) return;
+      const float* src = p.seg_L + base_of(u) + vb + col;
+#pragma unroll
+      for (int i = 0; i < kCombineRows; ++i) l[i] = __ldcg(src + (r0 + i) * D);
+    };
+    float lnext[kCombineRows];
+    load_m(t0);
+    load_l(t0, lnext);
+    for (int64_t u = t0; u < t_end; ++u) {
       float acc[kCombineRows];
 #pragma unroll
-      for (int i = 0; i < kCombineRows; ++i) acc[i] = __ldcg(p.seg_L + base + (r0 + i) * D + vb + col);
-      if (prev_exact) {
-        for (int e = threadIdx.x; e < D * D / 4; e += NT)
-          reinterpret_cast<float4*>(Ms)[e] = __ldcg(reinterpret_cast<const float4*>(p.seg_M + base) + e);
-        __syncthreads();
+      for (int i = 0; i < kCombineRows; ++i) acc[i] = lnext[i];
+      if (u + 1 < t_end) {
+        load_m(u + 1);  // into the buffer step u - 1 read (it ended with a barrier)
+        load_l(u + 1, lnext);
+      } else {
+        cp_async_commit();  // an empty group: the wait below always leaves one pending
+      }
+      if (!needs(u)) continue;
+      if (needs_m(u)) {
+        cp_async_wait<1>();
+        __syncthreads();  // every thread's part of M has landed
+        const float* Ms = Mbuf + (u & 1) * D * D;
         for (int k = 0; k < D; k += 4) {
           const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
           const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
@@ -1423,8 +1463,9 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
             acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
           }
         }
-        __syncthreads();  // Ms and Sc read
+        __syncthreads();  // Sc read (and M: its buffer is refilled for step u + 2)
       }
+      const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
       float* out = p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
 #pragma unroll
       for (int i = 0; i < kCombineRows; ++i) {
@@ -1433,20 +1474,8 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
       }
       __syncthreads();
     }
-    prev_exact = next_exact;
-  };
-  auto next_of = [&](int64_t t) {
-    const int64_t prev = reverse ? count - 1 - t : t;
-    return reverse ? prev - 1 : prev + 1;
-  };
-  __shared__ bool exact[NT];
-  for (int64_t t0 = 0; t0 + 1 < count; t0 += NT) {
-    const int64_t t = t0 + threadIdx.x;
-    if (t + 1 < count)
-      exact[threadIdx.x] =
-          segment_start(p, chunk0, nch, h, next_of(t), reverse).src == SegSource::Exact;
-    __syncthreads();
-    for (int64_t u = t0; u + 1 < count && u < t0 + NT; ++u) step(u, exact[u - t0]);
+    cp_async_wait<0>();
+    last_flag = exact[t_end - t0];
     __syncthreads();  // exact[] is rewritten for the next NT steps
   }
 }
