@@ -24,7 +24,7 @@ STATE_TOL = 3.7e-3
 
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
-            "FLASHGDN_COLS_WGMMA")
+            "FLASHGDN_COLS_WGMMA", "FLASHGDN_COMBINE_THREADS")
 
 
 @contextmanager
@@ -203,24 +203,44 @@ def test_cp_backward_matches_unsplit_and_reference(case: Case, seg: int):
 
 @pytest.mark.parametrize("bw", ["32", "128"])
 def test_more_segments_than_threads(bw: str):
-    """seg_combine_kernel decides which segments start exact for up to 256 segments at once
-    before its sequential walk: one-chunk segments give a sequence of 302 segments (two
-    batches of decisions, the second partial) next to a short one. Against the unsplit
-    pass and the reference, g == 0 heads as exact as unsplit."""
-    case = Case("many_segments", [19300, 700], 1, 4, gate="mixed")
+    """seg_combine_kernel decides which segments start exact for up to 256 (512) segments at
+    once, one per thread, before its sequential walk: one-chunk segments give a sequence of
+    524 segments (three batches of decisions, or two with FLASHGDN_COMBINE_THREADS=512, the
+    last partial) next to a short one. Against the unsplit pass and the reference, the
+    g == 0 head as exact as unsplit; 512 threads give the same bits as 256 (per element the
+    same FMAs in the same order)."""
+    case = Case("many_segments", [33500, 700], 1, 2, gate="mixed")
     inp = make_inputs(case, "cuda", seed=13)
     with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": bw}):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "1", "FLASHGDN_FWD_BW": bw}):
+    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "1", "FLASHGDN_FWD_BW": bw}
+    with env_vars(split):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({**split, "FLASHGDN_COMBINE_THREADS": "512"}):
+        o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     ro, rh = reference(inp)
     e_o, e_h = rel_err(o, ro), rel_err(ht, rh)
     d_o, d_h = rel_err(o, o_ref), rel_err(ht, h_ref)
-    print(f"302 segments BW {bw}: vs ref o {e_o:.2e} state {e_h:.2e}; vs unsplit o {d_o:.2e} "
+    print(f"524 segments BW {bw}: vs ref o {e_o:.2e} state {e_h:.2e}; vs unsplit o {d_o:.2e} "
           f"state {d_h:.2e}")
     assert e_o < O_TOL and e_h < STATE_TOL
     assert d_o < 2e-3 and d_h < 1e-3
     assert_as_exact(0, o, ht, o_ref, h_ref, ro, rh)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2), "512-thread combine differs"
+
+
+def test_combine_threads_bit_identical_backward(monkeypatch):
+    """FLASHGDN_COMBINE_THREADS=512 for the backward's reverse combine (segments walked
+    last to first): every gradient equal to the 256-thread kernel's bit for bit."""
+    from test_backward import run_grads
+    case = Case("threads_bwd", [3000, 300], 1, 4, gate="mixed")
+    monkeypatch.setenv("FLASHGDN_CP", "on")
+    monkeypatch.setenv("FLASHGDN_CP_SEG", "1")
+    names, dflt, _, _ = run_grads(case, "cuda", seed=17)
+    monkeypatch.setenv("FLASHGDN_COMBINE_THREADS", "512")
+    _, wide, _, _ = run_grads(case, "cuda", seed=17)
+    for n, a, b in zip(names, wide, dflt):
+        assert torch.equal(a, b), f"d{n} differs with FLASHGDN_COMBINE_THREADS=512"
 
 
 def test_cp_backward_auto_engages():

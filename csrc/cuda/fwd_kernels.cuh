@@ -1372,7 +1372,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 132 KB smem
+// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), kThreads threads, 132 KB smem
 //   Walks the segments of one sequence in pass order (first to last for the forward,
 //   last to first for the backward's reverse pass, `reverse`) for kCombineCols state
 //   columns of one head and forms the exact state entering every segment that starts from
@@ -1381,19 +1381,25 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 //   h0 / dht or a warm-up). fp32 FMA.
 //   reads  Lb, seg_L, seg_M     writes seg_in
 //   The walk is a chain of dependent steps, so each step's loads are issued one step ahead:
-//   whether each segment starts exact is decided for up to NT steps at once (one per
-//   thread; segment_start's warm-up test alone reads up to kWarmupMax bounds one after the
-//   other), then the next step's M (64 KB, cp.async into the other of two buffers) and L
-//   (registers) load while the current step multiplies. 8 columns per block: twice the
-//   blocks of 16 (2/8 heads: 128 for 132 SMs), half the FMAs of a step.
+//   whether each segment starts exact is decided for up to kThreads steps at once
+//   (one per thread; segment_start's warm-up test alone reads up to kWarmupMax bounds one
+//   after the other), then the next step's M (64 KB, cp.async into the other of two
+//   buffers) and L (registers) load while the current step multiplies. 8 columns per
+//   block: 16 blocks a head (2/8 heads: 128 for 132 SMs).
+//   kThreads: 256 (default, H100: 2/8 x 32768 72 -> 63 us against 16 columns without the
+//   prefetch) or 512 (FLASHGDN_COMBINE_THREADS=512, not yet run on a GPU). A step is
+//   latency-bound (ncu at 256: 0.25 instructions issued per cycle and scheduler, two warps
+//   each, mostly waiting on shared loads; 4.2 us a step), so 16 warps of 2 rows each
+//   should hide more of it; per element the same FMAs in the same order.
 
 constexpr int kCombineCols = 8;
-constexpr int kCombineRows = D * kCombineCols / NT;  // rows of S_in per thread
 constexpr size_t kCombineSmem = sizeof(float) * (2 * D * D + D * kCombineCols);
 
-__global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool reverse) {
+template <int kThreads = NT>
+__global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
   const int64_t h = blockIdx.y, n = blockIdx.x;
+  constexpr int kCombineRows = D * kCombineCols / kThreads;  // rows of S_in per thread
   const int vb = blockIdx.z * kCombineCols;
   if (n >= p.seqs.N) return;
   int64_t z0, count;
@@ -1405,14 +1411,15 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
   const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
   // exact[1 + i]: step t0 + i goes from segment prev to segment next (pass order) and next
   // starts exact; exact[0]: the same for the step before the batch (prev is exact)
-  __shared__ bool exact[NT + 1];
+  __shared__ bool exact[kThreads + 1];
   auto prev_of = [&](int64_t t) { return reverse ? count - 1 - t : t; };
   auto base_of = [&](int64_t t) {
     return static_cast<size_t>((z0 + prev_of(t)) * p.Hv + h) * D * D;
   };
   bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
-  for (int64_t t0 = 0; t0 + 1 < count; t0 += NT) {
-    const int64_t t = t0 + threadIdx.x, t_end = t0 + NT < count - 1 ? t0 + NT : count - 1;
+  for (int64_t t0 = 0; t0 + 1 < count; t0 += kThreads) {
+    const int64_t t = t0 + threadIdx.x, t_end =
+        t0 + kThreads < count - 1 ? t0 + kThreads : count - 1;
     if (t < t_end) {
       const int64_t prev = prev_of(t), next = reverse ? prev - 1 : prev + 1;
       exact[1 + threadIdx.x] =
@@ -1426,7 +1433,7 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
       if (needs_m(u)) {
         float* dst = Mbuf + (u & 1) * D * D;
         const float* src = p.seg_M + base_of(u);
-        for (int e = threadIdx.x; e < D * D / 4; e += NT) cp_async16(dst + 4 * e, src + 4 * e, true);
+        for (int e = threadIdx.x; e < D * D / 4; e += kThreads) cp_async16(dst + 4 * e, src + 4 * e, true);
       }
       cp_async_commit();
     };
@@ -1476,7 +1483,7 @@ __global__ void __launch_bounds__(NT) seg_combine_kernel(SegParams p, bool rever
     }
     cp_async_wait<0>();
     last_flag = exact[t_end - t0];
-    __syncthreads();  // exact[] is rewritten for the next NT steps
+    __syncthreads();  // exact[] is rewritten for the next batch of steps
   }
 }
 

@@ -342,13 +342,21 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
 }
 
+// FLASHGDN_COMBINE_THREADS=512 (opt-in, not yet run on a GPU): seg_combine_kernel with 16
+// warps of 2 state rows each instead of 8 of 4 (its steps are latency-bound).
+int combine_threads() { return env_int("FLASHGDN_COMBINE_THREADS") == 512 ? 512 : NT; }
+
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
-    set_smem(seg_combine_kernel, kCombineSmem);
+    set_smem(seg_combine_kernel<NT>, kCombineSmem);
+    set_smem(seg_combine_kernel<512>, kCombineSmem);
   });
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols);
-  seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
+  if (combine_threads() == 512)
+    seg_combine_kernel<512><<<grid, 512, kCombineSmem, st>>>(f, reverse);
+  else
+    seg_combine_kernel<NT><<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
