@@ -24,7 +24,7 @@ STATE_TOL = 3.7e-3
 
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
-            "FLASHGDN_COLS_WGMMA", "FLASHGDN_COMBINE_THREADS")
+            "FLASHGDN_COLS_WGMMA", "FLASHGDN_COMBINE_THREADS", "FLASHGDN_CP_OVERLAP")
 
 
 @contextmanager
@@ -134,6 +134,50 @@ def test_cp_under_cuda_graph():
             graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(o_g, o_eager) and torch.equal(h_g, h_eager)
+
+
+@pytest.mark.parametrize("bw", ["32", "128"])
+@pytest.mark.parametrize("case", [CP_CASES[1], CP_CASES[5], CP_CASES[6]], ids=lambda c: c.name)
+def test_overlap_bit_identical(case: Case, bw: str):
+    """FLASHGDN_CP_OVERLAP=1: the phase-0 blocks of segments that start from h0 or a warm-up
+    run on the caller's stream beside the exact heads' chain (phase 1, combine, exact
+    phase 0) on a second stream. The same blocks do the same arithmetic: o and the final
+    state equal the default's bit for bit (varlen mixes, grouped heads, g == 0 and very
+    negative gates, h0), eagerly and replayed from a CUDA graph."""
+    inp = make_inputs(case, "cuda", seed=11)
+    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2", "FLASHGDN_FWD_BW": bw}
+    with env_vars(split):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({**split, "FLASHGDN_CP_OVERLAP": "1"}):
+        o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        torch.cuda.synchronize()
+        assert torch.equal(o, o2) and torch.equal(ht, ht2), "overlap differs (eager)"
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g, h_g = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "overlap differs (graph)"
+
+
+def test_overlap_bit_identical_backward(monkeypatch):
+    """The backward's recomputation of the forward pass with FLASHGDN_CP_OVERLAP=1: every
+    gradient equal to the default's bit for bit."""
+    from test_backward import run_grads
+    case = Case("overlap_bwd", [3000, 300], 1, 4, gate="mixed")
+    monkeypatch.setenv("FLASHGDN_CP", "on")
+    monkeypatch.setenv("FLASHGDN_CP_SEG", "2")
+    names, dflt, _, _ = run_grads(case, "cuda", seed=17)
+    monkeypatch.setenv("FLASHGDN_CP_OVERLAP", "1")
+    _, ov, _, _ = run_grads(case, "cuda", seed=17)
+    for n, a, b in zip(names, ov, dflt):
+        assert torch.equal(a, b), f"d{n} differs with FLASHGDN_CP_OVERLAP=1"
 
 
 def test_cp_auto_varlen_device_choice():

@@ -74,6 +74,9 @@ struct SegParams {
   float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
   float* seg_in;  // [segments, Hv, D, D] exact state (or dS) entering an exact segment
   int phase;      // sequential passes: 0 outputs, 1 segment summaries (L, M)
+  int starts;     // phase 0: 0 every segment, 1 only those that do not start exact (h0, dht
+                  //   or a warm-up), 2 only those that do (seg_in): the two halves of a
+                  //   forward phase 0 on two streams (launch.cu, FLASHGDN_CP_OVERLAP)
   const int64_t* col_block_dev;  // varlen: the device-chosen column block; the kernel of the
                                  //   other column block returns at once (null: host's choice)
 };
@@ -586,6 +589,8 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     b.identity = static_cast<int>(blockIdx.x) >= CBN;
     if (b.identity && b.ss.src != SegSource::Exact) return false;
   } else if (static_cast<int>(blockIdx.x) >= CBN) {
+    return false;
+  } else if (p.starts != 0 && (b.ss.src == SegSource::Exact) != (p.starts == 2)) {
     return false;
   }
   return true;

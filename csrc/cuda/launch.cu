@@ -438,6 +438,40 @@ void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
   check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
 }
 
+// FLASHGDN_CP_OVERLAP=1 (opt-in, not yet run on a GPU): a split forward pass runs the phase-0
+// blocks of segments that do not start exact (h0, warm-ups: most of the decaying heads'
+// work) on the caller's stream while the exact heads' chain (phase 1, the combine, the
+// phase-0 blocks of exact segments) runs on a high-priority stream beside it, forked and
+// joined by events (graph-capturable). Today the chain's last launch waits for every
+// phase-0 block; with 48 blocks at 2/8 x 8192 most SMs idle through phase 1 and the combine.
+bool cp_overlap() { return env_int("FLASHGDN_CP_OVERLAP") == 1; }
+
+// The chain's stream and its fork/join events, one set per device, created on first use.
+// The mutex is held from the fork to the join, so calls from two host threads never
+// interleave their work (or a capture) on the shared stream.
+struct ChainStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+std::mutex& chain_mutex() {
+  static std::mutex m;
+  return m;
+}
+ChainStream& chain_stream(int device) {  // call with chain_mutex() held
+  static ChainStream cache[64];
+  if (device < 0 || device >= 64) throw Error("flashgdn: device index out of range");
+  ChainStream& c = cache[device];
+  if (c.stream == nullptr) {
+    int least = 0, greatest = 0;
+    check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    check_cuda(cudaStreamCreateWithPriority(&c.stream, cudaStreamNonBlocking, greatest),
+               "cudaStreamCreateWithPriority");
+    check_cuda(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventCreateWithFlags(&c.join, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  return c;
+}
+
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
 // for the forward (f.o, f.ht set) and the backward's recomputation (f.h, f.U set).
 template <typename In>
@@ -470,26 +504,45 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   // FLASHGDN_BWD_COLS=1: the backward's recomputation in state_fwd_cols_kernel too, on the
   // backward's segments (whatever column block the plan or the device picked for them)
   const bool recompute_cols = f.h != nullptr && b.pass == FwdPass::F16 && bwd_cols();
-  auto launch = [&] {
+  auto launch = [&](cudaStream_t s) {
     if (recompute_cols) {
       FwdParams fc = f;
       fc.col_block_dev = nullptr;
-      launch_state_cols<In>(plan, p, fc, st);
+      launch_state_cols<In>(plan, p, fc, s);
       return;
     }
-    if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, st);
-    if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, st);
-    if (launches(plan, D)) launch_state_cols<In>(plan, p, f, st);  // the f16 pass's 128 columns
+    if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, s);
+    if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, s);
+    if (launches(plan, D)) launch_state_cols<In>(plan, p, f, s);  // the f16 pass's 128 columns
   };
-  if (p.N > 0) {
-    if (plan.split) {  // exact entering states of the segments that need them
-      f.phase = 1;
-      launch();
-      launch_seg_combine(p, f, false, st);
-      f.phase = 0;
-    }
-    launch();
+  if (p.N == 0) return;
+  if (plan.split && b.pass == FwdPass::F16 && cp_overlap()) {
+    std::lock_guard<std::mutex> lock(chain_mutex());
+    const ChainStream& chain = chain_stream(p.device_id);
+    check_cuda(cudaEventRecord(chain.fork, st), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(chain.stream, chain.fork, 0), "cudaStreamWaitEvent");
+    f.phase = 0;
+    f.starts = 1;  // segments from h0 or a warm-up: need nothing from the chain
+    launch(st);
+    f.phase = 1;
+    f.starts = 0;
+    launch(chain.stream);
+    launch_seg_combine(p, f, false, chain.stream);
+    f.phase = 0;
+    f.starts = 2;  // exact segments, from seg_in
+    launch(chain.stream);
+    f.starts = 0;
+    check_cuda(cudaEventRecord(chain.join, chain.stream), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(st, chain.join, 0), "cudaStreamWaitEvent");
+    return;
   }
+  if (plan.split) {  // exact entering states of the segments that need them
+    f.phase = 1;
+    launch(st);
+    launch_seg_combine(p, f, false, st);
+    f.phase = 0;
+  }
+  launch(st);
 }
 
 template <typename In>
