@@ -24,7 +24,8 @@ STATE_TOL = 3.7e-3
 
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
-            "FLASHGDN_COLS_WGMMA", "FLASHGDN_COMBINE_THREADS", "FLASHGDN_CP_OVERLAP")
+            "FLASHGDN_COLS_WGMMA", "FLASHGDN_COMBINE_THREADS", "FLASHGDN_CP_OVERLAP",
+            "FLASHGDN_CP_SUB")
 
 
 @contextmanager
@@ -178,6 +179,59 @@ def test_overlap_bit_identical_backward(monkeypatch):
     _, ov, _, _ = run_grads(case, "cuda", seed=17)
     for n, a, b in zip(names, ov, dflt):
         assert torch.equal(a, b), f"d{n} differs with FLASHGDN_CP_OVERLAP=1"
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("nsub", ["2", "3", "4"])
+@pytest.mark.parametrize("case", [CP_CASES[1], CP_CASES[2], CP_CASES[3], CP_CASES[5],
+                                  CP_CASES[6]], ids=lambda c: c.name)
+def test_subsegments(case: Case, nsub: str, overlap: str):
+    """FLASHGDN_CP_SUB=<n>: phase 0 of every exact segment runs as n sub-segments, each its
+    own block of the 128-column kernel, from S_c = M_c S_in + L_c (phase 1 records M_c and
+    L_c at the sub-segments' starts, sub_start_kernel forms S_c after the combine). Segments
+    of 8 chunks give sub-segments of 4, 3 and 2 chunks (the last one shorter, or absent in a
+    short last segment). Against the reference and the unsplit pass; the g == 0 heads as
+    exact as unsplit; with and without FLASHGDN_CP_OVERLAP."""
+    inp = make_inputs(case, "cuda", seed=11)
+    with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128"}):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "8", "FLASHGDN_FWD_BW": "128",
+                   "FLASHGDN_CP_SUB": nsub, "FLASHGDN_CP_OVERLAP": overlap}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    torch.cuda.synchronize()
+    ro, rh = reference(inp)
+    e_o, e_h = rel_err(o, ro), rel_err(ht, rh)
+    d_o, d_h = rel_err(o, o_ref), rel_err(ht, h_ref)
+    print(f"{case.name} sub={nsub} overlap={overlap}: vs ref o {e_o:.2e} state {e_h:.2e}; "
+          f"vs unsplit o {d_o:.2e} state {d_h:.2e}")
+    assert e_o < O_TOL and e_h < STATE_TOL
+    assert d_o < 2e-3 and d_h < 1e-3
+    zero_heads = {"zero_heads": range(0, case.hv, 4), "mixed": range(0, case.hv, 4),
+                  "all_zero": range(case.hv)}.get(case.gate, [])
+    for h in zero_heads:
+        assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
+
+
+def test_subsegments_auto_and_graph():
+    """FLASHGDN_CP_SUB=4 with the planner's own split (CP auto, a TP8-sized sequence), eager
+    and replayed from a CUDA graph: the same bits both ways, the reference's tolerance."""
+    case = Case("sub_auto", [12000], 2, 8, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=5)
+    with env_vars({"FLASHGDN_CP_SUB": "4", "FLASHGDN_CP_OVERLAP": "1"}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g, h_g = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g)
+    ro, rh = reference(inp)
+    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
 
 
 def test_cp_auto_varlen_device_choice():

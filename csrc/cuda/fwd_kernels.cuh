@@ -77,6 +77,14 @@ struct SegParams {
   int starts;     // phase 0: 0 every segment, 1 only those that do not start exact (h0, dht
                   //   or a warm-up), 2 only those that do (seg_in): the two halves of a
                   //   forward phase 0 on two streams (launch.cu, FLASHGDN_CP_OVERLAP)
+  // Sub-segments (FLASHGDN_CP_SUB, forward, column block 128 only): with nsub > 1 phase 1
+  // records the local state and the transition of every exact segment at the starts of its
+  // nsub sub-segments of ceil(seg / nsub) chunks, sub_start_kernel turns the local states
+  // into the sub-segments' entering states (M_c S_in + L_c), and phase 0 runs each
+  // sub-segment of an exact segment as its own block (grid z = segments x nsub).
+  int nsub;
+  float* sub_L;  // [segments, Hv, nsub - 1, D, D] local states, then entering states
+  float* sub_M;  // [segments, Hv, nsub - 1, D, D] transitions
   const int64_t* col_block_dev;  // varlen: the device-chosen column block; the kernel of the
                                  //   other column block returns at once (null: host's choice)
 };
@@ -518,6 +526,15 @@ __device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t ch
   return {SegSource::Exact, c_last};
 }
 
+// Chunks per sub-segment of an exact segment, and where sub-segment s (1 .. nsub - 1) of
+// segment z of head h keeps its record.
+__device__ __forceinline__ int64_t sub_chunks(const SegParams& p) {
+  return (seg_chunks(p) + p.nsub - 1) / p.nsub;
+}
+__device__ __forceinline__ size_t sub_offset(const SegParams& p, int64_t z, int64_t h, int s) {
+  return static_cast<size_t>((z * p.Hv + h) * (p.nsub - 1) + (s - 1)) * D * D;
+}
+
 // Segments of sequence n: the first one's index z0 and their count.
 __device__ __forceinline__ void sequence_segments(const SegParams& p, int64_t n, int64_t& z0,
                                                   int64_t& count) {
@@ -563,6 +580,7 @@ struct SegmentBlock {
   SegStart ss;
   int vb;
   bool identity;
+  int sub;  // phase 0 with sub-segments: which sub-segment of an exact segment (0: its start)
 };
 template <int BW>
 __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, SegmentBlock& b) {
@@ -570,6 +588,13 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   b.h = blockIdx.y;
   b.hq = b.h / (p.Hv / p.Hqk);
   b.z = blockIdx.z;
+  b.sub = 0;
+  const bool subs = BW == D && p.nsub > 1;  // sub-segments: the 128-column forward kernel only
+  int sub = 0;
+  if (subs && p.phase == 0) {
+    sub = static_cast<int>(b.z % p.nsub);
+    b.z /= p.nsub;
+  }
   if (!locate_segment(p, b.z, b.n, b.j)) return false;
   b.start = p.seqs.seq_start(b.n);
   b.len = p.seqs.seq_len(b.n);
@@ -583,24 +608,49 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   b.vb = (static_cast<int>(blockIdx.x) % CBN) * BW;
   b.identity = false;
   if (p.phase == 1) {
-    if (reverse ? b.j == 0 : b.c_end >= b.nch) return false;  // no neighbour
+    // summaries where the neighbour in pass order starts exactly from this segment, and
+    // with sub-segments also for every exact segment (the records of its sub-segments)
+    const bool own = subs && b.ss.src == SegSource::Exact;
+    const bool last = reverse ? b.j == 0 : b.c_end >= b.nch;  // no neighbour
     const int64_t nb = reverse ? b.j - 1 : b.j + 1;
-    if (segment_start(p, b.chunk0, b.nch, b.h, nb, reverse).src != SegSource::Exact) return false;
+    if (!own && (last || segment_start(p, b.chunk0, b.nch, b.h, nb, reverse).src !=
+                             SegSource::Exact))
+      return false;
     b.identity = static_cast<int>(blockIdx.x) >= CBN;
     if (b.identity && b.ss.src != SegSource::Exact) return false;
   } else if (static_cast<int>(blockIdx.x) >= CBN) {
     return false;
   } else if (p.starts != 0 && (b.ss.src == SegSource::Exact) != (p.starts == 2)) {
     return false;
+  } else if (subs) {
+    if (b.ss.src != SegSource::Exact) return sub == 0;  // the whole segment in one block
+    const int64_t cb = b.c_begin + sub * sub_chunks(p);
+    if (cb >= b.c_end) return false;
+    b.c_begin = b.ss.c_first = cb;
+    if (cb + sub_chunks(p) < b.c_end) b.c_end = cb + sub_chunks(p);
+    b.sub = sub;
   }
   return true;
+}
+
+// Phase 1 with sub-segments: where an exact segment's block records the state entering
+// chunk ci (the start of a sub-segment), else null.
+__device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBlock& b,
+                                             int64_t ci) {
+  if (p.nsub <= 1 || p.phase != 1 || b.ss.src != SegSource::Exact || ci <= b.c_begin)
+    return nullptr;
+  const int64_t r = sub_chunks(p), k = ci - b.c_begin;
+  if (k % r != 0) return nullptr;
+  return (b.identity ? p.sub_M : p.sub_L) + sub_offset(p, b.z, b.h, static_cast<int>(k / r));
 }
 
 // The state entering a forward segment's first chunk: seg_in for an exact segment (phase 0),
 // h0 at the sequence's start, else null (zero: warm-ups, phase-1 local states, no h0).
 __device__ __forceinline__ const float* entering_state(const FwdParams& p, const SegmentBlock& b) {
   const float* src = nullptr;
-  if (p.phase == 0 && b.ss.src == SegSource::Exact) src = p.seg_in + (b.z * p.Hv + b.h) * D * D;
+  if (p.phase == 0 && b.ss.src == SegSource::Exact)
+    src = b.sub > 0 ? p.sub_L + sub_offset(p, b.z, b.h, b.sub)
+                    : p.seg_in + (b.z * p.Hv + b.h) * D * D;
   if (b.ss.src == SegSource::H0 && p.h0 != nullptr) src = p.h0 + (b.n * p.Hv + b.h) * D * D;
   return src;
 }
@@ -1490,6 +1540,56 @@ __global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool
     last_flag = exact[t_end - t0];
     __syncthreads();  // exact[] is rewritten for the next batch of steps
   }
+}
+
+// sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kCombineCols), 256 threads,
+//   68 KB smem
+//   Sub-segments (FLASHGDN_CP_SUB): the state entering sub-segment s >= 1 of an exact
+//   segment, S = M_s S_in + L_s, for kCombineCols state columns (S_in from
+//   seg_combine_kernel, M_s and L_s recorded by phase 1), written over L_s. Every block is
+//   independent (no chain). fp32 FMA, the combine's arithmetic.
+//   reads  Lb, seg_in, sub_M, sub_L     writes sub_L
+constexpr size_t kSubStartSmem = sizeof(float) * (D * D + D * kCombineCols);
+
+__global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
+  if (p.seqs.failed() || p.nsub <= 1 || !col_block_chosen<D>(p)) return;
+  const int64_t h = blockIdx.y, z = blockIdx.x / (p.nsub - 1);
+  const int s = 1 + static_cast<int>(blockIdx.x % (p.nsub - 1));
+  int64_t n, j;
+  if (!locate_segment(p, z, n, j)) return;
+  const int64_t nch = (p.seqs.seq_len(n) + C - 1) / C, seg = seg_chunks(p);
+  const int64_t c_begin = j * seg, c_end = c_begin + seg < nch ? c_begin + seg : nch;
+  if (c_begin + s * sub_chunks(p) >= c_end) return;  // no such sub-segment
+  if (segment_start(p, p.seqs.first_chunk(n), nch, h, j).src != SegSource::Exact) return;
+  constexpr int kRows = D * kCombineCols / NT;  // rows of the result per thread
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M_s
+  float* Sc = Ms + D * D;                         // [D][kCombineCols] S_in's columns
+  const int vb = blockIdx.z * kCombineCols;
+  const float* M = p.sub_M + sub_offset(p, z, h, s);
+  const float* S_in = p.seg_in + static_cast<size_t>(z * p.Hv + h) * D * D;
+  for (int e = threadIdx.x; e < D * D / 4; e += NT) cp_async16(Ms + 4 * e, M + 4 * e, true);
+  cp_async_commit();
+  for (int e = threadIdx.x; e < D * kCombineCols; e += NT)
+    Sc[e] = __ldcg(S_in + (e / kCombineCols) * D + vb + e % kCombineCols);
+  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kRows;
+  float* L = p.sub_L + sub_offset(p, z, h, s) + vb + col;
+  float acc[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) acc[i] = __ldcg(L + (r0 + i) * D);
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int k = 0; k < D; k += 4) {
+    const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
+    const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
+      acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
 }
 
 }  // namespace cuda

@@ -90,6 +90,8 @@ struct FwdBuffers {
   __half* Tv16;       // the default f16 pass: T diag(beta) (W and U0 are null)
   float2* EG;         // f16 forward: (e^G, e^{G_last - G}) per token-head (cols kernel)
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
+  int nsub;                        // FLASHGDN_CP_SUB: sub-segments of exact segments (0: none)
+  float *sub_L, *sub_M;            //   their records (SegParams::sub_L, sub_M)
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
   int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
 };
@@ -122,6 +124,20 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   return b;
 }
 
+// FLASHGDN_CP_SUB=<2..8> (opt-in, not yet run on a GPU): the forward's exact segments run
+// their phase 0 as that many sub-segments, each its own block, from entering states formed
+// in parallel (M_c S_in + L_c, sub_start_kernel) instead of one block walking the whole
+// segment after the combine: the last link of the exact heads' chain gets nsub times
+// shorter. Split forward plans of the default pass whose 128-column kernel runs (the
+// mma.sync one); 0 (none) otherwise. Read when the workspace is carved.
+int cp_subsegments(const SegmentPlan& plan, FwdPass pass, bool backward) {
+  const int n = env_int("FLASHGDN_CP_SUB");
+  if (n < 2 || n > 8 || backward || !plan.split || !plan.cols || pass != FwdPass::F16 ||
+      env_int("FLASHGDN_COLS_WGMMA") == 1)
+    return 0;
+  return n;
+}
+
 FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
                      bool backward = false) {
   FwdBuffers b = carve_common(p, backward, c);
@@ -132,6 +148,11 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
     b.seg_L = c.take<float>(segheads * D * D);
     b.seg_M = c.take<float>(segheads * D * D);
     b.seg_in = c.take<float>(segheads * D * D);
+    b.nsub = cp_subsegments(plan, b.pass, backward);
+    if (b.nsub > 1) {
+      b.sub_L = c.take<float>(segheads * (b.nsub - 1) * D * D);
+      b.sub_M = c.take<float>(segheads * (b.nsub - 1) * D * D);
+    }
   }
   if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(2);
   if (b.pass == FwdPass::Auto)  // the largest launch: phase 1 at 16 columns
@@ -331,8 +352,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
+  const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
-                  static_cast<unsigned>(plan.max_segments));
+                  static_cast<unsigned>(plan.max_segments * subs));
   if (f.h == nullptr && cols_wgmma())
     state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(f);
   else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
@@ -358,6 +380,17 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
   else
     seg_combine_kernel<NT><<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
+}
+
+void launch_sub_start(const Problem& p, const SegmentPlan& plan, const SegParams& f,
+                      cudaStream_t st) {
+  if (f.nsub <= 1) return;
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(sub_start_kernel, kSubStartSmem); });
+  const dim3 grid(static_cast<unsigned>(plan.max_segments * (f.nsub - 1)),
+                  static_cast<unsigned>(p.Hv), D / kCombineCols);
+  sub_start_kernel<<<grid, NT, kSubStartSmem, st>>>(f);
+  check_cuda(cudaGetLastError(), "sub_start_kernel launch");
 }
 
 template <typename In>
@@ -500,6 +533,9 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.seg_L = b.seg_L;
   f.seg_M = b.seg_M;
   f.seg_in = b.seg_in;
+  f.nsub = b.nsub;
+  f.sub_L = b.sub_L;
+  f.sub_M = b.sub_M;
   launch_wy<In>(p, f, st);
   // FLASHGDN_BWD_COLS=1: the backward's recomputation in state_fwd_cols_kernel too, on the
   // backward's segments (whatever column block the plan or the device picked for them)
@@ -528,6 +564,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     f.starts = 0;
     launch(chain.stream);
     launch_seg_combine(p, f, false, chain.stream);
+    launch_sub_start(p, plan, f, chain.stream);
     f.phase = 0;
     f.starts = 2;  // exact segments, from seg_in
     launch(chain.stream);
@@ -540,6 +577,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     f.phase = 1;
     launch(st);
     launch_seg_combine(p, f, false, st);
+    launch_sub_start(p, plan, f, st);
     f.phase = 0;
   }
   launch(st);

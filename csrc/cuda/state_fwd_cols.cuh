@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
     const bool out = want_o && ci >= c_begin;
+    if (float* dst = sub_record(p, b, ci)) store_state_cols(dst, sacc, v0);
     if (kRecord && record && ci >= c_begin) {  // the state entering chunk ci, [key][value]
       float* dst = p.h + ((b.chunk0 + ci) * p.Hv + h) * D * D;
 #pragma unroll
