@@ -74,6 +74,7 @@ struct SegParams {
   float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
   float* seg_in;  // [segments, Hv, D, D] exact state (or dS) entering an exact segment
   int phase;      // sequential passes: 0 outputs, 1 segment summaries (L, M)
+  int64_t z_base; // the first segment (grid z) of this launch: launches of at most 65535
   int starts;     // phase 0: 0 every segment, 1 only those that do not start exact (h0, dht
                   //   or a warm-up), 2 only those that do (seg_in): the two halves of a
                   //   forward phase 0 on two streams (launch.cu, FLASHGDN_CP_OVERLAP)
@@ -587,7 +588,7 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   constexpr int CBN = D / BW;
   b.h = blockIdx.y;
   b.hq = b.h / (p.Hv / p.Hqk);
-  b.z = blockIdx.z;
+  b.z = blockIdx.z + p.z_base;
   b.sub = 0;
   const bool subs = BW == D && p.nsub > 1;  // sub-segments: the 128-column forward kernel only
   int sub = 0;

@@ -306,6 +306,19 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   return plan_segments(q);
 }
 
+// The sequential passes put segments in grid z, at most 65535 blocks: a larger count
+// (packed inputs with very many sequences) goes out as several launches, each on a copy of
+// the parameters whose z_base says where its slice starts.
+template <typename Params, typename Launch>
+void for_each_z_slice(const Params& f, int64_t count, Launch&& launch) {
+  constexpr int64_t kMaxZ = 65535;
+  for (int64_t base = 0; base < count; base += kMaxZ) {
+    Params slice = f;
+    slice.z_base = base;
+    launch(slice, static_cast<unsigned>(std::min(kMaxZ, count - base)));
+  }
+}
+
 template <typename In, int BW>
 void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                       FwdPass pass, cudaStream_t st) {
@@ -319,24 +332,26 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
     set_smem(state_fwd_f16_kernel<In, BW, false, true>, StateFwdF16Smem<BW, true>::kBytes);
   });
   const unsigned blocks_x = (f.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
-  const dim3 grid(blocks_x, static_cast<unsigned>(p.Hv), static_cast<unsigned>(plan.max_segments));
-  if (pass == FwdPass::Wgmma)
-    state_fwd_kernel<In, BW><<<grid, NT, StateFwdWgSmem<In, BW>::kBytes, st>>>(f);
-  else if (pass == FwdPass::Tf32)
-    state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(f);
-  else if (pass == FwdPass::F16)
-    state_fwd_f16_kernel<In, BW, false, true>
-        <<<grid, NT, StateFwdF16Smem<BW, true>::kBytes, st>>>(f);
-  else if (pass == FwdPass::F16WU)
-    state_fwd_f16_kernel<In, BW><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
-  else {  // Auto: the guarded fp16 pass, then the tf32 pass on the blocks it flagged
-    state_fwd_f16_kernel<In, BW, true><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(f);
-    check_cuda(cudaGetLastError(), "state_fwd_f16_kernel launch");
-    FwdParams r = f;
-    r.redo_pass = true;
-    state_fwd_mma_kernel<In, BW, __half><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(r);
-  }
-  check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
+  for_each_z_slice(f, plan.max_segments, [&](const FwdParams& fz, unsigned z) {
+    const dim3 grid(blocks_x, static_cast<unsigned>(p.Hv), z);
+    if (pass == FwdPass::Wgmma)
+      state_fwd_kernel<In, BW><<<grid, NT, StateFwdWgSmem<In, BW>::kBytes, st>>>(fz);
+    else if (pass == FwdPass::Tf32)
+      state_fwd_mma_kernel<In, BW><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(fz);
+    else if (pass == FwdPass::F16)
+      state_fwd_f16_kernel<In, BW, false, true>
+          <<<grid, NT, StateFwdF16Smem<BW, true>::kBytes, st>>>(fz);
+    else if (pass == FwdPass::F16WU)
+      state_fwd_f16_kernel<In, BW><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(fz);
+    else {  // Auto: the guarded fp16 pass, then the tf32 pass on the blocks it flagged
+      state_fwd_f16_kernel<In, BW, true><<<grid, NT, StateFwdF16Smem<BW>::kBytes, st>>>(fz);
+      check_cuda(cudaGetLastError(), "state_fwd_f16_kernel launch");
+      FwdParams r = fz;
+      r.redo_pass = true;
+      state_fwd_mma_kernel<In, BW, __half><<<grid, NT, StateFwdSmem<In, BW>::kBytes, st>>>(r);
+    }
+    check_cuda(cudaGetLastError(), "state_fwd_kernel launch");
+  });
 }
 
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
@@ -353,15 +368,16 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
-  const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
-                  static_cast<unsigned>(plan.max_segments * subs));
-  if (f.h == nullptr && cols_wgmma())
-    state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(f);
-  else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
-    state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
-  else
-    state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(f);
-  check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
+  for_each_z_slice(f, plan.max_segments * subs, [&](const FwdParams& fz, unsigned z) {
+    const dim3 grid(f.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv), z);
+    if (f.h == nullptr && cols_wgmma())
+      state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(fz);
+    else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
+      state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
+    else
+      state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
+    check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
+  });
 }
 
 // FLASHGDN_COMBINE_THREADS=512 (opt-in, not yet run on a GPU): seg_combine_kernel with 16
@@ -414,10 +430,11 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
   static std::once_flag once;
   std::call_once(once, [] { set_smem(state_bwd_tc_kernel<In, BW>, smem); });
   const unsigned blocks_x = (g.phase == 1 ? 2 : 1) * (D / BW);  // phase 1: L and M columns
-  state_bwd_tc_kernel<In, BW><<<dim3(blocks_x, static_cast<unsigned>(p.Hv),
-                                     static_cast<unsigned>(plan.max_segments)),
-                                NT, smem, st>>>(g);
-  check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
+  for_each_z_slice(g, plan.max_segments, [&](const BwdParams& gz, unsigned z) {
+    state_bwd_tc_kernel<In, BW><<<dim3(blocks_x, static_cast<unsigned>(p.Hv), z), NT, smem,
+                                  st>>>(gz);
+    check_cuda(cudaGetLastError(), "state_bwd_tc_kernel launch");
+  });
 }
 
 template <typename In>
@@ -426,10 +443,11 @@ void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdP
   constexpr size_t smem = StateBwdColsSmem<In>::kBytes;
   static std::once_flag once;
   std::call_once(once, [] { set_smem(state_bwd_cols_kernel<In>, smem); });
-  state_bwd_cols_kernel<In><<<dim3(g.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv),
-                                   static_cast<unsigned>(plan.max_segments)),
-                              NT, smem, st>>>(g);
-  check_cuda(cudaGetLastError(), "state_bwd_cols_kernel launch");
+  for_each_z_slice(g, plan.max_segments, [&](const BwdParams& gz, unsigned z) {
+    state_bwd_cols_kernel<In><<<dim3(g.phase == 1 ? 2 : 1, static_cast<unsigned>(p.Hv), z), NT,
+                                smem, st>>>(gz);
+    check_cuda(cudaGetLastError(), "state_bwd_cols_kernel launch");
+  });
 }
 
 // Whether the sequential passes launch their bw-column kernel: the planner's column block,
