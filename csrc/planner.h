@@ -73,6 +73,14 @@ struct ForwardCost {
   double exact_share = 0.25;     // share of heads assumed to need exact entering states
   double combine_us = 4.0;       // seg_combine_kernel, per segment of a sequence
   double min_gain = 0.05;        // split only when it saves at least this share
+  // The opt-in schedules of split forward passes (launch.cu; not yet measured, so these
+  // terms are the model's guess): overlap (FLASHGDN_CP_OVERLAP) runs the phase 0 of
+  // segments that start from a warm-up beside the exact heads' chain instead of after it;
+  // nsub > 1 (FLASHGDN_CP_SUB, column block 128) cuts the chain's phase 0 into nsub
+  // sub-segments after a parallel step of sub_start_us.
+  bool overlap = false;
+  int nsub = 1;
+  double sub_start_us = 5.0;
 };
 
 #ifdef __CUDACC__
@@ -125,8 +133,16 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
   const double work0 = (s.total + c.warm_chunks * s.segs) * heads * cbn * t / nsm;
   const double ts = t * c.summary_factor;
   const double crit1 = len * ts, work1 = c.exact_share * 2.0 * work * c.summary_factor;
-  return (crit0 > work0 ? crit0 : work0) + (crit1 > work1 ? crit1 : work1) +
-         c.combine_us * s.max_segs_per_seq;
+  const double combine = c.combine_us * s.max_segs_per_seq;
+  if (c.overlap) {
+    // the exact chain (summaries, combine, the exact segments' phase 0, in nsub pieces)
+    // beside the warm-started phase 0; all of it shares the SMs
+    const double ns = bw == 128 && c.nsub > 1 ? c.nsub : 1.0;
+    const double exact0 = ceil_pos(len / ns) * t + (ns > 1.0 ? c.sub_start_us : 0.0);
+    const double chain = crit1 + combine + exact0, crit = crit0 > chain ? crit0 : chain;
+    return crit > work0 + work1 ? crit : work0 + work1;
+  }
+  return (crit0 > work0 ? crit0 : work0) + (crit1 > work1 ? crit1 : work1) + combine;
 }
 
 // Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a

@@ -283,6 +283,18 @@ int sm_count(int device) {
 // (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
 bool bwd_cols() { return env_int("FLASHGDN_BWD_COLS") == 1; }
 
+// The planner's cost model with the opt-in schedules of the forward's split pass
+// (FLASHGDN_CP_OVERLAP, FLASHGDN_CP_SUB; not the backward's plan, whose reverse pass has
+// neither).
+ForwardCost plan_cost(bool backward) {
+  ForwardCost c;
+  if (backward) return c;
+  c.overlap = env_int("FLASHGDN_CP_OVERLAP") == 1;
+  const int n = env_int("FLASHGDN_CP_SUB");
+  c.nsub = n >= 2 && n <= 8 ? n : 1;
+  return c;
+}
+
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
 // recomputation and the reverse pass, column block 128 only with FLASHGDN_BWD_COLS=1 (then
@@ -303,7 +315,7 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
-  return plan_segments(q);
+  return plan_segments(q, plan_cost(backward));
 }
 
 // The sequential passes put segments in grid z, at most 65535 blocks: a larger count
@@ -530,6 +542,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
                     cudaStream_t st) {
   DeviceSegChoice choice{};
   if (plan.device_choice || plan.device_col_block) {
+    choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);
     choice.col_block = plan.col_block;

@@ -249,3 +249,29 @@ TEST(Planner, PackedSequencesLaunchOnlyColumnBlocksThatCanWin) {
   EXPECT_EQ(p.device_col_blocks & col_block_bit(16), 0);
   EXPECT_NE(p.device_col_blocks & col_block_bit(p.col_block), 0);
 }
+
+TEST(Planner, OptInScheduleShortensTheExactChain) {
+  // FLASHGDN_CP_OVERLAP and FLASHGDN_CP_SUB (the cost model's guess until measured): the
+  // warm-started phase 0 runs beside the exact heads' chain, whose phase 0 is cut in 4
+  for (int64_t chunks : {128, 512}) {
+    auto q = query(1, chunks, 8);
+    q.allow_cols = true;
+    flashgdn::ForwardCost base, overlap, sub;
+    overlap.overlap = sub.overlap = true;
+    sub.nsub = 4;
+    const auto p0 = plan_segments(q, base), p1 = plan_segments(q, overlap),
+               p2 = plan_segments(q, sub);
+    EXPECT_TRUE(p0.split && p1.split && p2.split) << chunks;
+    EXPECT_LT(p1.est_us, p0.est_us) << chunks;  // the chain no longer waits for phase 0
+    EXPECT_LT(p2.est_us, p1.est_us) << chunks;  // and its own phase 0 is 4 times shorter
+  }
+  // 16 or 32 columns: no sub-segments (the 128-column kernel's), the same estimate
+  flashgdn::ForwardCost overlap, sub;
+  overlap.overlap = sub.overlap = true;
+  sub.nsub = 4;
+  flashgdn::LoadStats s;
+  s.longest = s.total = 512;
+  s.segs = s.max_segs_per_seq = 8;
+  EXPECT_EQ(flashgdn::estimate_state_pass_us(overlap, s, 8, 132, 32, 64),
+            flashgdn::estimate_state_pass_us(sub, s, 8, 132, 32, 64));
+}
