@@ -168,8 +168,9 @@ def test_overlap_bit_identical(case: Case, bw: str):
 
 
 def test_overlap_bit_identical_backward(monkeypatch):
-    """The backward's recomputation of the forward pass with FLASHGDN_CP_OVERLAP=1: every
-    gradient equal to the default's bit for bit."""
+    """The backward with FLASHGDN_CP_OVERLAP=1 (its recomputation of the forward pass and
+    its reverse pass over dS, each split in two streams): every gradient equal to the
+    default's bit for bit."""
     from test_backward import run_grads
     case = Case("overlap_bwd", [3000, 300], 1, 4, gate="mixed")
     monkeypatch.setenv("FLASHGDN_CP", "on")

@@ -470,43 +470,13 @@ bool launches(const SegmentPlan& plan, int bw) {
                                : plan.col_block == bw;
 }
 
-// The reverse pass over the forward's segments (last to first), with the summaries and
-// their chaining first when a segment starts exactly from its successor.
-template <typename In>
-void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
-  const bool cols = bwd_cols();
-  auto launch = [&] {
-    if (cols) {
-      launch_state_bwd_cols<In>(plan, p, g, st);
-      return;
-    }
-    if (launches(plan, 16)) launch_state_bwd_tc<In, 16>(plan, p, g, st);
-    if (launches(plan, 32)) launch_state_bwd_tc<In, 32>(plan, p, g, st);
-  };
-  if (plan.split) {
-    g.phase = 1;
-    launch();
-    launch_seg_combine(p, g, true, st);
-  }
-  g.phase = 0;
-  launch();
-}
-
-template <typename In, int BW>
-void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
-  static std::once_flag once;
-  std::call_once(once, [] { set_smem(state_bwd_kernel<In, BW>, state_bwd_smem<BW>()); });
-  state_bwd_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
-                             NT, state_bwd_smem<BW>(), st>>>(g);
-  check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
-}
-
-// FLASHGDN_CP_OVERLAP=1 (opt-in, not yet run on a GPU): a split forward pass runs the phase-0
-// blocks of segments that do not start exact (h0, warm-ups: most of the decaying heads'
-// work) on the caller's stream while the exact heads' chain (phase 1, the combine, the
-// phase-0 blocks of exact segments) runs on a high-priority stream beside it, forked and
-// joined by events (graph-capturable). Today the chain's last launch waits for every
-// phase-0 block; with 48 blocks at 2/8 x 8192 most SMs idle through phase 1 and the combine.
+// FLASHGDN_CP_OVERLAP=1 (opt-in, not yet run on a GPU): a split sequential pass (the
+// forward's, the backward's recomputation and its reverse pass) runs the phase-0 blocks of
+// segments that do not start exact (h0 / dht, warm-ups: most of the decaying heads' work)
+// on the caller's stream while the exact heads' chain (phase 1, the combine, the phase-0
+// blocks of exact segments) runs on a high-priority stream beside it, forked and joined by
+// events (graph-capturable). Otherwise the chain's last launch waits for every phase-0
+// block; with 48 blocks at 2/8 x 8192 most SMs idle through phase 1 and the combine.
 bool cp_overlap() { return env_int("FLASHGDN_CP_OVERLAP") == 1; }
 
 // The chain's stream and its fork/join events, one set per device, created on first use.
@@ -533,6 +503,71 @@ ChainStream& chain_stream(int device) {  // call with chain_mutex() held
     check_cuda(cudaEventCreateWithFlags(&c.join, cudaEventDisableTiming), "cudaEventCreate");
   }
   return c;
+}
+
+// A split pass with FLASHGDN_CP_OVERLAP: warm(stream) on the caller's stream, chain(stream)
+// on the chain stream beside it.
+template <typename Warm, typename Chain>
+void run_overlapped(int device, cudaStream_t st, Warm&& warm, Chain&& chain) {
+  std::lock_guard<std::mutex> lock(chain_mutex());
+  const ChainStream& cs = chain_stream(device);
+  check_cuda(cudaEventRecord(cs.fork, st), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(cs.stream, cs.fork, 0), "cudaStreamWaitEvent");
+  warm(st);
+  chain(cs.stream);
+  check_cuda(cudaEventRecord(cs.join, cs.stream), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(st, cs.join, 0), "cudaStreamWaitEvent");
+}
+
+// The reverse pass over the forward's segments (last to first), with the summaries and
+// their chaining first when a segment starts exactly from its successor.
+template <typename In>
+void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
+  const bool cols = bwd_cols();
+  auto launch = [&](cudaStream_t s) {
+    if (cols) {
+      launch_state_bwd_cols<In>(plan, p, g, s);
+      return;
+    }
+    if (launches(plan, 16)) launch_state_bwd_tc<In, 16>(plan, p, g, s);
+    if (launches(plan, 32)) launch_state_bwd_tc<In, 32>(plan, p, g, s);
+  };
+  if (plan.split && cp_overlap()) {
+    run_overlapped(
+        p.device_id, st,
+        [&](cudaStream_t s) {
+          g.phase = 0;
+          g.starts = 1;  // segments from dht or a warm-up
+          launch(s);
+        },
+        [&](cudaStream_t s) {
+          g.phase = 1;
+          g.starts = 0;
+          launch(s);
+          launch_seg_combine(p, g, true, s);
+          g.phase = 0;
+          g.starts = 2;  // exact segments, from seg_in
+          launch(s);
+          g.starts = 0;
+        });
+    return;
+  }
+  if (plan.split) {
+    g.phase = 1;
+    launch(st);
+    launch_seg_combine(p, g, true, st);
+  }
+  g.phase = 0;
+  launch(st);
+}
+
+template <typename In, int BW>
+void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(state_bwd_kernel<In, BW>, state_bwd_smem<BW>()); });
+  state_bwd_kernel<In, BW><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / BW),
+                             NT, state_bwd_smem<BW>(), st>>>(g);
+  check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
 }
 
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
@@ -584,24 +619,24 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   };
   if (p.N == 0) return;
   if (plan.split && b.pass == FwdPass::F16 && cp_overlap()) {
-    std::lock_guard<std::mutex> lock(chain_mutex());
-    const ChainStream& chain = chain_stream(p.device_id);
-    check_cuda(cudaEventRecord(chain.fork, st), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(chain.stream, chain.fork, 0), "cudaStreamWaitEvent");
-    f.phase = 0;
-    f.starts = 1;  // segments from h0 or a warm-up: need nothing from the chain
-    launch(st);
-    f.phase = 1;
-    f.starts = 0;
-    launch(chain.stream);
-    launch_seg_combine(p, f, false, chain.stream);
-    launch_sub_start(p, plan, f, chain.stream);
-    f.phase = 0;
-    f.starts = 2;  // exact segments, from seg_in
-    launch(chain.stream);
-    f.starts = 0;
-    check_cuda(cudaEventRecord(chain.join, chain.stream), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(st, chain.join, 0), "cudaStreamWaitEvent");
+    run_overlapped(
+        p.device_id, st,
+        [&](cudaStream_t s) {
+          f.phase = 0;
+          f.starts = 1;  // segments from h0 or a warm-up: need nothing from the chain
+          launch(s);
+        },
+        [&](cudaStream_t s) {
+          f.phase = 1;
+          f.starts = 0;
+          launch(s);
+          launch_seg_combine(p, f, false, s);
+          launch_sub_start(p, plan, f, s);
+          f.phase = 0;
+          f.starts = 2;  // exact segments, from seg_in (or their sub-segments' records)
+          launch(s);
+          f.starts = 0;
+        });
     return;
   }
   if (plan.split) {  // exact entering states of the segments that need them
