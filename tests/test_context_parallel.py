@@ -182,6 +182,20 @@ def test_overlap_bit_identical_backward(monkeypatch):
         assert torch.equal(a, b), f"d{n} differs with FLASHGDN_CP_OVERLAP=1"
 
 
+_UNSPLIT: dict = {}
+
+
+def _unsplit_and_reference(case: Case):
+    """Inputs (seed 11), the unsplit 128-column pass and the float64 reference of a case,
+    computed once per case for the parametrised tests below."""
+    if case.name not in _UNSPLIT:
+        inp = make_inputs(case, "cuda", seed=11)
+        with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128"}):
+            o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        _UNSPLIT[case.name] = (inp, o_ref, h_ref, *reference(inp))
+    return _UNSPLIT[case.name]
+
+
 @pytest.mark.parametrize("overlap", ["0", "1"])
 @pytest.mark.parametrize("nsub", ["2", "3", "4"])
 @pytest.mark.parametrize("case", [CP_CASES[1], CP_CASES[2], CP_CASES[3], CP_CASES[5],
@@ -193,14 +207,11 @@ def test_subsegments(case: Case, nsub: str, overlap: str):
     of 8 chunks give sub-segments of 4, 3 and 2 chunks (the last one shorter, or absent in a
     short last segment). Against the reference and the unsplit pass; the g == 0 heads as
     exact as unsplit; with and without FLASHGDN_CP_OVERLAP."""
-    inp = make_inputs(case, "cuda", seed=11)
-    with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128"}):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    inp, o_ref, h_ref, ro, rh = _unsplit_and_reference(case)
     with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "8", "FLASHGDN_FWD_BW": "128",
                    "FLASHGDN_CP_SUB": nsub, "FLASHGDN_CP_OVERLAP": overlap}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
-    ro, rh = reference(inp)
     e_o, e_h = rel_err(o, ro), rel_err(ht, rh)
     d_o, d_h = rel_err(o, o_ref), rel_err(ht, h_ref)
     print(f"{case.name} sub={nsub} overlap={overlap}: vs ref o {e_o:.2e} state {e_h:.2e}; "
