@@ -1,0 +1,407 @@
+// Intra-card context parallelism of the sequential passes (docs/algorithm.md; the plan
+// comes from csrc/planner.h and plan_kernel): the segments a sequence is split into, where
+// the state entering each one comes from, which block of a pass runs which segment, and
+// the two kernels between the passes' phases.
+//
+// A segment that does not start the sequence starts from a warm-up of a few chunks from a
+// zero state when the product of the skipped chunks' bounds exp(sum Lb) is below
+// exp(kLogEps), else from its exact entering state seg_in (segment_start). Exact states take
+// three launches: phase 1 of a pass gives each segment that an exact one follows its
+// summary (the state leaving it from its own start, L, and, if it is exact itself, its
+// transition M: the same pass run on the identity without inputs, no outputs);
+// seg_combine_kernel chains the summaries, S_in(j+1) = M_j S_in(j) + L_j; phase 0 then runs
+// every segment with outputs. The backward's reverse pass does the same last to first.
+// Opt-in schedules (launch.cu): FLASHGDN_CP_OVERLAP runs the phase 0 of segments that do
+// not start exact beside the exact chain on a second stream (SegParams::starts);
+// FLASHGDN_CP_SUB cuts the phase 0 of exact segments into sub-segments started from
+// recorded states (sub_record, sub_start_kernel).
+//
+// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols): see its definition.
+// sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kCombineCols): likewise.
+#pragma once
+
+#include "../planner.h"
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace flashgdn {
+namespace cuda {
+
+constexpr float kLogEps = -16.f;  // warm-up accepted when the bound is below e^-16 ~ 1.1e-7
+constexpr int kWarmupMax = 16;    // most chunks of warm-up a segment may use
+
+// Sequences, heads and the segments of the context-parallel sequential passes: shared by
+// the forward's state pass (FwdParams) and the backward's reverse pass (BwdParams).
+struct SegParams {
+  SeqLayout seqs;
+  int64_t Hqk, Hv;
+  float* Lb;                      // [max_chunks, Hv] warm-up bound of every chunk (wy_kernel)
+  int64_t seg_chunks;             // chunks per segment (when seg_chunks_dev is null)
+  const int64_t* seg_chunks_dev;  // varlen, device-chosen segment length (plan_kernel)
+  int64_t segs_per_seq;           // fixed-length inputs: segments of every sequence
+  const int64_t* seg_offsets;     // varlen: [N + 1] first segment of each sequence
+  float* seg_L;   // [segments, Hv, D, D] state (or dS) leaving a segment, from its own start
+                  //   (zero for an exact segment, else h0 / dht / warm-up)
+  float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
+  float* seg_in;  // [segments, Hv, D, D] exact state (or dS) entering an exact segment
+  int phase;      // sequential passes: 0 outputs, 1 segment summaries (L, M)
+  int64_t z_base; // the first segment (grid z) of this launch: launches of at most 65535
+  int starts;     // phase 0: 0 every segment, 1 only those that do not start exact (h0, dht
+                  //   or a warm-up), 2 only those that do (seg_in): the two halves of a
+                  //   forward phase 0 on two streams (launch.cu, FLASHGDN_CP_OVERLAP)
+  // Sub-segments (FLASHGDN_CP_SUB, forward, column block 128 only): with nsub > 1 phase 1
+  // records the local state and the transition of every exact segment at the starts of its
+  // nsub sub-segments of ceil(seg / nsub) chunks, sub_start_kernel turns the local states
+  // into the sub-segments' entering states (M_c S_in + L_c), and phase 0 runs each
+  // sub-segment of an exact segment as its own block (grid z = segments x nsub).
+  int nsub;
+  float* sub_L;  // [segments, Hv, nsub - 1, D, D] local states, then entering states
+  float* sub_M;  // [segments, Hv, nsub - 1, D, D] transitions
+  const int64_t* col_block_dev;  // varlen: the device-chosen column block; the kernel of the
+                                 //   other column block returns at once (null: host's choice)
+};
+
+// Whether a sequential pass compiled for column block BW runs in this call.
+template <int BW>
+__device__ __forceinline__ bool col_block_chosen(const SegParams& p) {
+  return p.col_block_dev == nullptr || *p.col_block_dev == BW;
+}
+
+// Where the state entering a segment comes from (context parallelism; docs/algorithm.md).
+// The backward's reverse pass walks the chunks last first: its segments "enter" at their
+// last chunk, from the dS of the segment after them, and H0 stands for dht there.
+enum class SegSource {
+  H0,      // the sequence's initial state (forward) or dht (reverse): exact
+  Warmup,  // zero, a few chunks before the segment: the gates forget what came earlier
+  Exact,   // seg_in, formed by seg_combine_kernel from the neighbours' L and M
+};
+struct SegStart {
+  SegSource src;
+  int64_t c_first;  // first chunk the pass processes (the last one, for the reverse pass)
+};
+
+__device__ __forceinline__ int64_t seg_chunks(const SegParams& p) {
+  return p.seg_chunks_dev != nullptr ? *p.seg_chunks_dev : p.seg_chunks;
+}
+
+// Segment j of a sequence with nch chunks whose first chunk (in the Lb table) is chunk0.
+// A warm-up is accepted when the product of the bounds of the chunks it runs before the
+// segment, exp(sum Lb), is below exp(kLogEps) within kWarmupMax chunks (the bound holds for
+// a chunk's transition and for its transpose alike); reaching the sequence's end first
+// means starting from h0 (forward) or dht (reverse), which is exact.
+__device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t chunk0,
+                                                  int64_t nch, int64_t h, int64_t j,
+                                                  bool reverse = false) {
+  const int64_t seg = seg_chunks(p);
+  if (!reverse) {
+    const int64_t c_begin = j * seg;
+    if (j == 0) return {SegSource::H0, 0};
+    float bound = 0.f;
+    int64_t c = c_begin;
+    while (c > 0 && c_begin - c < kWarmupMax && bound > kLogEps) {
+      --c;
+      bound += p.Lb[(chunk0 + c) * p.Hv + h];
+    }
+    if (bound <= kLogEps) return {c == 0 ? SegSource::H0 : SegSource::Warmup, c};
+    if (c == 0) return {SegSource::H0, 0};
+    return {SegSource::Exact, c_begin};
+  }
+  const int64_t c_last = (j + 1) * seg < nch ? (j + 1) * seg - 1 : nch - 1;
+  if (c_last == nch - 1) return {SegSource::H0, c_last};
+  float bound = 0.f;
+  int64_t c = c_last;
+  while (c < nch - 1 && c - c_last < kWarmupMax && bound > kLogEps) {
+    ++c;
+    bound += p.Lb[(chunk0 + c) * p.Hv + h];
+  }
+  if (bound <= kLogEps) return {c == nch - 1 ? SegSource::H0 : SegSource::Warmup, c};
+  if (c == nch - 1) return {SegSource::H0, c};
+  return {SegSource::Exact, c_last};
+}
+
+// Chunks per sub-segment of an exact segment, and where sub-segment s (1 .. nsub - 1) of
+// segment z of head h keeps its record.
+__device__ __forceinline__ int64_t sub_chunks(const SegParams& p) {
+  return (seg_chunks(p) + p.nsub - 1) / p.nsub;
+}
+__device__ __forceinline__ size_t sub_offset(const SegParams& p, int64_t z, int64_t h, int s) {
+  return static_cast<size_t>((z * p.Hv + h) * (p.nsub - 1) + (s - 1)) * D * D;
+}
+
+// Segments of sequence n: the first one's index z0 and their count.
+__device__ __forceinline__ void sequence_segments(const SegParams& p, int64_t n, int64_t& z0,
+                                                  int64_t& count) {
+  if (p.seg_offsets != nullptr) {
+    z0 = p.seg_offsets[n];
+    count = p.seg_offsets[n + 1] - z0;
+  } else {
+    z0 = n * p.segs_per_seq;
+    const int64_t nch = (p.seqs.seq_len(n) + C - 1) / C;
+    count = segments_of(nch, seg_chunks(p));
+  }
+}
+
+// The sequence n and segment j of block z of a sequential pass (grid z = segments);
+// false when z is past the last segment.
+__device__ __forceinline__ bool locate_segment(const SegParams& p, int64_t z, int64_t& n,
+                                               int64_t& j) {
+  if (p.seg_offsets != nullptr) {
+    if (z >= p.seg_offsets[p.seqs.N]) return false;
+    int64_t lo = 0, hi = p.seqs.N - 1;  // last n with seg_offsets[n] <= z
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (p.seg_offsets[mid] <= z) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+    j = z - p.seg_offsets[n];
+    return true;
+  }
+  n = z / p.segs_per_seq;
+  j = z % p.segs_per_seq;
+  return n < p.seqs.N;
+}
+
+// One block of a context-parallel sequential pass, grid (D / BW [x 2 in phase 1], H_v,
+// segments): head h (q/k head hq), segment j of sequence n (tokens from `start`, nch chunks,
+// the first at chunk0 in the chunk tables), its chunks [c_begin, c_end), where its state
+// (or dS) comes from, its value columns vb .. vb + BW. Phase 1 forms a segment's summary only
+// where the neighbour in pass order (the next segment forward, the previous one in reverse)
+// starts exactly from it: blocks x < D / BW its local state, blocks x >= D / BW (identity) the
+// columns of its transition, from I, for exact segments. False: this block has nothing to do.
+struct SegmentBlock {
+  int64_t h, hq, z, n, j, start, len, nch, chunk0, c_begin, c_end;
+  SegStart ss;
+  int vb;
+  bool identity;
+  int sub;  // phase 0 with sub-segments: which sub-segment of an exact segment (0: its start)
+};
+template <int BW>
+__device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, SegmentBlock& b) {
+  constexpr int CBN = D / BW;
+  b.h = blockIdx.y;
+  b.hq = b.h / (p.Hv / p.Hqk);
+  b.z = blockIdx.z + p.z_base;
+  b.sub = 0;
+  const bool subs = BW == D && p.nsub > 1;  // sub-segments: the 128-column forward kernel only
+  int sub = 0;
+  if (subs && p.phase == 0) {
+    sub = static_cast<int>(b.z % p.nsub);
+    b.z /= p.nsub;
+  }
+  if (!locate_segment(p, b.z, b.n, b.j)) return false;
+  b.start = p.seqs.seq_start(b.n);
+  b.len = p.seqs.seq_len(b.n);
+  b.nch = (b.len + C - 1) / C;
+  b.chunk0 = p.seqs.first_chunk(b.n);
+  const int64_t seg = seg_chunks(p);
+  b.c_begin = b.j * seg;
+  if (b.j > 0 && b.c_begin >= b.nch) return false;
+  b.c_end = b.c_begin + seg < b.nch ? b.c_begin + seg : b.nch;
+  b.ss = segment_start(p, b.chunk0, b.nch, b.h, b.j, reverse);
+  b.vb = (static_cast<int>(blockIdx.x) % CBN) * BW;
+  b.identity = false;
+  if (p.phase == 1) {
+    // summaries where the neighbour in pass order starts exactly from this segment, and
+    // with sub-segments also for every exact segment (the records of its sub-segments)
+    const bool own = subs && b.ss.src == SegSource::Exact;
+    const bool last = reverse ? b.j == 0 : b.c_end >= b.nch;  // no neighbour
+    const int64_t nb = reverse ? b.j - 1 : b.j + 1;
+    if (!own && (last || segment_start(p, b.chunk0, b.nch, b.h, nb, reverse).src !=
+                             SegSource::Exact))
+      return false;
+    b.identity = static_cast<int>(blockIdx.x) >= CBN;
+    if (b.identity && b.ss.src != SegSource::Exact) return false;
+  } else if (static_cast<int>(blockIdx.x) >= CBN) {
+    return false;
+  } else if (p.starts != 0 && (b.ss.src == SegSource::Exact) != (p.starts == 2)) {
+    return false;
+  } else if (subs) {
+    if (b.ss.src != SegSource::Exact) return sub == 0;  // the whole segment in one block
+    const int64_t cb = b.c_begin + sub * sub_chunks(p);
+    if (cb >= b.c_end) return false;
+    b.c_begin = b.ss.c_first = cb;
+    if (cb + sub_chunks(p) < b.c_end) b.c_end = cb + sub_chunks(p);
+    b.sub = sub;
+  }
+  return true;
+}
+
+// Phase 1 with sub-segments: where an exact segment's block records the state entering
+// chunk ci (the start of a sub-segment), else null.
+__device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBlock& b,
+                                             int64_t ci) {
+  if (p.nsub <= 1 || p.phase != 1 || b.ss.src != SegSource::Exact || ci <= b.c_begin)
+    return nullptr;
+  const int64_t r = sub_chunks(p), k = ci - b.c_begin;
+  if (k % r != 0) return nullptr;
+  return (b.identity ? p.sub_M : p.sub_L) + sub_offset(p, b.z, b.h, static_cast<int>(k / r));
+}
+
+// ---------------------------------------------------------------------------------------
+// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), kThreads threads, 132 KB smem
+//   Walks the segments of one sequence in pass order (first to last for the forward,
+//   last to first for the backward's reverse pass, `reverse`) for kCombineCols state
+//   columns of one head and forms the exact state entering every segment that starts from
+//   its neighbour (SegSource::Exact): S_in(next) = M_prev S_in(prev) + L_prev when the
+//   previous segment is exact itself, else L_prev (what it leaves from its own start:
+//   h0 / dht or a warm-up). fp32 FMA.
+//   reads  Lb, seg_L, seg_M     writes seg_in
+//   The walk is a chain of dependent steps, so each step's loads are issued one step ahead:
+//   whether each segment starts exact is decided for up to kThreads steps at once
+//   (one per thread; segment_start's warm-up test alone reads up to kWarmupMax bounds one
+//   after the other), then the next step's M (64 KB, cp.async into the other of two
+//   buffers) and L (registers) load while the current step multiplies. 8 columns per
+//   block: 16 blocks a head (2/8 heads: 128 for 132 SMs).
+//   kThreads: 256 (default, H100: 2/8 x 32768 72 -> 63 us against 16 columns without the
+//   prefetch) or 512 (FLASHGDN_COMBINE_THREADS=512, not yet run on a GPU). A step is
+//   latency-bound (ncu at 256: 0.25 instructions issued per cycle and scheduler, two warps
+//   each, mostly waiting on shared loads; 4.2 us a step), so 16 warps of 2 rows each
+//   should hide more of it; per element the same FMAs in the same order.
+
+constexpr int kCombineCols = 8;
+constexpr size_t kCombineSmem = sizeof(float) * (2 * D * D + D * kCombineCols);
+
+template <int kThreads = NT>
+__global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool reverse) {
+  if (p.seqs.failed()) return;
+  const int64_t h = blockIdx.y, n = blockIdx.x;
+  constexpr int kCombineRows = D * kCombineCols / kThreads;  // rows of S_in per thread
+  const int vb = blockIdx.z * kCombineCols;
+  if (n >= p.seqs.N) return;
+  int64_t z0, count;
+  sequence_segments(p, n, z0, count);
+  const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][D] M of the previous segment
+  float* Sc = Mbuf + 2 * D * D;                     // [D][kCombineCols] its S_in
+  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
+  // exact[1 + i]: step t0 + i goes from segment prev to segment next (pass order) and next
+  // starts exact; exact[0]: the same for the step before the batch (prev is exact)
+  __shared__ bool exact[kThreads + 1];
+  auto prev_of = [&](int64_t t) { return reverse ? count - 1 - t : t; };
+  auto base_of = [&](int64_t t) {
+    return static_cast<size_t>((z0 + prev_of(t)) * p.Hv + h) * D * D;
+  };
+  bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
+  for (int64_t t0 = 0; t0 + 1 < count; t0 += kThreads) {
+    const int64_t t = t0 + threadIdx.x, t_end =
+        t0 + kThreads < count - 1 ? t0 + kThreads : count - 1;
+    if (t < t_end) {
+      const int64_t prev = prev_of(t), next = reverse ? prev - 1 : prev + 1;
+      exact[1 + threadIdx.x] =
+          segment_start(p, chunk0, nch, h, next, reverse).src == SegSource::Exact;
+    }
+    if (threadIdx.x == 0) exact[0] = last_flag;
+    __syncthreads();
+    auto needs = [&](int64_t u) { return exact[1 + u - t0]; };
+    auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
+    auto load_m = [&](int64_t u) {  // step u's M into buffer u % 2 (one commit group)
+      if (needs_m(u)) {
+        float* dst = Mbuf + (u & 1) * D * D;
+        const float* src = p.seg_M + base_of(u);
+        for (int e = threadIdx.x; e < D * D / 4; e += kThreads) cp_async16(dst + 4 * e, src + 4 * e, true);
+      }
+      cp_async_commit();
+    };
+    auto load_l = [&](int64_t u, float (&l)[kCombineRows]) {
+      if (!needs(u)) return;
+      const float* src = p.seg_L + base_of(u) + vb + col;
+#pragma unroll
+      for (int i = 0; i < kCombineRows; ++i) l[i] = __ldcg(src + (r0 + i) * D);
+    };
+    float lnext[kCombineRows];
+    load_m(t0);
+    load_l(t0, lnext);
+    for (int64_t u = t0; u < t_end; ++u) {
+      float acc[kCombineRows];
+#pragma unroll
+      for (int i = 0; i < kCombineRows; ++i) acc[i] = lnext[i];
+      if (u + 1 < t_end) {
+        load_m(u + 1);  // into the buffer step u - 1 read (it ended with a barrier)
+        load_l(u + 1, lnext);
+      } else {
+        cp_async_commit();  // an empty group: the wait below always leaves one pending
+      }
+      if (!needs(u)) continue;
+      if (needs_m(u)) {
+        cp_async_wait<1>();
+        __syncthreads();  // every thread's part of M has landed
+        const float* Ms = Mbuf + (u & 1) * D * D;
+        for (int k = 0; k < D; k += 4) {
+          const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
+          const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
+#pragma unroll
+          for (int i = 0; i < kCombineRows; ++i) {
+            const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
+            acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
+          }
+        }
+        __syncthreads();  // Sc read (and M: its buffer is refilled for step u + 2)
+      }
+      const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
+      float* out = p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
+#pragma unroll
+      for (int i = 0; i < kCombineRows; ++i) {
+        Sc[(r0 + i) * kCombineCols + col] = acc[i];
+        __stcg(out + (r0 + i) * D + vb + col, acc[i]);
+      }
+      __syncthreads();
+    }
+    cp_async_wait<0>();
+    last_flag = exact[t_end - t0];
+    __syncthreads();  // exact[] is rewritten for the next batch of steps
+  }
+}
+
+// sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kCombineCols), 256 threads,
+//   68 KB smem
+//   Sub-segments (FLASHGDN_CP_SUB): the state entering sub-segment s >= 1 of an exact
+//   segment, S = M_s S_in + L_s, for kCombineCols state columns (S_in from
+//   seg_combine_kernel, M_s and L_s recorded by phase 1), written over L_s. Every block is
+//   independent (no chain). fp32 FMA, the combine's arithmetic.
+//   reads  Lb, seg_in, sub_M, sub_L     writes sub_L
+constexpr size_t kSubStartSmem = sizeof(float) * (D * D + D * kCombineCols);
+
+__global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
+  if (p.seqs.failed() || p.nsub <= 1 || !col_block_chosen<D>(p)) return;
+  const int64_t h = blockIdx.y, z = blockIdx.x / (p.nsub - 1);
+  const int s = 1 + static_cast<int>(blockIdx.x % (p.nsub - 1));
+  int64_t n, j;
+  if (!locate_segment(p, z, n, j)) return;
+  const int64_t nch = (p.seqs.seq_len(n) + C - 1) / C, seg = seg_chunks(p);
+  const int64_t c_begin = j * seg, c_end = c_begin + seg < nch ? c_begin + seg : nch;
+  if (c_begin + s * sub_chunks(p) >= c_end) return;  // no such sub-segment
+  if (segment_start(p, p.seqs.first_chunk(n), nch, h, j).src != SegSource::Exact) return;
+  constexpr int kRows = D * kCombineCols / NT;  // rows of the result per thread
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M_s
+  float* Sc = Ms + D * D;                         // [D][kCombineCols] S_in's columns
+  const int vb = blockIdx.z * kCombineCols;
+  const float* M = p.sub_M + sub_offset(p, z, h, s);
+  const float* S_in = p.seg_in + static_cast<size_t>(z * p.Hv + h) * D * D;
+  for (int e = threadIdx.x; e < D * D / 4; e += NT) cp_async16(Ms + 4 * e, M + 4 * e, true);
+  cp_async_commit();
+  for (int e = threadIdx.x; e < D * kCombineCols; e += NT)
+    Sc[e] = __ldcg(S_in + (e / kCombineCols) * D + vb + e % kCombineCols);
+  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kRows;
+  float* L = p.sub_L + sub_offset(p, z, h, s) + vb + col;
+  float acc[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) acc[i] = __ldcg(L + (r0 + i) * D);
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int k = 0; k < D; k += 4) {
+    const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
+    const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
+      acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
+}
+
+}  // namespace cuda
+}  // namespace flashgdn
