@@ -299,7 +299,8 @@ __global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool
       if (needs_m(u)) {
         float* dst = Mbuf + (u & 1) * D * D;
         const float* src = p.seg_M + base_of(u);
-        for (int e = threadIdx.x; e < D * D / 4; e += kThreads) cp_async16(dst + 4 * e, src + 4 * e, true);
+        for (int e = threadIdx.x; e < D * D / 4; e += kThreads)
+          cp_async16(dst + 4 * e, src + 4 * e, true);
       }
       cp_async_commit();
     };

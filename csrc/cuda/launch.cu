@@ -496,7 +496,8 @@ ChainStream& chain_stream(int device) {  // call with chain_mutex() held
   ChainStream& c = cache[device];
   if (c.stream == nullptr) {
     int least = 0, greatest = 0;
-    check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+               "cudaDeviceGetStreamPriorityRange");
     check_cuda(cudaStreamCreateWithPriority(&c.stream, cudaStreamNonBlocking, greatest),
                "cudaStreamCreateWithPriority");
     check_cuda(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming), "cudaEventCreate");
@@ -583,7 +584,8 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     choice.col_block = plan.col_block;
     choice.pick_col_block = plan.device_col_block;
     choice.allow_cols = plan.cols;
-    choice.col_blocks = plan.device_col_block ? plan.device_col_blocks : col_block_bit(plan.col_block);
+    choice.col_blocks =
+        plan.device_col_block ? plan.device_col_blocks : col_block_bit(plan.col_block);
     choice.allow_split = plan.device_choice;
     choice.min_seg = plan.seg_chunks;
     choice.chosen = b.seg_chunks;
