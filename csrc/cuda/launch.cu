@@ -490,11 +490,16 @@ std::mutex& chain_mutex() {
   static std::mutex m;
   return m;
 }
-ChainStream& chain_stream(int device) {  // call with chain_mutex() held
+// Null while `st` is being captured into a CUDA graph and the device has no chain stream
+// yet (creating one is left to an eager call; the caller then runs the sequential schedule).
+ChainStream* chain_stream(int device, cudaStream_t st) {  // call with chain_mutex() held
   static ChainStream cache[64];
   if (device < 0 || device >= 64) throw Error("flashgdn: device index out of range");
   ChainStream& c = cache[device];
   if (c.stream == nullptr) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(st, &status), "cudaStreamIsCapturing");
+    if (status != cudaStreamCaptureStatusNone) return nullptr;
     int least = 0, greatest = 0;
     check_cuda(cudaDeviceGetStreamPriorityRange(&least, &greatest),
                "cudaDeviceGetStreamPriorityRange");
@@ -503,21 +508,23 @@ ChainStream& chain_stream(int device) {  // call with chain_mutex() held
     check_cuda(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming), "cudaEventCreate");
     check_cuda(cudaEventCreateWithFlags(&c.join, cudaEventDisableTiming), "cudaEventCreate");
   }
-  return c;
+  return &c;
 }
 
 // A split pass with FLASHGDN_CP_OVERLAP: warm(stream) on the caller's stream, chain(stream)
-// on the chain stream beside it.
+// on the chain stream beside it. False (nothing enqueued) when no chain stream can be had.
 template <typename Warm, typename Chain>
-void run_overlapped(int device, cudaStream_t st, Warm&& warm, Chain&& chain) {
+bool run_overlapped(int device, cudaStream_t st, Warm&& warm, Chain&& chain) {
   std::lock_guard<std::mutex> lock(chain_mutex());
-  const ChainStream& cs = chain_stream(device);
-  check_cuda(cudaEventRecord(cs.fork, st), "cudaEventRecord");
-  check_cuda(cudaStreamWaitEvent(cs.stream, cs.fork, 0), "cudaStreamWaitEvent");
+  const ChainStream* cs = chain_stream(device, st);
+  if (cs == nullptr) return false;
+  check_cuda(cudaEventRecord(cs->fork, st), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(cs->stream, cs->fork, 0), "cudaStreamWaitEvent");
   warm(st);
-  chain(cs.stream);
-  check_cuda(cudaEventRecord(cs.join, cs.stream), "cudaEventRecord");
-  check_cuda(cudaStreamWaitEvent(st, cs.join, 0), "cudaStreamWaitEvent");
+  chain(cs->stream);
+  check_cuda(cudaEventRecord(cs->join, cs->stream), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(st, cs->join, 0), "cudaStreamWaitEvent");
+  return true;
 }
 
 // The reverse pass over the forward's segments (last to first), with the summaries and
@@ -533,26 +540,23 @@ void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, c
     if (launches(plan, 16)) launch_state_bwd_tc<In, 16>(plan, p, g, s);
     if (launches(plan, 32)) launch_state_bwd_tc<In, 32>(plan, p, g, s);
   };
-  if (plan.split && cp_overlap()) {
-    run_overlapped(
-        p.device_id, st,
-        [&](cudaStream_t s) {
-          g.phase = 0;
-          g.starts = 1;  // segments from dht or a warm-up
-          launch(s);
-        },
-        [&](cudaStream_t s) {
-          g.phase = 1;
-          g.starts = 0;
-          launch(s);
-          launch_seg_combine(p, g, true, s);
-          g.phase = 0;
-          g.starts = 2;  // exact segments, from seg_in
-          launch(s);
-          g.starts = 0;
-        });
-    return;
-  }
+  // FLASHGDN_CP_OVERLAP: the phase 0 of segments from dht or a warm-up beside the chain
+  auto warm = [&](cudaStream_t s) {
+    g.phase = 0;
+    g.starts = 1;
+    launch(s);
+  };
+  auto chain = [&](cudaStream_t s) {
+    g.phase = 1;
+    g.starts = 0;
+    launch(s);
+    launch_seg_combine(p, g, true, s);
+    g.phase = 0;
+    g.starts = 2;  // exact segments, from seg_in
+    launch(s);
+    g.starts = 0;
+  };
+  if (plan.split && cp_overlap() && run_overlapped(p.device_id, st, warm, chain)) return;
   if (plan.split) {
     g.phase = 1;
     launch(st);
@@ -620,27 +624,27 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     if (launches(plan, D)) launch_state_cols<In>(plan, p, f, s);  // the f16 pass's 128 columns
   };
   if (p.N == 0) return;
-  if (plan.split && b.pass == FwdPass::F16 && cp_overlap()) {
-    run_overlapped(
-        p.device_id, st,
-        [&](cudaStream_t s) {
-          f.phase = 0;
-          f.starts = 1;  // segments from h0 or a warm-up: need nothing from the chain
-          launch(s);
-        },
-        [&](cudaStream_t s) {
-          f.phase = 1;
-          f.starts = 0;
-          launch(s);
-          launch_seg_combine(p, f, false, s);
-          launch_sub_start(p, plan, f, s);
-          f.phase = 0;
-          f.starts = 2;  // exact segments, from seg_in (or their sub-segments' records)
-          launch(s);
-          f.starts = 0;
-        });
+  // FLASHGDN_CP_OVERLAP: the phase 0 of segments from h0 or a warm-up (they need nothing
+  // from the chain) beside the chain
+  auto warm = [&](cudaStream_t s) {
+    f.phase = 0;
+    f.starts = 1;
+    launch(s);
+  };
+  auto chain = [&](cudaStream_t s) {
+    f.phase = 1;
+    f.starts = 0;
+    launch(s);
+    launch_seg_combine(p, f, false, s);
+    launch_sub_start(p, plan, f, s);
+    f.phase = 0;
+    f.starts = 2;  // exact segments, from seg_in (or their sub-segments' records)
+    launch(s);
+    f.starts = 0;
+  };
+  if (plan.split && b.pass == FwdPass::F16 && cp_overlap() &&
+      run_overlapped(p.device_id, st, warm, chain))
     return;
-  }
   if (plan.split) {  // exact entering states of the segments that need them
     f.phase = 1;
     launch(st);
