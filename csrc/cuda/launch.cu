@@ -479,21 +479,17 @@ bool launches(const SegmentPlan& plan, int bw) {
 // block; with 48 blocks at 2/8 x 8192 most SMs idle through phase 1 and the combine.
 bool cp_overlap() { return env_int("FLASHGDN_CP_OVERLAP") == 1; }
 
-// The chain's stream and its fork/join events, one set per device, created on first use.
-// The mutex is held from the fork to the join, so calls from two host threads never
-// interleave their work (or a capture) on the shared stream.
+// The chain's stream and its fork/join events, one set per host thread and device, created
+// on first use (per thread: two threads never share the stream, so one thread's graph
+// capture cannot take in another's work). Null while `st` is being captured and this thread
+// has no chain stream on the device yet: creating one is left to an eager call, and the
+// caller runs the sequential schedule.
 struct ChainStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
-std::mutex& chain_mutex() {
-  static std::mutex m;
-  return m;
-}
-// Null while `st` is being captured into a CUDA graph and the device has no chain stream
-// yet (creating one is left to an eager call; the caller then runs the sequential schedule).
-ChainStream* chain_stream(int device, cudaStream_t st) {  // call with chain_mutex() held
-  static ChainStream cache[64];
+ChainStream* chain_stream(int device, cudaStream_t st) {
+  thread_local ChainStream cache[64];
   if (device < 0 || device >= 64) throw Error("flashgdn: device index out of range");
   ChainStream& c = cache[device];
   if (c.stream == nullptr) {
@@ -515,7 +511,6 @@ ChainStream* chain_stream(int device, cudaStream_t st) {  // call with chain_mut
 // on the chain stream beside it. False (nothing enqueued) when no chain stream can be had.
 template <typename Warm, typename Chain>
 bool run_overlapped(int device, cudaStream_t st, Warm&& warm, Chain&& chain) {
-  std::lock_guard<std::mutex> lock(chain_mutex());
   const ChainStream* cs = chain_stream(device, st);
   if (cs == nullptr) return false;
   check_cuda(cudaEventRecord(cs->fork, st), "cudaEventRecord");
