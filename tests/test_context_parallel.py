@@ -118,22 +118,29 @@ def test_cp_auto_engages_on_long_single_sequence():
         assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
 
 
+def forward_from_graph(inp: dict, replays: int):
+    """o and the final state of the forward captured in a CUDA graph (after a warm-up call on
+    a side stream, under the switches in force) and replayed `replays` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, h_g = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return o_g, h_g
+
+
 def test_cp_under_cuda_graph():
     case = Case("graph", [2000, 700], 2, 8, gate="mixed")
     inp = make_inputs(case, "cuda", seed=13)
     with cp_env("on", 3):
         o_eager, h_eager = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, h_g = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
+        o_g, h_g = forward_from_graph(inp, replays=3)
     assert torch.equal(o_g, o_eager) and torch.equal(h_g, h_eager)
 
 
@@ -153,17 +160,7 @@ def test_overlap_bit_identical(case: Case, bw: str):
         o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         torch.cuda.synchronize()
         assert torch.equal(o, o2) and torch.equal(ht, ht2), "overlap differs (eager)"
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, h_g = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
+        o_g, h_g = forward_from_graph(inp, replays=3)
     assert torch.equal(o, o_g) and torch.equal(ht, h_g), "overlap differs (graph)"
 
 
@@ -231,16 +228,7 @@ def test_subsegments_auto_and_graph():
     inp = make_inputs(case, "cuda", seed=5)
     with env_vars({"FLASHGDN_CP_SUB": "4", "FLASHGDN_CP_OVERLAP": "1"}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, h_g = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        graph.replay()
-        torch.cuda.synchronize()
+        o_g, h_g = forward_from_graph(inp, replays=1)
     assert torch.equal(o, o_g) and torch.equal(ht, h_g)
     ro, rh = reference(inp)
     assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
