@@ -261,6 +261,23 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 constexpr int kCombineCols = 8;
 constexpr size_t kCombineSmem = sizeof(float) * (2 * D * D + D * kCombineCols);
 
+// acc[i] += (M S)[r0 + i][col] for the kRows rows of this thread: M [D][D] and S's
+// kCombineCols columns [D][kCombineCols] in shared memory, fp32 FMA over k in order (the
+// combine's and sub_start_kernel's product).
+template <int kRows>
+__device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* Ms,
+                                              const float* Sc, int col, int r0) {
+  for (int k = 0; k < D; k += 4) {
+    const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
+    const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
+      acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
+    }
+  }
+}
+
 template <int kThreads = NT>
 __global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
@@ -328,15 +345,7 @@ __global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool
         cp_async_wait<1>();
         __syncthreads();  // every thread's part of M has landed
         const float* Ms = Mbuf + (u & 1) * D * D;
-        for (int k = 0; k < D; k += 4) {
-          const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
-          const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
-#pragma unroll
-          for (int i = 0; i < kCombineRows; ++i) {
-            const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
-            acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
-          }
-        }
+        add_m_times_s(acc, Ms, Sc, col, r0);
         __syncthreads();  // Sc read (and M: its buffer is refilled for step u + 2)
       }
       const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
@@ -391,15 +400,7 @@ __global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
   for (int i = 0; i < kRows; ++i) acc[i] = __ldcg(L + (r0 + i) * D);
   cp_async_wait<0>();
   __syncthreads();
-  for (int k = 0; k < D; k += 4) {
-    const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
-    const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
-      acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
-    }
-  }
+  add_m_times_s(acc, Ms, Sc, col, r0);
 #pragma unroll
   for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
 }
