@@ -507,19 +507,42 @@ ChainStream* chain_stream(int device, cudaStream_t st) {
   return &c;
 }
 
-// A split pass with FLASHGDN_CP_OVERLAP: warm(stream) on the caller's stream, chain(stream)
-// on the chain stream beside it. False (nothing enqueued) when no chain stream can be had.
-template <typename Warm, typename Chain>
-bool run_overlapped(int device, cudaStream_t st, Warm&& warm, Chain&& chain) {
-  const ChainStream* cs = chain_stream(device, st);
-  if (cs == nullptr) return false;
-  check_cuda(cudaEventRecord(cs->fork, st), "cudaEventRecord");
-  check_cuda(cudaStreamWaitEvent(cs->stream, cs->fork, 0), "cudaStreamWaitEvent");
-  warm(st);
-  chain(cs->stream);
-  check_cuda(cudaEventRecord(cs->join, cs->stream), "cudaEventRecord");
-  check_cuda(cudaStreamWaitEvent(st, cs->join, 0), "cudaStreamWaitEvent");
-  return true;
+// The phases of a sequential pass (the forward's, the recomputation or the reverse pass)
+// over the plan's segments: `launch(stream)` runs the pass's kernels at f's phase and
+// starts, `between(stream)` turns phase 1's summaries into entering states (the combine, the
+// sub-segment starts). Split: phase 1, between, then phase 0; with FLASHGDN_CP_OVERLAP the
+// phase 0 of segments that do not start exact (they need nothing from the chain) runs on
+// the caller's stream beside the chain on the chain stream, forked and joined by events;
+// the sequential order when no chain stream can be had.
+template <typename Params, typename Launch, typename Between>
+void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st,
+                Launch&& launch, Between&& between) {
+  const ChainStream* cs = split && overlap ? chain_stream(device, st) : nullptr;
+  if (cs != nullptr) {
+    check_cuda(cudaEventRecord(cs->fork, st), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(cs->stream, cs->fork, 0), "cudaStreamWaitEvent");
+    f.phase = 0;
+    f.starts = 1;  // segments from h0 / dht or a warm-up
+    launch(st);
+    f.phase = 1;
+    f.starts = 0;
+    launch(cs->stream);
+    between(cs->stream);
+    f.phase = 0;
+    f.starts = 2;  // exact segments, from seg_in (or their sub-segments' records)
+    launch(cs->stream);
+    f.starts = 0;
+    check_cuda(cudaEventRecord(cs->join, cs->stream), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(st, cs->join, 0), "cudaStreamWaitEvent");
+    return;
+  }
+  if (split) {  // exact entering states of the segments that need them
+    f.phase = 1;
+    launch(st);
+    between(st);
+  }
+  f.phase = 0;
+  launch(st);
 }
 
 // The reverse pass over the forward's segments (last to first), with the summaries and
@@ -535,30 +558,8 @@ void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, c
     if (launches(plan, 16)) launch_state_bwd_tc<In, 16>(plan, p, g, s);
     if (launches(plan, 32)) launch_state_bwd_tc<In, 32>(plan, p, g, s);
   };
-  // FLASHGDN_CP_OVERLAP: the phase 0 of segments from dht or a warm-up beside the chain
-  auto warm = [&](cudaStream_t s) {
-    g.phase = 0;
-    g.starts = 1;
-    launch(s);
-  };
-  auto chain = [&](cudaStream_t s) {
-    g.phase = 1;
-    g.starts = 0;
-    launch(s);
-    launch_seg_combine(p, g, true, s);
-    g.phase = 0;
-    g.starts = 2;  // exact segments, from seg_in
-    launch(s);
-    g.starts = 0;
-  };
-  if (plan.split && cp_overlap() && run_overlapped(p.device_id, st, warm, chain)) return;
-  if (plan.split) {
-    g.phase = 1;
-    launch(st);
-    launch_seg_combine(p, g, true, st);
-  }
-  g.phase = 0;
-  launch(st);
+  run_phases(p.device_id, plan.split, cp_overlap(), g, st, launch,
+             [&](cudaStream_t s) { launch_seg_combine(p, g, true, s); });
 }
 
 template <typename In, int BW>
@@ -619,35 +620,11 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     if (launches(plan, D)) launch_state_cols<In>(plan, p, f, s);  // the f16 pass's 128 columns
   };
   if (p.N == 0) return;
-  // FLASHGDN_CP_OVERLAP: the phase 0 of segments from h0 or a warm-up (they need nothing
-  // from the chain) beside the chain
-  auto warm = [&](cudaStream_t s) {
-    f.phase = 0;
-    f.starts = 1;
-    launch(s);
-  };
-  auto chain = [&](cudaStream_t s) {
-    f.phase = 1;
-    f.starts = 0;
-    launch(s);
-    launch_seg_combine(p, f, false, s);
-    launch_sub_start(p, plan, f, s);
-    f.phase = 0;
-    f.starts = 2;  // exact segments, from seg_in (or their sub-segments' records)
-    launch(s);
-    f.starts = 0;
-  };
-  if (plan.split && b.pass == FwdPass::F16 && cp_overlap() &&
-      run_overlapped(p.device_id, st, warm, chain))
-    return;
-  if (plan.split) {  // exact entering states of the segments that need them
-    f.phase = 1;
-    launch(st);
-    launch_seg_combine(p, f, false, st);
-    launch_sub_start(p, plan, f, st);
-    f.phase = 0;
-  }
-  launch(st);
+  run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(), f, st, launch,
+             [&](cudaStream_t s) {
+               launch_seg_combine(p, f, false, s);
+               launch_sub_start(p, plan, f, s);
+             });
 }
 
 template <typename In>
