@@ -1190,20 +1190,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
     fence_acc(acc);
 #pragma unroll
     for (int k8 = 0; k8 < C / 8; ++k8) fence_frag(kf[k8]);
-    if (wg == 1 && out) {
-      In* o = static_cast<In*>(p.o);
-#pragma unroll
-      for (int jj = 0; jj < NS; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int r = rw + acc_row(e), c = vb + 8 * jj + acc_col(e);
-          if (r < L) {
-            In pair[2] = {from_f<In>(p.scale * acc[jj][e]), from_f<In>(p.scale * acc[jj][e + 1])};
-            *reinterpret_cast<uint32_t*>(o + ((tok0 + r) * p.Hv + h) * D + c) =
-                *reinterpret_cast<const uint32_t*>(pair);
-          }
-        }
-    }
+    if (wg == 1 && out) store_o_block<In>(p, acc, tok0, L, h, rw, vb);
     store_acc_state_core_t(Ss, sacc);
   };
   for (int64_t ci = c_first; ci < c_end; ci += 2) {
