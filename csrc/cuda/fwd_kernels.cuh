@@ -3,7 +3,7 @@
 // 10-bit mantissa), wy_kernel and the opt-in tf32 passes on TF32 (m16n8k8 / wgmma; bf16 and
 // fp16 inputs are exact tf32 operands at any magnitude).
 //
-// wy_kernel      grid (max_chunks, H_v), 256 threads, 70 KB smem (3 blocks per SM) for the
+// wy_kernel      grid (max_chunks, H_v), 256 threads, 42 KB smem (4 blocks per SM) for the
 //                default pass, else 105 KB (2 per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
 //   cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r), T = (I + A)^-1
@@ -150,10 +150,16 @@ __device__ __forceinline__ void inverse_block_rows_tc(const float* As, float* Ts
   }
 }
 
-// kFree: no V tile and no T diag(beta) tile (70 KB, 3 blocks per SM), else 105 KB (2 per SM)
+// kFree: K and Q tiles, then A, T and the inverse's scratch in the same bytes once K K^T and
+// Q K^T are in registers (42 KB, 4 blocks per SM); else K, Q, V, A, T, T diag(beta) side
+// by side (105 KB, 2 per SM)
+constexpr size_t kWyTail = sizeof(float) * 3 * C;  // beta, G, |k|^2
+constexpr size_t kWyFreeTiles = sizeof(float) * (2 * C * LDA + (NT / 32) * 16 * kXsLd);
+static_assert(kWyFreeTiles >= sizeof(uint16_t) * 2 * C * LDH, "A, T cover the K, Q tiles");
 template <bool kFree>
-constexpr size_t kWySmem =
-    sizeof(uint16_t) * (kFree ? 2 : 3) * C * LDH + sizeof(float) * ((kFree ? 2 : 3) * C * LDA + 3 * C);
+constexpr size_t kWySmem = kFree ? kWyFreeTiles + kWyTail
+                                 : sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * 3 * C * LDA +
+                                       kWyTail;
 
 // kFree (the default f16 pass): T diag(beta) goes out as fp16 (Tv16) instead of W and U0,
 // which are never formed (the state pass builds U from V, K S and Tv16), so v is not read.
@@ -164,8 +170,11 @@ constexpr size_t kWySmem =
 // (inverse_block_rows_tc, one barrier per block row instead of fp32 loops of all 256
 // threads; bench/precision_study.py "inverse blocks tf32": the same o and state errors).
 // H100, 16/32 x 32768: 0.811 -> 0.680 ms (perf-notes version 16).
+// A and T over the dead K, Q tiles (42 KB) and at most 64 registers: 4 blocks per SM
+// instead of 3 (H100, 2026-11-23: 2/8 x 32768 0.129 -> 0.113 ms; 16/32 0.680 -> 0.690,
+// where DRAM (54%, 1.8 TB/s) and L2 (66%) are the busier side).
 template <typename In, bool kFree = false>
-__global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
+__global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
   if (ck.L == 0) return;
@@ -174,12 +183,14 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH]
   In* Qs = Ks + C * LDH;
-  In* Vs = Qs + C * LDH;                               // !kFree
-  float* As = reinterpret_cast<float*>(Qs + (kFree ? 1 : 2) * C * LDH);
+  In* Vs = Qs + C * LDH;  // !kFree
+  // kFree: A and T over the K, Q tiles (written after the products' barrier)
+  float* As = kFree ? reinterpret_cast<float*>(smem_raw) : reinterpret_cast<float*>(Vs + C * LDH);
                                                        // [C][LDA] A, then T diag(beta e^G)
   float* Ts = As + C * LDA;                            // [C][LDA] T
   float* Tv = Ts + C * LDA;                            // [C][LDA] T diag(beta) (!kFree)
-  float* bs = Ts + (kFree ? 1 : 2) * C * LDA;          // [C]
+  [[maybe_unused]] float* xs = Ts + C * LDA;           // kFree: the inverse's scratch
+  float* bs = reinterpret_cast<float*>(smem_raw + kWySmem<kFree> - kWyTail);  // [C]
   float* Gs = bs + C;                                  // [C]
   float* kn = Gs + C;                                  // [C] |k_r|^2
 
@@ -265,6 +276,7 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
         }
       }
     }
+    if constexpr (kFree) __syncthreads();  // every read of K, Q done: A goes over them
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -323,14 +335,15 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
 #pragma unroll
       for (int r = 0; r < B; ++r) Ts[(r0 + r) * LDA + r0 + jj] = t[r];
     }
-    for (int e = threadIdx.x; e < C * C; e += NT) {  // zero blocks above the diagonal
-      const int r = e / C, c = e % C;
-      if (c / B > r / B) Ts[r * LDA + c] = 0.f;
+    if constexpr (!kFree) {  // zero blocks above the diagonal (kFree: never read)
+      for (int e = threadIdx.x; e < C * C; e += NT) {
+        const int r = e / C, c = e % C;
+        if (c / B > r / B) Ts[r * LDA + c] = 0.f;
+      }
     }
     __syncthreads();
-    if constexpr (kFree) {  // TF32 block rows
-      // Qs is free once Q K^T is formed: each warp's 16 x 8 scratch for X
-      inverse_block_rows_tc(As, Ts, reinterpret_cast<float*>(Qs) + warp * 16 * kXsLd);
+    if constexpr (kFree) {  // TF32 block rows, each warp with its 16 x 8 scratch for X
+      inverse_block_rows_tc(As, Ts, xs + warp * 16 * kXsLd);
     } else {
       static_assert((C / B - 1) * B * B <= 3 * NT, "three X values per thread at most");
 #pragma unroll
@@ -366,18 +379,26 @@ __global__ void __launch_bounds__(NT, kFree ? 3 : 2) wy_kernel(FwdParams p) {
       }
     }
   }
-  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
-  {  // each thread keeps one column s, so its factors are computed once
+  if constexpr (kFree) {
+    // Tv16 <- T diag(beta) in fp16 (and T itself for the backward): a warp writes one row,
+    // two columns a thread; T's blocks above the diagonal are zero (not formed in Ts)
+    const int s = 2 * (threadIdx.x % 32);
+    const float fb0 = bs[s], fb1 = bs[s + 1];
+    for (int r = threadIdx.x / 32; r < L; r += NT / 32) {
+      const float2 t = s / 16 > r / 16 ? make_float2(0.f, 0.f)
+                                     : *reinterpret_cast<const float2*>(Ts + r * LDA + s);
+      const int64_t idx = (row_off + r * p.Hv) * C + s;
+      *reinterpret_cast<__half2*>(p.Tv16 + idx) = __floats2half2_rn(t.x * fb0, t.y * fb1);
+      if (p.Tmat) *reinterpret_cast<float2*>(p.Tmat + idx) = t;
+    }
+  } else {  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
+    // each thread keeps one column s, so its factors are computed once
     const int s = threadIdx.x % C;
     const float fb = bs[s], fe = fb * __expf(Gs[s]);
     for (int r = threadIdx.x / C; r < C; r += NT / C) {
       const float t = Ts[r * LDA + s];
-      if constexpr (kFree) {
-        if (r < L) p.Tv16[(row_off + r * p.Hv) * C + s] = __float2half_rn(t * fb);
-      } else {
-        As[r * LDA + s] = round_tf32(t * fe);
-        Tv[r * LDA + s] = round_tf32(t * fb);
-      }
+      As[r * LDA + s] = round_tf32(t * fe);
+      Tv[r * LDA + s] = round_tf32(t * fb);
       if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
     }
   }
