@@ -60,6 +60,23 @@ double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCos
                                 p.split ? static_cast<double>(p.seg_chunks) : 0.0);
 }
 
+// estimate_us, and for a split plan whether the overlapped schedule is the cheaper (then
+// set in the plan with its sub-segment count).
+double estimate_schedule_us(const SegmentQuery& q, SegmentPlan& p, const ForwardCost& c) {
+  LoadStats s;
+  s.longest = static_cast<double>(longest_chunks(q));
+  s.total = static_cast<double>(q.total_chunks);
+  s.segs = static_cast<double>(p.max_segments);
+  s.max_segs_per_seq = static_cast<double>(segments_of(longest_chunks(q), p.seg_chunks));
+  bool overlapped = false;
+  const double us = estimate_state_pass_us(c, s, static_cast<double>(q.Hv), q.sms, p.col_block,
+                                           p.split ? static_cast<double>(p.seg_chunks) : 0.0,
+                                           &overlapped);
+  p.overlap = overlapped;
+  p.nsub = overlapped && c.nsub > 1 ? c.nsub : 1;
+  return us;
+}
+
 // The column blocks the device may pick for packed sequences (SegmentPlan::device_col_blocks):
 // those whose least cost, the work term at ceil(tokens / 64) chunks (any split only adds),
 // does not exceed `bound`, an upper bound on the cost of the device's choice.
@@ -78,7 +95,10 @@ int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound)
 }  // namespace
 
 // The plan among the column blocks q allows (see plan_segments).
-static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& cost) {
+static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& given) {
+  // the overlapped schedule is the host's to choose: not where the device picks the split
+  ForwardCost cost = given;
+  if (q.fixed_chunks < 0 && q.N > 1) cost.overlap = false;
   const int fb = q.forced_col_block;
   const int forced_bw = fb == 16 || fb == 32 || (fb == 128 && q.allow_cols) ? fb : 0;
   if (q.N <= 0 || q.Hv <= 0 || q.mode == CpMode::Off) {
@@ -103,8 +123,10 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& c
   }
   // Auto: the cheapest of the unsplit plans and the splits into segments of 32, 64, 128, ...
   // chunks, for each column block; a split must save at least min_gain.
-  SegmentPlan best_unsplit, best_split;
-  best_unsplit.est_us = best_split.est_us = 1e300;
+  SegmentPlan best_unsplit, best_split, best_overlapped;
+  best_unsplit.est_us = best_split.est_us = best_overlapped.est_us = 1e300;
+  ForwardCost sequential = cost;
+  sequential.overlap = false;
   for (int bw : {16, 32, 128}) {
     if ((forced_bw && bw != forced_bw) || (bw == 128 && !q.allow_cols)) continue;
     SegmentPlan u = unsplit(q, bw);
@@ -114,10 +136,17 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& c
       if (!seg_candidate_for(bw, seg, longest)) continue;
       SegmentPlan s = with_length(q, seg, bw);
       if (!s.split) continue;
-      s.est_us = estimate_us(q, s, cost);
+      s.est_us = estimate_us(q, s, sequential);
       if (s.est_us < best_split.est_us) best_split = s;
+      if (!cost.overlap) continue;
+      s.est_us = estimate_schedule_us(q, s, cost);
+      if (s.overlap && s.est_us < best_overlapped.est_us) best_overlapped = s;
     }
   }
+  // the overlapped schedule where the model's gain over the best sequential split is large
+  // enough to survive its overstatement (ForwardCost::overlap_margin)
+  if (best_overlapped.est_us <= cost.overlap_margin * best_split.est_us)
+    best_split = best_overlapped;
   const bool lengths_unknown = q.fixed_chunks < 0 && q.N > 1 && !forced_bw;
   // The host's estimates take the worst case (one sequence holding every chunk, the most
   // segments), so they bound the plans' costs at the actual lengths; the device picks a

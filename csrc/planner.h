@@ -29,6 +29,11 @@ struct SegmentPlan {
                              //   state_fwd_cols_kernel, all columns of a head per block)
   bool cols = false;         // 128 was a candidate (SegmentQuery::allow_cols)
   double est_us = 0.0;       // the cost model's estimate of the state pass
+  // the overlapped schedule (ForwardCost::overlap; host-made split plans at column block 128
+  // only): the warm-started phase 0 beside the exact heads' chain, whose phase 0 runs as
+  // nsub sub-segments
+  bool overlap = false;
+  int nsub = 1;
   // varlen Auto: the host does not know the lengths, so when a split may pay off it sizes
   // the grids for segments of seg_chunks (the shortest candidate) and the device
   // (plan_kernel) picks the segment length, or none, from the actual lengths.
@@ -73,14 +78,18 @@ struct ForwardCost {
   double exact_share = 0.25;     // share of heads assumed to need exact entering states
   double combine_us = 4.0;       // seg_combine_kernel, per segment of a sequence
   double min_gain = 0.05;        // split only when it saves at least this share
-  // The opt-in schedules of split forward passes (launch.cu; not yet measured, so these
-  // terms are the model's guess): overlap (FLASHGDN_CP_OVERLAP) runs the phase 0 of
-  // segments that start from a warm-up beside the exact heads' chain instead of after it;
-  // nsub > 1 (FLASHGDN_CP_SUB, column block 128) cuts the chain's phase 0 into nsub
-  // sub-segments after a parallel step of sub_start_us.
-  bool overlap = false;
-  int nsub = 1;
+  // The overlapped schedule of a split 128-column forward pass (launch.cu run_phases): the
+  // phase 0 of segments that start from a warm-up runs beside the exact heads' chain, whose
+  // own phase 0 is cut into nsub sub-segments after a parallel step of sub_start_us. A
+  // candidate only where every block of it fits in one wave beside the others (H100,
+  // 2026-11-23: 2/8 x 8192 0.247 -> 0.209 ms; where the blocks take two waves it lost, 2/8 x
+  // 32768 0.426 -> 0.470). The model overstates its gain (state pass at 2/8 x 8192: 41%
+  // predicted, ~19% measured; 2/8 x 16384: 29% predicted, ~4% measured), so the planner
+  // takes it only when its estimate is at most overlap_margin of the best sequential plan's.
+  bool overlap = true;
+  int nsub = 4;
   double sub_start_us = 5.0;
+  double overlap_margin = 0.75;
 };
 
 #ifdef __CUDACC__
@@ -114,35 +123,46 @@ inline FLASHGDN_HD double ceil_pos(double x) {
 
 // Estimated time (us) of the state pass with column block bw, split into segments of seg
 // chunks (seg = 0: unsplit): per launch, the larger of the critical path and the
-// block-steps spread over the SMs; split plans add the summary pass and the combine.
+// block-steps spread over the SMs; split plans add the summary pass and the combine. For a
+// split at column block 128 the overlapped schedule (ForwardCost::overlap) is estimated as
+// well where its blocks fit in one wave; *overlapped (if given) says whether it is the
+// cheaper, and the estimate returned.
 inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const LoadStats& s,
-                                                 double heads, int sms, int bw, double seg) {
+                                                 double heads, int sms, int bw, double seg,
+                                                 bool* overlapped = nullptr) {
+  if (overlapped != nullptr) *overlapped = false;
   const double t = bw == 16 ? c.step_us_bw16 : bw == 32 ? c.step_us_bw32 : c.step_us_bw128;
   const double cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
   const double work = s.total * heads * cbn * t / nsm;
   if (seg <= 0) return s.longest * t > work ? s.longest * t : work;
   const double len = seg < s.longest ? seg : s.longest;
   double crit0 = (len + c.warm_chunks) * t;
+  double blocks = 0.0;
   if (bw == 128) {
     // one block of 128 columns per SM (255 registers a thread): the segments run in waves
     // of nsm blocks, each wave as long as a full segment (packed sequences: counted as the
     // equivalent number of full segments)
-    const double blocks = ceil_pos(s.total / len) * heads;
+    blocks = ceil_pos(s.total / len) * heads;
     crit0 *= blocks > nsm ? ceil_pos(blocks / nsm) : 1.0;
   }
   const double work0 = (s.total + c.warm_chunks * s.segs) * heads * cbn * t / nsm;
   const double ts = t * c.summary_factor;
   const double crit1 = len * ts, work1 = c.exact_share * 2.0 * work * c.summary_factor;
   const double combine = c.combine_us * s.max_segs_per_seq;
-  if (c.overlap) {
-    // the exact chain (summaries, combine, the exact segments' phase 0, in nsub pieces)
-    // beside the warm-started phase 0; all of it shares the SMs
-    const double ns = bw == 128 && c.nsub > 1 ? c.nsub : 1.0;
-    const double exact0 = ceil_pos(len / ns) * t + (ns > 1.0 ? c.sub_start_us : 0.0);
-    const double chain = crit1 + combine + exact0, crit = crit0 > chain ? crit0 : chain;
-    return crit > work0 + work1 ? crit : work0 + work1;
-  }
-  return (crit0 > work0 ? crit0 : work0) + (crit1 > work1 ? crit1 : work1) + combine;
+  const double sequential = (crit0 > work0 ? crit0 : work0) + (crit1 > work1 ? crit1 : work1) +
+                            combine;
+  // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
+  // blocks each: L and M), then their nsub sub-segments
+  const double ns = c.nsub > 1 ? c.nsub : 1.0;
+  const double warm_blocks = (1.0 - c.exact_share) * blocks;
+  const double beside = c.exact_share * blocks * (ns > 2.0 ? ns : 2.0);
+  if (bw != 128 || !c.overlap || warm_blocks + beside > nsm) return sequential;
+  const double exact0 = ceil_pos(len / ns) * t + (ns > 1.0 ? c.sub_start_us : 0.0);
+  const double chain = crit1 + combine + exact0, crit = crit0 > chain ? crit0 : chain;
+  const double ov = crit > work0 + work1 ? crit : work0 + work1;
+  if (ov >= sequential) return sequential;
+  if (overlapped != nullptr) *overlapped = true;
+  return ov;
 }
 
 // Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a

@@ -24,8 +24,7 @@ STATE_TOL = 3.7e-3
 
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
-            "FLASHGDN_COLS_WGMMA", "FLASHGDN_COMBINE_THREADS", "FLASHGDN_CP_OVERLAP",
-            "FLASHGDN_CP_SUB")
+            "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB")
 
 
 @contextmanager
@@ -150,8 +149,8 @@ def test_overlap_bit_identical(case: Case, bw: str):
     """FLASHGDN_CP_OVERLAP=1: the phase-0 blocks of segments that start from h0 or a warm-up
     run on the caller's stream beside the exact heads' chain (phase 1, combine, exact
     phase 0) on a second stream. The same blocks do the same arithmetic: o and the final
-    state equal the default's bit for bit (varlen mixes, grouped heads, g == 0 and very
-    negative gates, h0), eagerly and replayed from a CUDA graph."""
+    state equal the sequential schedule's bit for bit (varlen mixes, grouped heads, g == 0
+    and very negative gates, h0), eagerly and replayed from a CUDA graph."""
     inp = make_inputs(case, "cuda", seed=11)
     split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2", "FLASHGDN_FWD_BW": bw}
     with env_vars(split):
@@ -167,7 +166,7 @@ def test_overlap_bit_identical(case: Case, bw: str):
 def test_overlap_bit_identical_backward(monkeypatch):
     """The backward with FLASHGDN_CP_OVERLAP=1 (its recomputation of the forward pass and
     its reverse pass over dS, each split in two streams): every gradient equal to the
-    default's bit for bit."""
+    sequential schedule's bit for bit."""
     from test_backward import run_grads
     case = Case("overlap_bwd", [3000, 300], 1, 4, gate="mixed")
     monkeypatch.setenv("FLASHGDN_CP", "on")
@@ -221,17 +220,29 @@ def test_subsegments(case: Case, nsub: str, overlap: str):
         assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
 
 
-def test_subsegments_auto_and_graph():
-    """FLASHGDN_CP_SUB=4 with the planner's own split (CP auto, a TP8-sized sequence), eager
-    and replayed from a CUDA graph: the same bits both ways, the reference's tolerance."""
-    case = Case("sub_auto", [12000], 2, 8, gate="mixed")
+def test_overlapped_schedule_auto_and_graph():
+    """CP auto at 2/8 heads x 8192 tokens takes the overlapped schedule (its blocks fit in one
+    wave beside each other; tests/cpp/test_planner.cpp): the exact (g == 0) heads' phase 0
+    runs as 4 sub-segments, so their bits differ from the sequential schedule's
+    (FLASHGDN_CP_OVERLAP=0) while both meet the reference's tolerance and the g == 0 heads
+    stay as exact as unsplit; eager and replayed from a CUDA graph give the same bits."""
+    case = Case("overlap_auto", [8192], 2, 8, gate="mixed")
     inp = make_inputs(case, "cuda", seed=5)
-    with env_vars({"FLASHGDN_CP_SUB": "4", "FLASHGDN_CP_OVERLAP": "1"}):
+    with env_vars({}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         o_g, h_g = forward_from_graph(inp, replays=1)
+    with env_vars({"FLASHGDN_CP_OVERLAP": "0"}):
+        o_seq, h_seq = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128"}):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     assert torch.equal(o, o_g) and torch.equal(ht, h_g)
+    assert not torch.equal(ht[:, 0], h_seq[:, 0]), "the exact head ran no sub-segments"
+    assert torch.equal(ht[:, 1], h_seq[:, 1]), "a warm-started head changed"
     ro, rh = reference(inp)
-    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
+    for a, b in ((o, ht), (o_seq, h_seq)):
+        assert rel_err(a, ro) < O_TOL and rel_err(b, rh) < STATE_TOL
+    for h in range(0, case.hv, 4):
+        assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
 
 
 def test_cp_auto_varlen_device_choice():
@@ -301,12 +312,10 @@ def test_cp_backward_matches_unsplit_and_reference(case: Case, seg: int):
 
 @pytest.mark.parametrize("bw", ["32", "128"])
 def test_more_segments_than_threads(bw: str):
-    """seg_combine_kernel decides which segments start exact for up to 256 (512) segments at
+    """seg_combine_kernel decides which segments start exact for up to 256 segments at
     once, one per thread, before its sequential walk: one-chunk segments give a sequence of
-    524 segments (three batches of decisions, or two with FLASHGDN_COMBINE_THREADS=512, the
-    last partial) next to a short one. Against the unsplit pass and the reference, the
-    g == 0 head as exact as unsplit; 512 threads give the same bits as 256 (per element the
-    same FMAs in the same order)."""
+    524 segments (three batches of decisions, the last partial) next to a short one. Against
+    the unsplit pass and the reference, the g == 0 head as exact as unsplit."""
     case = Case("many_segments", [33500, 700], 1, 2, gate="mixed")
     inp = make_inputs(case, "cuda", seed=13)
     with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": bw}):
@@ -314,8 +323,6 @@ def test_more_segments_than_threads(bw: str):
     split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "1", "FLASHGDN_FWD_BW": bw}
     with env_vars(split):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({**split, "FLASHGDN_COMBINE_THREADS": "512"}):
-        o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     ro, rh = reference(inp)
     e_o, e_h = rel_err(o, ro), rel_err(ht, rh)
     d_o, d_h = rel_err(o, o_ref), rel_err(ht, h_ref)
@@ -324,21 +331,6 @@ def test_more_segments_than_threads(bw: str):
     assert e_o < O_TOL and e_h < STATE_TOL
     assert d_o < 2e-3 and d_h < 1e-3
     assert_as_exact(0, o, ht, o_ref, h_ref, ro, rh)
-    assert torch.equal(o, o2) and torch.equal(ht, ht2), "512-thread combine differs"
-
-
-def test_combine_threads_bit_identical_backward(monkeypatch):
-    """FLASHGDN_COMBINE_THREADS=512 for the backward's reverse combine (segments walked
-    last to first): every gradient equal to the 256-thread kernel's bit for bit."""
-    from test_backward import run_grads
-    case = Case("threads_bwd", [3000, 300], 1, 4, gate="mixed")
-    monkeypatch.setenv("FLASHGDN_CP", "on")
-    monkeypatch.setenv("FLASHGDN_CP_SEG", "1")
-    names, dflt, _, _ = run_grads(case, "cuda", seed=17)
-    monkeypatch.setenv("FLASHGDN_COMBINE_THREADS", "512")
-    _, wide, _, _ = run_grads(case, "cuda", seed=17)
-    for n, a, b in zip(names, wide, dflt):
-        assert torch.equal(a, b), f"d{n} differs with FLASHGDN_COMBINE_THREADS=512"
 
 
 def test_cp_backward_auto_engages():

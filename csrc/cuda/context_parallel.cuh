@@ -238,7 +238,7 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 }
 
 // ---------------------------------------------------------------------------------------
-// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), kThreads threads, 132 KB smem
+// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 132 KB smem
 //   Walks the segments of one sequence in pass order (first to last for the forward,
 //   last to first for the backward's reverse pass, `reverse`) for kCombineCols state
 //   columns of one head and forms the exact state entering every segment that starts from
@@ -247,16 +247,15 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 //   h0 / dht or a warm-up). fp32 FMA.
 //   reads  Lb, seg_L, seg_M     writes seg_in
 //   The walk is a chain of dependent steps, so each step's loads are issued one step ahead:
-//   whether each segment starts exact is decided for up to kThreads steps at once
+//   whether each segment starts exact is decided for up to 256 steps at once
 //   (one per thread; segment_start's warm-up test alone reads up to kWarmupMax bounds one
 //   after the other), then the next step's M (64 KB, cp.async into the other of two
 //   buffers) and L (registers) load while the current step multiplies. 8 columns per
 //   block: 16 blocks a head (2/8 heads: 128 for 132 SMs).
-//   kThreads: 256 (default, H100: 2/8 x 32768 72 -> 63 us against 16 columns without the
-//   prefetch) or 512 (FLASHGDN_COMBINE_THREADS=512, not yet run on a GPU). A step is
-//   latency-bound (ncu at 256: 0.25 instructions issued per cycle and scheduler, two warps
-//   each, mostly waiting on shared loads; 4.2 us a step), so 16 warps of 2 rows each
-//   should hide more of it; per element the same FMAs in the same order.
+//   H100, 2/8 x 32768: 72 -> 63 us against 16 columns without the prefetch. A step is
+//   latency-bound (ncu: 0.25 instructions issued per cycle and scheduler, two warps each,
+//   mostly waiting on shared loads; 4.2 us a step); 16 warps of 2 rows each (tried
+//   2026-11-23, bit-identical) were 1-2% slower, so the kernel keeps 8 warps of 4 rows.
 
 constexpr int kCombineCols = 8;
 constexpr size_t kCombineSmem = sizeof(float) * (2 * D * D + D * kCombineCols);
@@ -278,11 +277,12 @@ __device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* 
   }
 }
 
-template <int kThreads = NT>
-__global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool reverse) {
+constexpr int kCombineThreads = NT;
+
+__global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
   const int64_t h = blockIdx.y, n = blockIdx.x;
-  constexpr int kCombineRows = D * kCombineCols / kThreads;  // rows of S_in per thread
+  constexpr int kCombineRows = D * kCombineCols / kCombineThreads;  // rows of S_in per thread
   const int vb = blockIdx.z * kCombineCols;
   if (n >= p.seqs.N) return;
   int64_t z0, count;
@@ -294,15 +294,15 @@ __global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool
   const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
   // exact[1 + i]: step t0 + i goes from segment prev to segment next (pass order) and next
   // starts exact; exact[0]: the same for the step before the batch (prev is exact)
-  __shared__ bool exact[kThreads + 1];
+  __shared__ bool exact[kCombineThreads + 1];
   auto prev_of = [&](int64_t t) { return reverse ? count - 1 - t : t; };
   auto base_of = [&](int64_t t) {
     return static_cast<size_t>((z0 + prev_of(t)) * p.Hv + h) * D * D;
   };
   bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
-  for (int64_t t0 = 0; t0 + 1 < count; t0 += kThreads) {
+  for (int64_t t0 = 0; t0 + 1 < count; t0 += kCombineThreads) {
     const int64_t t = t0 + threadIdx.x, t_end =
-        t0 + kThreads < count - 1 ? t0 + kThreads : count - 1;
+        t0 + kCombineThreads < count - 1 ? t0 + kCombineThreads : count - 1;
     if (t < t_end) {
       const int64_t prev = prev_of(t), next = reverse ? prev - 1 : prev + 1;
       exact[1 + threadIdx.x] =
@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(kThreads) seg_combine_kernel(SegParams p, bool
       if (needs_m(u)) {
         float* dst = Mbuf + (u & 1) * D * D;
         const float* src = p.seg_M + base_of(u);
-        for (int e = threadIdx.x; e < D * D / 4; e += kThreads)
+        for (int e = threadIdx.x; e < D * D / 4; e += kCombineThreads)
           cp_async16(dst + 4 * e, src + 4 * e, true);
       }
       cp_async_commit();

@@ -65,6 +65,12 @@ int env_int(const char* name) {
   return v != nullptr ? std::atoi(v) : 0;
 }
 
+// The switch `name` as an integer, or `unset` when it is not set (or empty).
+int env_int_or(const char* name, int unset) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : unset;
+}
+
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
@@ -131,7 +137,7 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
 // shorter. Split forward plans of the default pass whose 128-column kernel runs (the
 // mma.sync one); 0 (none) otherwise. Read when the workspace is carved.
 int cp_subsegments(const SegmentPlan& plan, FwdPass pass, bool backward) {
-  const int n = env_int("FLASHGDN_CP_SUB");
+  const int n = env_int_or("FLASHGDN_CP_SUB", plan.nsub);
   if (n < 2 || n > 8 || backward || !plan.split || !plan.cols || pass != FwdPass::F16 ||
       env_int("FLASHGDN_COLS_WGMMA") == 1)
     return 0;
@@ -286,11 +292,13 @@ bool bwd_cols() { return env_int("FLASHGDN_BWD_COLS") == 1; }
 // The planner's cost model with the opt-in schedules of the forward's split pass
 // (FLASHGDN_CP_OVERLAP, FLASHGDN_CP_SUB; not the backward's plan, whose reverse pass has
 // neither).
+// The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
+// are the 128-column kernel's): not a candidate for the backward's plans, nor with
+// FLASHGDN_CP_OVERLAP=0; FLASHGDN_CP_SUB=n sets its sub-segments.
 ForwardCost plan_cost(bool backward) {
   ForwardCost c;
-  if (backward) return c;
-  c.overlap = env_int("FLASHGDN_CP_OVERLAP") == 1;
-  const int n = env_int("FLASHGDN_CP_SUB");
+  c.overlap = !backward && env_int_or("FLASHGDN_CP_OVERLAP", -1) != 0;
+  const int n = env_int_or("FLASHGDN_CP_SUB", c.nsub);
   c.nsub = n >= 2 && n <= 8 ? n : 1;
   return c;
 }
@@ -392,21 +400,11 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   });
 }
 
-// FLASHGDN_COMBINE_THREADS=512 (opt-in, not yet run on a GPU): seg_combine_kernel with 16
-// warps of 2 state rows each instead of 8 of 4 (its steps are latency-bound).
-int combine_threads() { return env_int("FLASHGDN_COMBINE_THREADS") == 512 ? 512 : NT; }
-
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] {
-    set_smem(seg_combine_kernel<NT>, kCombineSmem);
-    set_smem(seg_combine_kernel<512>, kCombineSmem);
-  });
+  std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols);
-  if (combine_threads() == 512)
-    seg_combine_kernel<512><<<grid, 512, kCombineSmem, st>>>(f, reverse);
-  else
-    seg_combine_kernel<NT><<<grid, NT, kCombineSmem, st>>>(f, reverse);
+  seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
@@ -477,7 +475,12 @@ bool launches(const SegmentPlan& plan, int bw) {
 // blocks of exact segments) runs on a high-priority stream beside it, forked and joined by
 // events (graph-capturable). Otherwise the chain's last launch waits for every phase-0
 // block; with 48 blocks at 2/8 x 8192 most SMs idle through phase 1 and the combine.
-bool cp_overlap() { return env_int("FLASHGDN_CP_OVERLAP") == 1; }
+// Whether a split pass runs the overlapped schedule: the plan's choice (the planner's, for
+// the forward), FLASHGDN_CP_OVERLAP=1 forces it for every split pass, =0 never.
+bool cp_overlap(const SegmentPlan& plan) {
+  const int v = env_int_or("FLASHGDN_CP_OVERLAP", -1);
+  return v < 0 ? plan.overlap : v == 1;
+}
 
 // The chain's stream and its fork/join events, one set per host thread and device, created
 // on first use (per thread: two threads never share the stream, so one thread's graph
@@ -558,7 +561,7 @@ void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, c
     if (launches(plan, 16)) launch_state_bwd_tc<In, 16>(plan, p, g, s);
     if (launches(plan, 32)) launch_state_bwd_tc<In, 32>(plan, p, g, s);
   };
-  run_phases(p.device_id, plan.split, cp_overlap(), g, st, launch,
+  run_phases(p.device_id, plan.split, cp_overlap(plan), g, st, launch,
              [&](cudaStream_t s) { launch_seg_combine(p, g, true, s); });
 }
 
@@ -579,6 +582,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   DeviceSegChoice choice{};
   if (plan.device_choice || plan.device_col_block) {
     choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
+    choice.cost.overlap = false;              // the device's split runs sequentially
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);
     choice.col_block = plan.col_block;
@@ -620,7 +624,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     if (launches(plan, D)) launch_state_cols<In>(plan, p, f, s);  // the f16 pass's 128 columns
   };
   if (p.N == 0) return;
-  run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(), f, st, launch,
+  run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(plan), f, st, launch,
              [&](cudaStream_t s) {
                launch_seg_combine(p, f, false, s);
                launch_sub_start(p, plan, f, s);

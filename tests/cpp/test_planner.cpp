@@ -169,12 +169,15 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
   p = plan_segments(q);
   EXPECT_EQ(p.col_block, 128);
   EXPECT_EQ(p.seg_chunks, 32);
-  // 2/8 and 4/16 heads, 8192 tokens: segments of 24 chunks (6 x 8 or 6 x 16 blocks, one
-  // wave; measured on H100: 0.286 ms vs 0.321 at 32 chunks, 4/16: 0.333 vs 0.366)
+  // 2/8 and 4/16 heads, 8192 tokens, sequential schedule: segments of 24 chunks (6 x 8 or
+  // 6 x 16 blocks, one wave; measured on H100: 0.286 ms vs 0.321 at 32 chunks, 4/16: 0.333
+  // vs 0.366). (The overlapped one is taken there by default: OverlappedSchedule... below.)
+  flashgdn::ForwardCost sequential;
+  sequential.overlap = false;
   for (int64_t hv : {8, 16}) {
     q = query(1, 128, hv);
     q.allow_cols = true;
-    p = plan_segments(q);
+    p = plan_segments(q, sequential);
     EXPECT_EQ(p.col_block, 128) << hv;
     EXPECT_EQ(p.seg_chunks, 24) << hv;
     EXPECT_EQ(p.max_segments, 6) << hv;
@@ -250,28 +253,38 @@ TEST(Planner, PackedSequencesLaunchOnlyColumnBlocksThatCanWin) {
   EXPECT_NE(p.device_col_blocks & col_block_bit(p.col_block), 0);
 }
 
-TEST(Planner, OptInScheduleShortensTheExactChain) {
-  // FLASHGDN_CP_OVERLAP and FLASHGDN_CP_SUB (the cost model's guess until measured): the
-  // warm-started phase 0 runs beside the exact heads' chain, whose phase 0 is cut in 4
-  for (int64_t chunks : {128, 512}) {
-    auto q = query(1, chunks, 8);
-    q.allow_cols = true;
-    flashgdn::ForwardCost base, overlap, sub;
-    overlap.overlap = sub.overlap = true;
-    sub.nsub = 4;
-    const auto p0 = plan_segments(q, base), p1 = plan_segments(q, overlap),
-               p2 = plan_segments(q, sub);
-    EXPECT_TRUE(p0.split && p1.split && p2.split) << chunks;
-    EXPECT_LT(p1.est_us, p0.est_us) << chunks;  // the chain no longer waits for phase 0
-    EXPECT_LT(p2.est_us, p1.est_us) << chunks;  // and its own phase 0 is 4 times shorter
-  }
-  // 16 or 32 columns: no sub-segments (the 128-column kernel's), the same estimate
-  flashgdn::ForwardCost overlap, sub;
-  overlap.overlap = sub.overlap = true;
-  sub.nsub = 4;
-  flashgdn::LoadStats s;
-  s.longest = s.total = 512;
-  s.segs = s.max_segs_per_seq = 8;
-  EXPECT_EQ(flashgdn::estimate_state_pass_us(overlap, s, 8, 132, 32, 64),
-            flashgdn::estimate_state_pass_us(sub, s, 8, 132, 32, 64));
+TEST(Planner, OverlappedScheduleOnlyWhereItFitsOneWave) {
+  // 2/8 heads x 8192 tokens (128 chunks): the split's blocks, the summaries and the
+  // sub-segments fit beside each other on 132 SMs; the overlapped schedule shortens the
+  // exact heads' chain and is chosen, with 4 sub-segments
+  auto q = query(1, 128, 8);
+  q.allow_cols = true;
+  flashgdn::ForwardCost sequential;
+  sequential.overlap = false;
+  const auto p = plan_segments(q), s = plan_segments(q, sequential);
+  EXPECT_TRUE(p.split && p.overlap);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_EQ(p.nsub, 4);
+  EXPECT_TRUE(s.split && !s.overlap);
+  EXPECT_EQ(s.nsub, 1);
+  EXPECT_LT(p.est_us, s.est_us);
+  // 32768 tokens (512 chunks): 128 blocks of 128 columns already fill the SMs, the
+  // schedule's extra blocks would take a second wave (measured slower): sequential
+  q = query(1, 512, 8);
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q).overlap);
+  // packed sequences whose lengths the device sees: never (the device's split runs
+  // sequentially)
+  q = query(4, 512, 8, /*varlen=*/true);
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q).overlap);
+  // 16 or 32 columns: never, the same estimate with or without the candidate
+  bool ov = true;
+  flashgdn::LoadStats st;
+  st.longest = st.total = 128;
+  st.segs = st.max_segs_per_seq = 4;
+  const double e32 = flashgdn::estimate_state_pass_us(flashgdn::ForwardCost{}, st, 8, 132, 32,
+                                                       32, &ov);
+  EXPECT_FALSE(ov);
+  EXPECT_EQ(e32, flashgdn::estimate_state_pass_us(sequential, st, 8, 132, 32, 32));
 }
