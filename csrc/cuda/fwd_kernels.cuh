@@ -3,8 +3,8 @@
 // 10-bit mantissa), wy_kernel and the opt-in tf32 passes on TF32 (m16n8k8 / wgmma; bf16 and
 // fp16 inputs are exact tf32 operands at any magnitude).
 //
-// wy_kernel      grid (max_chunks, H_v), 256 threads, 42 KB smem (4 blocks per SM) for the
-//                default pass, else 105 KB (2 per SM)
+// wy_kernel      grid (max_chunks * H_v: the heads of a chunk side by side), 256 threads,
+//                42 KB smem (4 blocks per SM) for the default pass, else 105 KB (2 per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
 //   cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r), T = (I + A)^-1
 //   blockwise (16 x 16 diagonal blocks by substitution, then block rows),
@@ -176,10 +176,12 @@ constexpr size_t kWySmem = kFree ? kWyFreeTiles + kWyTail
 template <typename In, bool kFree = false>
 __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
-  const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
+  // the value heads of a chunk are neighbours in the launch order, so the heads that share
+  // a q/k head find its K and Q tiles in L2
+  const int64_t chunk = blockIdx.x / p.Hv, h = blockIdx.x % p.Hv, hq = h / (p.Hv / p.Hqk);
+  const ChunkRef ck = locate_chunk(p.seqs, chunk);
   if (ck.L == 0) return;
   const int L = ck.L;
-  const int64_t h = blockIdx.y, hq = h / (p.Hv / p.Hqk);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH]
   In* Qs = Ks + C * LDH;
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) p.Lb[blockIdx.x * p.Hv + h] = Gs[L - 1] + acc;
+    if (lane == 0) p.Lb[chunk * p.Hv + h] = Gs[L - 1] + acc;
   }
 
   // T = (I + A)^-1 blockwise over 16 x 16 blocks (A strictly lower triangular):

@@ -427,7 +427,7 @@ void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
     set_smem(wy_kernel<In, true>, kWySmem<true>);
   });
   if (p.max_chunks() == 0) return;
-  const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv));
+  const dim3 grid(static_cast<unsigned>(p.max_chunks() * p.Hv));
   if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
   else wy_kernel<In><<<grid, NT, kWySmem<false>, st>>>(f);
   check_cuda(cudaGetLastError(), "wy_kernel launch");
