@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
   }
   __syncthreads();
 
+  float* Ps = Ts;  // P, staged in T's bytes (written from the substitution on) for the stores
   // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
   {
     const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
@@ -294,16 +295,31 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
           pv[d] = round_tf32(qk[j][e + d] * dec);
           if (sc == r) kn[r] = kk[j][e + d];
         }
-        if (r < L && p.Pmat != nullptr)
-          *reinterpret_cast<float2*>(p.Pmat + (row_off + r * p.Hv) * C + s) =
-              make_float2(pv[0], pv[1]);
-        if (r < L && p.P16 != nullptr)  // exact: tf32 and fp16 share the 10-bit mantissa
-          *reinterpret_cast<uint32_t*>(p.P16 + (row_off + r * p.Hv) * C + s) =
-              pack_half2(pv[0], pv[1]);
+        *reinterpret_cast<float2*>(Ps + r * LDA + s) = make_float2(pv[0], pv[1]);
       }
     }
   }
   __syncthreads();
+  // P's rows out in 16-byte pieces, a warp's store covering whole rows (the accumulator
+  // layout would write 16 bytes of each of 8 rows): fp32 (tf32-rounded) and/or fp16 (exact:
+  // tf32 and fp16 share the 10-bit mantissa)
+  if (p.Pmat != nullptr) {
+    for (int e = threadIdx.x; e < L * (C / 4); e += NT) {
+      const int r = e / (C / 4), c = 4 * (e % (C / 4));
+      *reinterpret_cast<float4*>(p.Pmat + (row_off + r * p.Hv) * C + c) =
+          *reinterpret_cast<const float4*>(Ps + r * LDA + c);
+    }
+  }
+  if (p.P16 != nullptr) {
+    for (int e = threadIdx.x; e < L * (C / 8); e += NT) {
+      const int r = e / (C / 8), c = 8 * (e % (C / 8));
+      const float4 a = *reinterpret_cast<const float4*>(Ps + r * LDA + c);
+      const float4 b = *reinterpret_cast<const float4*>(Ps + r * LDA + c + 4);
+      *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + c) =
+          make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
+                     pack_half2(b.z, b.w));
+    }
+  }
   if (p.Lb != nullptr && warp == 0) {  // warm-up bound of the chunk
     float acc = 0.f;
 #pragma unroll
@@ -315,6 +331,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
     for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) p.Lb[chunk * p.Hv + h] = Gs[L - 1] + acc;
   }
+  __syncthreads();  // P's stores read T's bytes
 
   // T = (I + A)^-1 blockwise over 16 x 16 blocks (A strictly lower triangular):
   //   diagonal blocks by forward substitution, T_ii[r, j] = delta_rj - sum_{s<r} A_ii[r, s] T_ii[s, j]
