@@ -49,29 +49,30 @@ int64_t shortest_candidate(const SegmentQuery& q) {
   return seg;
 }
 
-// The cost model's estimate for plan p (csrc/planner.h), lengths as the host sees them.
-double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCost& c) {
+// What the cost model needs of the sequences under plan p, lengths as the host sees them.
+LoadStats load_stats(const SegmentQuery& q, const SegmentPlan& p) {
   LoadStats s;
   s.longest = static_cast<double>(longest_chunks(q));
   s.total = static_cast<double>(q.total_chunks);
   s.segs = static_cast<double>(p.max_segments);
   s.max_segs_per_seq = static_cast<double>(segments_of(longest_chunks(q), p.seg_chunks));
-  return estimate_state_pass_us(c, s, static_cast<double>(q.Hv), q.sms, p.col_block,
-                                p.split ? static_cast<double>(p.seg_chunks) : 0.0);
+  return s;
 }
 
-// estimate_us, and for a split plan whether the overlapped schedule is the cheaper (then
-// set in the plan with its sub-segment count).
+// The cost model's estimate for plan p (csrc/planner.h); with `overlapped`, for a split plan
+// whether the overlapped schedule is the cheaper (the estimate returned is then its own).
+double estimate_us(const SegmentQuery& q, const SegmentPlan& p, const ForwardCost& c,
+                   bool* overlapped = nullptr) {
+  return estimate_state_pass_us(c, load_stats(q, p), static_cast<double>(q.Hv), q.sms,
+                                p.col_block, p.split ? static_cast<double>(p.seg_chunks) : 0.0,
+                                overlapped);
+}
+
+// estimate_us, setting the plan's schedule: the overlapped one (with its sub-segments)
+// where the model finds it cheaper.
 double estimate_schedule_us(const SegmentQuery& q, SegmentPlan& p, const ForwardCost& c) {
-  LoadStats s;
-  s.longest = static_cast<double>(longest_chunks(q));
-  s.total = static_cast<double>(q.total_chunks);
-  s.segs = static_cast<double>(p.max_segments);
-  s.max_segs_per_seq = static_cast<double>(segments_of(longest_chunks(q), p.seg_chunks));
   bool overlapped = false;
-  const double us = estimate_state_pass_us(c, s, static_cast<double>(q.Hv), q.sms, p.col_block,
-                                           p.split ? static_cast<double>(p.seg_chunks) : 0.0,
-                                           &overlapped);
+  const double us = estimate_us(q, p, c, &overlapped);
   p.overlap = overlapped;
   p.nsub = overlapped && c.nsub > 1 ? c.nsub : 1;
   return us;

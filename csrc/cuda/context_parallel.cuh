@@ -11,10 +11,11 @@
 // transition M: the same pass run on the identity without inputs, no outputs);
 // seg_combine_kernel chains the summaries, S_in(j+1) = M_j S_in(j) + L_j; phase 0 then runs
 // every segment with outputs. The backward's reverse pass does the same last to first.
-// Opt-in schedules (launch.cu): FLASHGDN_CP_OVERLAP runs the phase 0 of segments that do
-// not start exact beside the exact chain on a second stream (SegParams::starts);
-// FLASHGDN_CP_SUB cuts the phase 0 of exact segments into sub-segments started from
-// recorded states (sub_record, sub_start_kernel).
+// The overlapped schedule (launch.cu run_phases; the planner's choice where its blocks fit
+// in one wave, FLASHGDN_CP_OVERLAP overrides) runs the phase 0 of segments that do not
+// start exact beside the exact chain on a second stream (SegParams::starts); sub-segments
+// (FLASHGDN_CP_SUB overrides the plan's count) cut the phase 0 of exact segments into
+// pieces started from recorded states (sub_record, sub_start_kernel).
 //
 // seg_combine_kernel  grid (N, H_v, 128 / kCombineCols): see its definition.
 // sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kCombineCols): likewise.

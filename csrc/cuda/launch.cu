@@ -130,12 +130,13 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   return b;
 }
 
-// FLASHGDN_CP_SUB=<2..8> (opt-in, not yet run on a GPU): the forward's exact segments run
-// their phase 0 as that many sub-segments, each its own block, from entering states formed
-// in parallel (M_c S_in + L_c, sub_start_kernel) instead of one block walking the whole
-// segment after the combine: the last link of the exact heads' chain gets nsub times
-// shorter. Split forward plans of the default pass whose 128-column kernel runs (the
-// mma.sync one); 0 (none) otherwise. Read when the workspace is carved.
+// Sub-segments of the forward's exact segments: their phase 0 as that many blocks, from
+// entering states formed in parallel (M_c S_in + L_c, sub_start_kernel) instead of one block
+// walking the whole segment after the combine: the last link of the exact heads' chain gets
+// nsub times shorter. The plan's count (4 with the overlapped schedule, else none);
+// FLASHGDN_CP_SUB=<1..8> overrides. Split forward plans of the default pass whose
+// 128-column kernel runs (the mma.sync one); 0 (none) otherwise. Read when the workspace is
+// carved.
 int cp_subsegments(const SegmentPlan& plan, FwdPass pass, bool backward) {
   const int n = env_int_or("FLASHGDN_CP_SUB", plan.nsub);
   if (n < 2 || n > 8 || backward || !plan.split || !plan.cols || pass != FwdPass::F16 ||
@@ -289,9 +290,6 @@ int sm_count(int device) {
 // (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
 bool bwd_cols() { return env_int("FLASHGDN_BWD_COLS") == 1; }
 
-// The planner's cost model with the opt-in schedules of the forward's split pass
-// (FLASHGDN_CP_OVERLAP, FLASHGDN_CP_SUB; not the backward's plan, whose reverse pass has
-// neither).
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
 // are the 128-column kernel's): not a candidate for the backward's plans, nor with
 // FLASHGDN_CP_OVERLAP=0; FLASHGDN_CP_SUB=n sets its sub-segments.
@@ -468,15 +466,15 @@ bool launches(const SegmentPlan& plan, int bw) {
                                : plan.col_block == bw;
 }
 
-// FLASHGDN_CP_OVERLAP=1 (opt-in, not yet run on a GPU): a split sequential pass (the
-// forward's, the backward's recomputation and its reverse pass) runs the phase-0 blocks of
-// segments that do not start exact (h0 / dht, warm-ups: most of the decaying heads' work)
-// on the caller's stream while the exact heads' chain (phase 1, the combine, the phase-0
-// blocks of exact segments) runs on a high-priority stream beside it, forked and joined by
-// events (graph-capturable). Otherwise the chain's last launch waits for every phase-0
-// block; with 48 blocks at 2/8 x 8192 most SMs idle through phase 1 and the combine.
-// Whether a split pass runs the overlapped schedule: the plan's choice (the planner's, for
-// the forward), FLASHGDN_CP_OVERLAP=1 forces it for every split pass, =0 never.
+// The overlapped schedule of a split sequential pass (the forward's, the backward's
+// recomputation and its reverse pass): the phase-0 blocks of segments that do not start
+// exact (h0 / dht, warm-ups: most of the decaying heads' work) run on the caller's stream
+// while the exact heads' chain (phase 1, the combine, the phase-0 blocks of exact segments)
+// runs on a high-priority stream beside it, forked and joined by events (graph-capturable).
+// Otherwise the chain's last launch waits for every phase-0 block; with 48 blocks at 2/8 x
+// 8192 most SMs idle through phase 1 and the combine. The plan's choice (the planner takes
+// it for forward splits whose blocks fit in one wave beside each other, planner.h);
+// FLASHGDN_CP_OVERLAP=1 forces it for every split pass, =0 never.
 bool cp_overlap(const SegmentPlan& plan) {
   const int v = env_int_or("FLASHGDN_CP_OVERLAP", -1);
   return v < 0 ? plan.overlap : v == 1;
