@@ -24,7 +24,8 @@ STATE_TOL = 3.7e-3
 
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
-            "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB")
+            "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB",
+            "FLASHGDN_COMBINE_WIDE")
 
 
 @contextmanager
@@ -331,6 +332,36 @@ def test_more_segments_than_threads(bw: str):
     assert e_o < O_TOL and e_h < STATE_TOL
     assert d_o < 2e-3 and d_h < 1e-3
     assert_as_exact(0, o, ht, o_ref, h_ref, ro, rh)
+
+
+@pytest.mark.parametrize("bw", ["32", "128"])
+def test_combine_wide_bit_identical(bw: str):
+    """FLASHGDN_COMBINE_WIDE=1: seg_combine_kernel with a row of 4 columns a thread and
+    padded M rows does per element the same FMAs in the same order as the default layout:
+    o and the final state equal bit for bit, with 524 segments of one sequence (three
+    batches of start decisions) beside a short one, g == 0 and very negative gates, h0."""
+    case = Case("combine_wide", [33500, 700], 1, 2, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=13)
+    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "1", "FLASHGDN_FWD_BW": bw}
+    with env_vars(split):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({**split, "FLASHGDN_COMBINE_WIDE": "1"}):
+        o2, ht2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2), "the wide combine differs"
+
+
+def test_combine_wide_bit_identical_backward(monkeypatch):
+    """FLASHGDN_COMBINE_WIDE=1 in the backward (the recomputation's combine and the reverse
+    pass's, segments walked last to first): every gradient equal bit for bit."""
+    from test_backward import run_grads
+    case = Case("wide_bwd", [3000, 300], 1, 4, gate="mixed")
+    monkeypatch.setenv("FLASHGDN_CP", "on")
+    monkeypatch.setenv("FLASHGDN_CP_SEG", "1")
+    names, dflt, _, _ = run_grads(case, "cuda", seed=17)
+    monkeypatch.setenv("FLASHGDN_COMBINE_WIDE", "1")
+    _, wide, _, _ = run_grads(case, "cuda", seed=17)
+    for n, a, b in zip(names, wide, dflt):
+        assert torch.equal(a, b), f"d{n} differs with FLASHGDN_COMBINE_WIDE=1"
 
 
 def test_cp_backward_auto_engages():

@@ -239,7 +239,7 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 }
 
 // ---------------------------------------------------------------------------------------
-// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 132 KB smem
+// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 132 KB smem (wide: 139)
 //   Walks the segments of one sequence in pass order (first to last for the forward,
 //   last to first for the backward's reverse pass, `reverse`) for kCombineCols state
 //   columns of one head and forms the exact state entering every segment that starts from
@@ -280,19 +280,54 @@ __device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* 
 
 constexpr int kCombineThreads = NT;
 
+// The wide layout (kWide, FLASHGDN_COMBINE_WIDE=1; opt-in, not yet run on a GPU): thread
+// t owns row t % 128 and the 4 columns 4 (t / 128) .. + 3 instead of 4 rows of one
+// column, and M's rows are kMLd floats apart. The default layout's step is bound by shared
+// memory: every M element is read by the 8 threads of its row (one per column, 512 KB a
+// step) and the 4 rows a warp reads at once are 4 rows apart, the same banks (4-way
+// conflicts): ~5100 shared-memory cycles a step over 8 warps, the ~4 us a step measured.
+// Wide: each M element is read by 2 threads (128 KB), a warp's 32 rows fall in distinct
+// banks (row stride 132 floats), S's 4 columns are one broadcast float4: ~2000 cycles.
+// Per element the same FMAs in the same order: bit-identical.
+constexpr int kMLd = D + 4;
+constexpr size_t kCombineSmemWide = sizeof(float) * (2 * D * kMLd + D * kCombineCols);
+
+// acc[c] += (M S)[row][c0 + c], c < 4, for M [D][kMLd] and S's kCombineCols columns
+// [D][kCombineCols] in shared memory, fp32 FMA over k in order (as add_m_times_s).
+__device__ __forceinline__ void add_m_times_s_wide(float (&acc)[4], const float* Ms,
+                                                   const float* Sc, int row, int c0) {
+  for (int k = 0; k < D; k += 4) {
+    const float4 m = *reinterpret_cast<const float4*>(Ms + row * kMLd + k);
+    const float4 s0 = *reinterpret_cast<const float4*>(Sc + (k + 0) * kCombineCols + c0);
+    const float4 s1 = *reinterpret_cast<const float4*>(Sc + (k + 1) * kCombineCols + c0);
+    const float4 s2 = *reinterpret_cast<const float4*>(Sc + (k + 2) * kCombineCols + c0);
+    const float4 s3 = *reinterpret_cast<const float4*>(Sc + (k + 3) * kCombineCols + c0);
+    acc[0] = fmaf(m.x, s0.x, fmaf(m.y, s1.x, fmaf(m.z, s2.x, fmaf(m.w, s3.x, acc[0]))));
+    acc[1] = fmaf(m.x, s0.y, fmaf(m.y, s1.y, fmaf(m.z, s2.y, fmaf(m.w, s3.y, acc[1]))));
+    acc[2] = fmaf(m.x, s0.z, fmaf(m.y, s1.z, fmaf(m.z, s2.z, fmaf(m.w, s3.z, acc[2]))));
+    acc[3] = fmaf(m.x, s0.w, fmaf(m.y, s1.w, fmaf(m.z, s2.w, fmaf(m.w, s3.w, acc[3]))));
+  }
+}
+
+template <bool kWide = false>
 __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams p, bool reverse) {
   if (p.seqs.failed()) return;
   const int64_t h = blockIdx.y, n = blockIdx.x;
-  constexpr int kCombineRows = D * kCombineCols / kCombineThreads;  // rows of S_in per thread
+  // values of S_in per thread: 4 rows of one column, or (kWide) one row of 4 columns
+  constexpr int kCombineRows = D * kCombineCols / kCombineThreads;
+  static_assert(!kWide || (kCombineThreads == 2 * D && kCombineCols == 8 && kCombineRows == 4),
+                "the wide layout: two threads a row, 4 columns each");
+  constexpr int ldm = kWide ? kMLd : D;  // M's row stride in shared memory
   const int vb = blockIdx.z * kCombineCols;
   if (n >= p.seqs.N) return;
   int64_t z0, count;
   sequence_segments(p, n, z0, count);
   const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][D] M of the previous segment
-  float* Sc = Mbuf + 2 * D * D;                     // [D][kCombineCols] its S_in
+  float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][ldm] M of the previous segment
+  float* Sc = Mbuf + 2 * D * ldm;                   // [D][kCombineCols] its S_in
   const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
+  const int row = threadIdx.x % D, c0 = (threadIdx.x / D) * 4;  // kWide
   // exact[1 + i]: step t0 + i goes from segment prev to segment next (pass order) and next
   // starts exact; exact[0]: the same for the step before the batch (prev is exact)
   __shared__ bool exact[kCombineThreads + 1];
@@ -315,18 +350,31 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
     auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
     auto load_m = [&](int64_t u) {  // step u's M into buffer u % 2 (one commit group)
       if (needs_m(u)) {
-        float* dst = Mbuf + (u & 1) * D * D;
+        float* dst = Mbuf + (u & 1) * D * ldm;
         const float* src = p.seg_M + base_of(u);
-        for (int e = threadIdx.x; e < D * D / 4; e += kCombineThreads)
-          cp_async16(dst + 4 * e, src + 4 * e, true);
+        for (int e = threadIdx.x; e < D * D / 4; e += kCombineThreads) {
+          if constexpr (kWide)
+            cp_async16(dst + (e / (D / 4)) * ldm + 4 * (e % (D / 4)), src + 4 * e, true);
+          else
+            cp_async16(dst + 4 * e, src + 4 * e, true);
+        }
       }
       cp_async_commit();
     };
     auto load_l = [&](int64_t u, float (&l)[kCombineRows]) {
       if (!needs(u)) return;
-      const float* src = p.seg_L + base_of(u) + vb + col;
+      if constexpr (kWide) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.seg_L + base_of(u) + row * D +
+                                                                vb + c0));
+        l[0] = v.x;
+        l[1] = v.y;
+        l[2] = v.z;
+        l[3] = v.w;
+      } else {
+        const float* src = p.seg_L + base_of(u) + vb + col;
 #pragma unroll
-      for (int i = 0; i < kCombineRows; ++i) l[i] = __ldcg(src + (r0 + i) * D);
+        for (int i = 0; i < kCombineRows; ++i) l[i] = __ldcg(src + (r0 + i) * D);
+      }
     };
     float lnext[kCombineRows];
     load_m(t0);
@@ -345,16 +393,23 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
       if (needs_m(u)) {
         cp_async_wait<1>();
         __syncthreads();  // every thread's part of M has landed
-        const float* Ms = Mbuf + (u & 1) * D * D;
-        add_m_times_s(acc, Ms, Sc, col, r0);
+        const float* Ms = Mbuf + (u & 1) * D * ldm;
+        if constexpr (kWide) add_m_times_s_wide(acc, Ms, Sc, row, c0);
+        else add_m_times_s(acc, Ms, Sc, col, r0);
         __syncthreads();  // Sc read (and M: its buffer is refilled for step u + 2)
       }
       const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
       float* out = p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
+      if constexpr (kWide) {
+        const float4 v = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        *reinterpret_cast<float4*>(Sc + row * kCombineCols + c0) = v;
+        __stcg(reinterpret_cast<float4*>(out + row * D + vb + c0), v);
+      } else {
 #pragma unroll
-      for (int i = 0; i < kCombineRows; ++i) {
-        Sc[(r0 + i) * kCombineCols + col] = acc[i];
-        __stcg(out + (r0 + i) * D + vb + col, acc[i]);
+        for (int i = 0; i < kCombineRows; ++i) {
+          Sc[(r0 + i) * kCombineCols + col] = acc[i];
+          __stcg(out + (r0 + i) * D + vb + col, acc[i]);
+        }
       }
       __syncthreads();
     }

@@ -398,11 +398,22 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   });
 }
 
+// FLASHGDN_COMBINE_WIDE=1 (opt-in, not yet run on a GPU): seg_combine_kernel's wide
+// layout (a row of 4 columns a thread, padded M rows: a quarter of the shared-memory traffic
+// of a step, no bank conflicts; bit-identical).
+bool combine_wide() { return env_int("FLASHGDN_COMBINE_WIDE") == 1; }
+
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
+  std::call_once(once, [] {
+    set_smem(seg_combine_kernel<false>, kCombineSmem);
+    set_smem(seg_combine_kernel<true>, kCombineSmemWide);
+  });
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.Hv), D / kCombineCols);
-  seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
+  if (combine_wide())
+    seg_combine_kernel<true><<<grid, NT, kCombineSmemWide, st>>>(f, reverse);
+  else
+    seg_combine_kernel<false><<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
