@@ -253,10 +253,10 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 //   after the other), then the next step's M (64 KB, cp.async into the other of two
 //   buffers) and L (registers) load while the current step multiplies. 8 columns per
 //   block: 16 blocks a head (2/8 heads: 128 for 132 SMs).
-//   H100, 2/8 x 32768: 72 -> 63 us against 16 columns without the prefetch. A step is
-//   latency-bound (ncu: 0.25 instructions issued per cycle and scheduler, two warps each,
-//   mostly waiting on shared loads; 4.2 us a step); 16 warps of 2 rows each (tried
-//   2026-11-23, bit-identical) were 1-2% slower, so the kernel keeps 8 warps of 4 rows.
+//   H100, 2/8 x 32768: 72 -> 63 us against 16 columns without the prefetch. ncu: 0.25
+//   instructions issued per cycle and scheduler, mostly waiting on shared loads, 4.2 us a
+//   step: the step is bound by shared-memory traffic and bank conflicts (the wide layout
+//   below); 16 warps of 2 rows each (tried 2026-11-23, bit-identical) were 1-2% slower.
 
 constexpr int kCombineCols = 8;
 constexpr size_t kCombineSmem = sizeof(float) * (2 * D * D + D * kCombineCols);
