@@ -4,6 +4,7 @@
 Rows (FlashQLA's published H200 table, d = 128):
   forward:  h_qk/h_v in 2/8, 4/16, 8/32, 16/64, 16/32, 8/24, 16/48, 16/16, 32/32, each with the
             19 sequence mixes 1x32768 ... 1024x8 (packed varlen, one cu_seqlens, B = 1);
+            named with --seqs only: packed training batches 2048x64 and 512x1024;
   backward: h_qk/h_v in 16/32, 8/16, 4/8, 2/4; 8192 and 32768 tokens split into 1, 2, 4, 8
             random sequences (fixed seed, every sequence >= 64 tokens; lengths are printed).
 
@@ -104,6 +105,13 @@ FWD_SEQS: Tuple[Tuple[str, Tuple[int, ...]], ...] = (
     ("8192x4", (8192,) * 4), ("4096x8", (4096,) * 8), ("2048x4", (2048,) * 4),
     ("1024x8", (1024,) * 8),
 )
+# Packed training-style batches of many short sequences (not in FlashQLA's table; run only
+# when named with --seqs): where a split must stay possible (one sequence could hold almost
+# every token) but the device declines it, the split's launches are mostly empty blocks
+# (docs/perf-notes.md, plan).
+PACKED_SEQS: Tuple[Tuple[str, Tuple[int, ...]], ...] = (
+    ("2048x64", (2048,) * 64), ("512x1024", (512,) * 1024),
+)
 BWD_MODELS: Tuple[Model, ...] = (
     Model("hk16_hv32", 16, 32), Model("hk8_hv16", 8, 16), Model("hk4_hv8", 4, 8),
     Model("hk2_hv4", 2, 4),
@@ -150,7 +158,7 @@ def build_rows(mode: str, models: Optional[List[str]], seqs: Optional[List[str]]
     """Rows in run order (forward first), filtered by `--models` / `--seqs`."""
     tables = []
     if mode in ("fwd", "both"):
-        tables.append(("fwd", FWD_MODELS, list(FWD_SEQS)))
+        tables.append(("fwd", FWD_MODELS, list(FWD_SEQS) + (list(PACKED_SEQS) if seqs else [])))
     if mode in ("bwd", "both"):
         tables.append(("bwd", BWD_MODELS, _bwd_seqs(seed)))
     rows: List[Row] = []
