@@ -60,9 +60,10 @@ void check(int rc) {
 flashgdn_fwd_args fwd_args(const OptArray& q, const OptArray& k, const OptArray& v,
                            const OptArray& g, const OptArray& beta, const OptArray& h0,
                            const OptArray& cu, float scale, const OptArray& o,
-                           const OptArray& ht, int32_t state_layout) {
+                           const OptArray& ht, int32_t state_layout, int64_t max_seqlen) {
   flashgdn_fwd_args a{};
   a.state_layout = state_layout;
+  a.max_seqlen = max_seqlen;
   a.q = to_tensor(q, "q");
   a.k = to_tensor(k, "k");
   a.v = to_tensor(v, "v");
@@ -81,9 +82,10 @@ flashgdn_bwd_args bwd_args(const OptArray& q, const OptArray& k, const OptArray&
                            const OptArray& cu, float scale, const OptArray& d_o,
                            const OptArray& dht, const OptArray& dq, const OptArray& dk,
                            const OptArray& dv, const OptArray& dg, const OptArray& dbeta,
-                           const OptArray& dh0, int32_t state_layout) {
+                           const OptArray& dh0, int32_t state_layout, int64_t max_seqlen) {
   flashgdn_bwd_args a{};
   a.state_layout = state_layout;
+  a.max_seqlen = max_seqlen;
   a.q = to_tensor(q, "q");
   a.k = to_tensor(k, "k");
   a.v = to_tensor(v, "v");
@@ -151,38 +153,38 @@ NB_MODULE(_C, m) {
   m.def(
       "fwd_workspace_size",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
-         float scale, OptArray o, OptArray ht, int32_t state_layout) {
-        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout);
+         float scale, OptArray o, OptArray ht, int32_t state_layout, int64_t max_seqlen) {
+        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout, max_seqlen);
         size_t bytes = 0;
         check(flashgdn_fwd_workspace_size(&a, &bytes));
         return bytes;
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"),
-      nb::arg("state_layout") = 0,
+      nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
       "Bytes of workspace the forward needs (0 on the CPU). Validates the arguments.");
 
   m.def(
       "fwd",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray o, OptArray ht, OptArray ws, uintptr_t stream,
-         int32_t state_layout) {
-        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout);
+         int32_t state_layout, int64_t max_seqlen) {
+        auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout, max_seqlen);
         set_workspace(a, ws, stream);
         check(flashgdn_fwd(&a));
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"), none("workspace"),
-      nb::arg("stream") = 0, nb::arg("state_layout") = 0,
+      nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
       "Chunked GDN forward into preallocated o (and final_state); asynchronous on CUDA.");
 
   m.def(
       "bwd_workspace_size",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
-         OptArray dg, OptArray dbeta, OptArray dh0, int32_t state_layout) {
+         OptArray dg, OptArray dbeta, OptArray dh0, int32_t state_layout, int64_t max_seqlen) {
         auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
-                          state_layout);
+                          state_layout, max_seqlen);
         size_t bytes = 0;
         check(flashgdn_bwd_workspace_size(&a, &bytes));
         return bytes;
@@ -190,6 +192,7 @@ NB_MODULE(_C, m) {
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), nb::arg("state_layout") = 0,
+      nb::arg("max_seqlen") = 0,
       "Bytes of workspace the backward needs (0 on the CPU). Validates the arguments.");
 
   m.def(
@@ -197,16 +200,16 @@ NB_MODULE(_C, m) {
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
          OptArray dg, OptArray dbeta, OptArray dh0, OptArray ws, uintptr_t stream,
-         int32_t state_layout) {
+         int32_t state_layout, int64_t max_seqlen) {
         auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
-                          state_layout);
+                          state_layout, max_seqlen);
         set_workspace(a, ws, stream);
         check(flashgdn_bwd(&a));
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), none("workspace"),
-      nb::arg("stream") = 0, nb::arg("state_layout") = 0,
+      nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
       "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.");
 
   m.def(

@@ -15,6 +15,14 @@ int64_t longest_chunks(const SegmentQuery& q) {
   return q.fixed_chunks >= 0 ? q.fixed_chunks : q.total_chunks;
 }
 
+// The longest sequence the cost model plans for: longest_chunks, or the caller's smaller
+// bound (SegmentQuery::longest_hint). Never used to size a grid.
+int64_t longest_estimate(const SegmentQuery& q) {
+  const int64_t bound = longest_chunks(q);
+  return q.fixed_chunks < 0 && q.longest_hint > 0 && q.longest_hint < bound ? q.longest_hint
+                                                                            : bound;
+}
+
 SegmentPlan unsplit(const SegmentQuery& q, int col_block) {
   SegmentPlan p;
   // one segment per sequence: longer than any sequence can be
@@ -44,7 +52,7 @@ SegmentPlan with_length(const SegmentQuery& q, int64_t seg, int col_block) {
 // block 128, else the first power of two after it).
 int64_t shortest_candidate(const SegmentQuery& q) {
   int64_t seg = kMinSegChunks;
-  while (!q.allow_cols && !seg_candidate_for(32, seg, longest_chunks(q)))
+  while (!q.allow_cols && !seg_candidate_for(32, seg, longest_estimate(q)))
     seg = next_seg_candidate(seg);
   return seg;
 }
@@ -52,10 +60,11 @@ int64_t shortest_candidate(const SegmentQuery& q) {
 // What the cost model needs of the sequences under plan p, lengths as the host sees them.
 LoadStats load_stats(const SegmentQuery& q, const SegmentPlan& p) {
   LoadStats s;
-  s.longest = static_cast<double>(longest_chunks(q));
+  const int64_t longest = longest_estimate(q);
+  s.longest = static_cast<double>(longest);
   s.total = static_cast<double>(q.total_chunks);
   s.segs = static_cast<double>(p.max_segments);
-  s.max_segs_per_seq = static_cast<double>(segments_of(longest_chunks(q), p.seg_chunks));
+  s.max_segs_per_seq = static_cast<double>(segments_of(longest, p.seg_chunks));
   return s;
 }
 
@@ -115,7 +124,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     }
     return u;
   }
-  const int64_t longest = longest_chunks(q);
+  const int64_t longest = longest_chunks(q), longest_est = longest_estimate(q);
   if (q.mode == CpMode::On) {
     const int64_t seg = q.forced_seg_chunks > 0 ? q.forced_seg_chunks : ceil_div(longest, 4);
     SegmentPlan s = with_length(q, seg, forced_bw ? forced_bw : 32);
@@ -133,8 +142,8 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     SegmentPlan u = unsplit(q, bw);
     u.est_us = estimate_us(q, u, cost);
     if (u.est_us < best_unsplit.est_us) best_unsplit = u;
-    for (int64_t seg = kMinSegChunks; seg < longest; seg = next_seg_candidate(seg)) {
-      if (!seg_candidate_for(bw, seg, longest)) continue;
+    for (int64_t seg = kMinSegChunks; seg < longest_est; seg = next_seg_candidate(seg)) {
+      if (!seg_candidate_for(bw, seg, longest_est)) continue;
       SegmentPlan s = with_length(q, seg, bw);
       if (!s.split) continue;
       s.est_us = estimate_us(q, s, sequential);

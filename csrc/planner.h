@@ -66,6 +66,11 @@ struct SegmentQuery {
   int forced_col_block = 0;       // 16, 32 or 128 forces the column block (0: the planner picks;
                                   //   128 only where allowed)
   bool allow_cols = false;        // column block 128 (state_fwd_cols_kernel) is available
+  // varlen: the caller's bound on the longest sequence in chunks (max_seqlen), -1 unknown.
+  // Only the cost estimates read it (the longest sequence otherwise assumed to hold every
+  // chunk); grid sizes and whether phase 1 runs never depend on it, so every plan stays
+  // valid whatever the lengths are.
+  int64_t longest_hint = -1;
 };
 
 // The cost model's constants, measured on H100 (docs/perf-notes.md, 2026-11-23).

@@ -268,9 +268,18 @@ Problem validate_inputs(const flashgdn_tensor& q, const flashgdn_tensor& k,
 
 }  // namespace
 
+// The optional max_seqlen hint (packed sequences): >= 0; kept only with cu_seqlens.
+static void set_max_seqlen(Problem& p, int64_t max_seqlen) {
+  if (max_seqlen < 0)
+    fail("max_seqlen must be >= 0 (the longest sequence in tokens, 0 = unknown), got " +
+         std::to_string(max_seqlen));
+  p.max_seqlen = p.varlen() ? max_seqlen : 0;
+}
+
 Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out) {
   Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale,
                               a.state_layout);
+  set_max_seqlen(p, a.max_seqlen);
   check_like(a.o, "o", a.v, "v", p);
   out->o = a.o.data;
   if (present(a.final_state)) {
@@ -283,6 +292,7 @@ Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out) {
 Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
   Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale,
                               a.state_layout);
+  set_max_seqlen(p, a.max_seqlen);
   check_like(a.d_o, "do", a.v, "v (do is the gradient of o)", p);
   check_aligned(a.d_o, "do", p);
   io->d_o = a.d_o.data;

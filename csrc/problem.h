@@ -51,6 +51,7 @@ struct Problem {
   StateBuf h0_io;                  // initial_state as given (absent: data == nullptr)
   flashgdn_state_layout state_layout = FLASHGDN_STATE_LAYOUT_KV;
   const void* cu_seqlens = nullptr;  // optional (varlen)
+  int64_t max_seqlen = 0;            // varlen planning hint: the longest sequence (0: unknown)
 
   bool varlen() const { return cu_seqlens != nullptr; }
   int64_t group() const { return Hv / Hqk; }

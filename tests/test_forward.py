@@ -37,6 +37,42 @@ def test_zero_gate_heads_are_exact_per_head(device: str):
         assert rel_err(ht[:, h], rh[:, h]) < STATE_TOL
 
 
+@pytest.mark.parametrize("honest", [True, False], ids=["true_copy", "wrong_copy"])
+def test_cu_seqlens_cpu_hint(device: str, honest: bool):
+    """cu_seqlens_cpu (FLA's host copy of cu_seqlens) only informs the planner of the longest
+    sequence: with the true copy or a wrong (but well-formed) one, o, the final state and
+    every gradient meet the reference's tolerance; on the CPU backend, which plans nothing,
+    they equal the call without it bit for bit."""
+    case = Case("hint", [300, 70, 1000, 5], 2, 8, gate="mixed")
+    inp = make_inputs(case, device, seed=3)
+    total = sum(case.lens)
+    # the wrong copy claims 344 tokens at most where a sequence has 1000 (the direction in
+    # which a plan could go wrong if the hint sized anything)
+    quarter = total // 4
+    cu_cpu = (inp["cu_seqlens"].cpu() if honest else
+              torch.tensor([0, quarter, 2 * quarter, 3 * quarter, total],
+                           dtype=inp["cu_seqlens"].dtype))
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+
+    def run(**extra):
+        leaves = {n: inp[n].clone().requires_grad_() for n in names}
+        o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                output_final_state=True, **extra)
+        grads = torch.autograd.grad((o.float() ** 2).sum() + ht.sum(),
+                                    [leaves[n] for n in names])
+        return o.detach(), ht.detach(), grads
+
+    o, ht, grads = run(cu_seqlens_cpu=cu_cpu)
+    o0, ht0, grads0 = run()
+    ro, rh = reference(inp)
+    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
+    for n, a, b in zip(names, grads, grads0):
+        assert rel_err(a, b) < 5e-3, n
+    if device == "cpu":
+        assert torch.equal(o, o0) and torch.equal(ht, ht0)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads0))
+
+
 def test_scale_and_no_final_state(device: str):
     inp = make_inputs(Case("s", [70], 1, 1), device, seed=1)
     o, ht = flashgdn.chunk_gated_delta_rule(**inp, scale=0.3)

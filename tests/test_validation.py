@@ -105,6 +105,43 @@ def test_bad_cu_seqlens_values_gpu_give_nan_not_garbage(name, values, msg):
         flashgdn.check_cu_seqlens(cu, a["q"].shape[1])
 
 
+CU_CPU_BAD = [
+    ("without_cu_seqlens", lambda a: ({**a, "cu_seqlens": None}, torch.tensor([0, 3, 8])),
+     "pass cu_seqlens too"),
+    ("on_the_gpu_or_not_cpu", lambda a: (a, torch.tensor([0, 3, 8], device="meta")),
+     "cu_seqlens_cpu must be a CPU tensor"),
+    ("float", lambda a: (a, torch.tensor([0.0, 3.0, 8.0])), "cu_seqlens_cpu must be int32 or int64"),
+    ("wrong_length", lambda a: (a, torch.tensor([0, 8])), "cu_seqlens_cpu must have the shape"),
+    ("decreasing", lambda a: (a, torch.tensor([0, 9, 8])), "cu_seqlens_cpu must be non-decreasing"),
+    ("wrong_total", lambda a: (a, torch.tensor([0, 3, 7])),
+     "cu_seqlens_cpu\\[-1\\] must equal the number of tokens"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,msg", CU_CPU_BAD, ids=[c[0] for c in CU_CPU_BAD])
+def test_bad_cu_seqlens_cpu(name, mutate, msg, device):
+    """cu_seqlens_cpu (FLA's host copy of cu_seqlens, a planning hint) is checked on the
+    host: the errors name it."""
+    a = base(device, varlen=True)
+    a["initial_state"] = None
+    args, cu_cpu = mutate(a)
+    with pytest.raises(ValueError, match=msg):
+        call(**args, cu_seqlens_cpu=cu_cpu)
+
+
+def test_max_seqlen_must_not_be_negative():
+    """The bindings' planning hint (what cu_seqlens_cpu turns into) is validated by the
+    library itself as well."""
+    from flashgdn import _C
+    from flashgdn.ops import _d
+    a = base("cpu", varlen=True)
+    o = torch.empty_like(a["v"])
+    args = (_d(a["q"]), _d(a["k"]), _d(a["v"]), _d(a["g"]), _d(a["beta"]), None,
+            a["cu_seqlens"], 1.0, o, None)
+    with pytest.raises(ValueError, match="max_seqlen must be >= 0"):
+        _C.fwd_workspace_size(*args, max_seqlen=-1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_mixed_devices():

@@ -317,6 +317,7 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
     q.fixed_chunks = q.total_chunks = (p.TT + C - 1) / C;
   }
   q.Hv = p.Hv;
+  if (p.varlen() && p.max_seqlen > 0) q.longest_hint = (p.max_seqlen + C - 1) / C;
   q.sms = sm_count(p.device_id);
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();

@@ -16,6 +16,11 @@
  *   cu_seqlens  [N + 1] int32 or int64 (varlen: B must be 1), same device as q
  *   o           [B, T, H_v, V]    same dtype as v
  * Without cu_seqlens, N = B and each batch row is one sequence.
+ * max_seqlen (packed sequences, optional): the longest sequence in tokens, as the caller
+ * knows it without reading cu_seqlens from the device. The context-parallel planner then
+ * plans for it instead of the worst case (one sequence holding every token), e.g. no split
+ * at all for many short sequences. Only the choice of plan reads it: every plan is valid
+ * for any lengths, so a wrong value costs speed, never correctness. 0 = unknown.
  *
  * Calls are asynchronous on CUDA (enqueued on `stream`, a cudaStream_t) and never
  * synchronise with the host. CUDA calls need a caller-provided workspace of the
@@ -89,6 +94,8 @@ typedef struct {
   size_t workspace_bytes;
   void* stream;                  /* cudaStream_t, NULL = default stream */
   int32_t state_layout;          /* flashgdn_state_layout of initial_state, final_state */
+  int64_t max_seqlen;            /* optional planning hint with cu_seqlens: the longest
+                                    sequence in tokens, 0 = unknown (see below) */
 } flashgdn_fwd_args;
 
 typedef struct {
@@ -104,6 +111,7 @@ typedef struct {
   size_t workspace_bytes;
   void* stream;
   int32_t state_layout;          /* flashgdn_state_layout of initial_state, d_final_state, dh0 */
+  int64_t max_seqlen;            /* optional planning hint, as in flashgdn_fwd_args */
 } flashgdn_bwd_args;
 
 /*

@@ -79,6 +79,7 @@ def _fwd_op(
     output_final_state: bool,
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
+    max_seqlen: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     layout = _layout_code(state_layout)
     ht_dtype = _final_state_dtype(initial_state, final_state_dtype)
@@ -89,8 +90,8 @@ def _fwd_op(
         else None
     )
     args = (_d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale, o, ht)
-    ws = _workspace(_C.fwd_workspace_size(*args, state_layout=layout), q)
-    _C.fwd(*args, ws, _stream(q), state_layout=layout)
+    ws = _workspace(_C.fwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen), q)
+    _C.fwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen)
     if ht is None:
         ht = q.new_empty(_EMPTY_SHAPE, dtype=ht_dtype)
     return o, ht
@@ -98,7 +99,7 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-              state_layout="kv", final_state_dtype=None):
+              state_layout="kv", final_state_dtype=None, max_seqlen=0):
     _layout_code(state_layout)
     ht_dtype = _final_state_dtype(initial_state, final_state_dtype)
     o = torch.empty_like(v)
@@ -122,6 +123,7 @@ def _bwd_op(
     do: Tensor,
     dht: Optional[Tensor],
     state_layout: str = "kv",
+    max_seqlen: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     layout = _layout_code(state_layout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -132,15 +134,16 @@ def _bwd_op(
         _d(do).contiguous(), None if dht is None else _d(dht).contiguous(),
         dq, dk, dv, dg, dbeta, dh0,
     )
-    ws = _workspace(_C.bwd_workspace_size(*args, state_layout=layout), q)
-    _C.bwd(*args, ws, _stream(q), state_layout=layout)
+    ws = _workspace(_C.bwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen), q)
+    _C.bwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen)
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout="kv"):
+def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout="kv",
+              max_seqlen=0):
     _layout_code(state_layout)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(
         _EMPTY_SHAPE, dtype=torch.float32)
@@ -150,11 +153,12 @@ def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_layout,
-     _final_state_dtype_arg) = inputs
+     _final_state_dtype_arg, max_seqlen) = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.state_layout = state_layout
+    ctx.max_seqlen = max_seqlen
 
 
 def _backward(ctx, do, dht):
@@ -165,9 +169,9 @@ def _backward(ctx, do, dht):
         dht = None
     # dht comes in the final state's dtype and layout; dh0 has initial_state's.
     dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
-                                         do, dht, ctx.state_layout)
+                                         do, dht, ctx.state_layout, ctx.max_seqlen)
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None,
-            None, None)
+            None, None, None)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -284,6 +288,31 @@ def _resolve_scale(scale: Optional[float]) -> float:
     return float(scale)
 
 
+def _max_seqlen(q: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> int:
+    """The longest sequence in tokens from the host copy of cu_seqlens (0 without one).
+
+    Checked on the host: a CPU tensor of cu_seqlens' shape and an integer dtype, with valid
+    offsets for the q's tokens (no device sync: cu_seqlens itself is not read).
+    """
+    if cu_seqlens_cpu is None:
+        return 0
+    _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens; pass cu_seqlens too")
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError("cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got "
+                         f"device {cu_seqlens_cpu.device}")
+    if cu_seqlens_cpu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens_cpu must be int32 or int64, got {cu_seqlens_cpu.dtype}")
+    if tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
+        raise ValueError(f"cu_seqlens_cpu must have the shape of cu_seqlens "
+                         f"{tuple(cu_seqlens.shape)}, got {tuple(cu_seqlens_cpu.shape)}")
+    total = q.shape[0] * q.shape[1] if q.ndim >= 2 else 0
+    check_cu_seqlens(cu_seqlens_cpu, total, name="cu_seqlens_cpu")
+    cu = cu_seqlens_cpu.to(torch.int64)
+    return int((cu[1:] - cu[:-1]).max())
+
+
 def chunk_gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -297,6 +326,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Gated DeltaNet over chunks of 64 tokens (forward; differentiable).
 
@@ -318,6 +348,12 @@ def chunk_gated_delta_rule(
             transpose [N, H_v, V, K], as vLLM's state pools).
         final_state_dtype: dtype of the final state (fp32, bf16 or fp16); default: that
             of initial_state if given, else fp32. The math is fp32 in every case.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (as FLA takes it), int32/int64 on
+            the CPU. It is read on the host (no device sync) for the longest sequence, which
+            the context-parallel planner then plans for instead of the worst case (one
+            sequence holding every token): e.g. no split launches at all for many short
+            sequences. Every plan is valid for any lengths, so a copy that differs from
+            cu_seqlens costs speed, never correctness.
 
     Returns:
         (o [B, T, H_v, 128] in the dtype of v, final_state or None).
@@ -328,10 +364,11 @@ def chunk_gated_delta_rule(
     _require_tensor("cu_seqlens", cu_seqlens, optional=True)
     _layout_code(state_layout)
     _final_state_dtype(initial_state, final_state_dtype)
+    max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-                    bool(output_final_state), state_layout, final_state_dtype)
+                    bool(output_final_state), state_layout, final_state_dtype, max_seqlen)
     return o, (ht if output_final_state else None)
 
 
@@ -350,6 +387,7 @@ def chunk_gated_delta_rule_from_raw(
     use_qk_l2norm_in_kernel: bool = False,
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """chunk_gated_delta_rule from a Qwen3-Next layer's raw gate inputs (differentiable).
 
@@ -366,7 +404,8 @@ def chunk_gated_delta_rule_from_raw(
     return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                  state_layout=state_layout, final_state_dtype=final_state_dtype)
+                                  state_layout=state_layout, final_state_dtype=final_state_dtype,
+                                  cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def gdn_gating(a: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -446,16 +485,18 @@ def chunk_gated_delta_rule_fwd(
     cu_seqlens: Optional[Tensor] = None,
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Forward only, no autograd graph: returns (o, final_state or None).
 
-    state_layout and final_state_dtype as for :func:`chunk_gated_delta_rule`.
+    state_layout, final_state_dtype and cu_seqlens_cpu as for :func:`chunk_gated_delta_rule`.
     """
     _layout_code(state_layout)
     _final_state_dtype(initial_state, final_state_dtype)
+    max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
     with torch.no_grad():
         o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-                        bool(output_final_state), state_layout, final_state_dtype)
+                        bool(output_final_state), state_layout, final_state_dtype, max_seqlen)
     return o, (ht if output_final_state else None)
 
 
@@ -471,35 +512,40 @@ def chunk_gated_delta_rule_bwd(
     dht: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
     state_layout: str = "kv",
+    cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Backward: gradients (dq, dk, dv, dg, dbeta, dh0 or None) given do (and dht).
 
     initial_state, dht and dh0 are in ``state_layout``; dht may have any state dtype
-    (fp32/bf16/fp16), dh0 has the dtype of initial_state.
+    (fp32/bf16/fp16), dh0 has the dtype of initial_state; cu_seqlens_cpu as for
+    :func:`chunk_gated_delta_rule`.
     """
     _layout_code(state_layout)
+    max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
     with torch.no_grad():
         dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, _resolve_scale(scale),
-                                             initial_state, cu_seqlens, do, dht, state_layout)
+                                             initial_state, cu_seqlens, do, dht, state_layout,
+                                             max_seqlen)
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
 
 
-def check_cu_seqlens(cu_seqlens: Tensor, total_tokens: int) -> None:
+def check_cu_seqlens(cu_seqlens: Tensor, total_tokens: int, name: str = "cu_seqlens") -> None:
     """Validates cu_seqlens values on the host (synchronises; for debugging, not the hot path).
 
     The kernels check cu_seqlens on the device without a sync and write NaN to every output
-    when it is invalid; this helper raises a ValueError that says what is wrong.
+    when it is invalid; this helper raises a ValueError that says what is wrong (naming the
+    argument `name`).
     """
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if cu.ndim != 1 or cu.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {tuple(cu.shape)}")
+        raise ValueError(f"{name} must be 1-D with at least 2 entries, got {tuple(cu.shape)}")
     if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
+        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
     bad = torch.nonzero(cu[1:] < cu[:-1])
     if bad.numel():
         i = int(bad[0]) + 1
-        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i}] = {int(cu[i])} "
-                         f"< cu_seqlens[{i - 1}] = {int(cu[i - 1])}")
+        raise ValueError(f"{name} must be non-decreasing; {name}[{i}] = {int(cu[i])} "
+                         f"< {name}[{i - 1}] = {int(cu[i - 1])}")
     if int(cu[-1]) != total_tokens:
-        raise ValueError(f"cu_seqlens[-1] must equal the number of tokens T = {total_tokens}, "
+        raise ValueError(f"{name}[-1] must equal the number of tokens T = {total_tokens}, "
                          f"got {int(cu[-1])}")

@@ -132,6 +132,21 @@ TEST(CApi, ForwardMatchesDoubleRecurrence) {
   EXPECT_LT(std::sqrt(err_s / ref_s), 1e-5);    // fp32 state
 }
 
+TEST(CApi, MaxSeqlenHintIsCheckedAndChangesNothingOnTheCpu) {
+  Inputs in(3);
+  auto a = in.args();
+  a.max_seqlen = -5;
+  EXPECT_NE(flashgdn_fwd(&a), 0);
+  EXPECT_NE(std::string(flashgdn_last_error()).find("max_seqlen must be >= 0"), std::string::npos);
+  // a valid hint (here without cu_seqlens, where it is ignored) gives the same bits
+  a.max_seqlen = 0;
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  const std::vector<uint16_t> o0 = in.o;
+  a.max_seqlen = in.T;
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  EXPECT_EQ(in.o, o0);
+}
+
 TEST(CApi, RejectsBadShapesWithNamedArgument) {
   Inputs in(2);
   auto a = in.args();

@@ -288,3 +288,35 @@ TEST(Planner, OverlappedScheduleOnlyWhereItFitsOneWave) {
   EXPECT_FALSE(ov);
   EXPECT_EQ(e32, flashgdn::estimate_state_pass_us(sequential, st, 8, 132, 32, 32));
 }
+
+TEST(Planner, LongestHintPlansPackedShortSequencesWithoutASplit) {
+  // 1024 packed sequences of 512 tokens (8 chunks) at 32 heads: without a hint the host
+  // must allow for one sequence holding every chunk (a split chosen on the device, whose
+  // launches are mostly empty blocks); with max_seqlen known no sequence can be split
+  auto q = query(1024, 8, 32, /*varlen=*/true);
+  q.allow_cols = true;
+  const auto blind = plan_segments(q);
+  EXPECT_TRUE(blind.split && blind.device_choice);
+  q.longest_hint = 8;
+  const auto hinted = plan_segments(q);
+  EXPECT_FALSE(hinted.split);
+  EXPECT_FALSE(hinted.device_choice);
+  // sizes never depend on the hint: one segment per sequence, as long as all chunks
+  EXPECT_EQ(hinted.max_segments, 1024);
+  EXPECT_GE(hinted.seg_chunks, q.total_chunks);
+  // 4 x 8192 tokens at 32 heads: 128 blocks of 128 columns fill the SMs unsplit
+  q = query(4, 128, 32, /*varlen=*/true);
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).split);
+  q.longest_hint = 128;
+  EXPECT_FALSE(plan_segments(q).split);
+  // 2/8 heads, 4 x 8192: a split still pays and is left to the device (the hint bounds the
+  // longest sequence, not the others), sized from the total as without the hint
+  q = query(4, 128, 8, /*varlen=*/true);
+  q.allow_cols = true;
+  const auto blind8 = plan_segments(q);
+  q.longest_hint = 128;
+  const auto hinted8 = plan_segments(q);
+  EXPECT_TRUE(hinted8.split && hinted8.device_choice);
+  EXPECT_EQ(hinted8.max_segments, blind8.max_segments);
+}
