@@ -23,7 +23,8 @@ forward alone on the same inputs; backward alone is roughly the difference.
 
 Peers (each optional; an import or call failure is recorded with its reason, never fatal):
   flashgdn   flashgdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
-             output_final_state=True, cu_seqlens=int32 [N+1])
+             output_final_state=True, cu_seqlens=int32 [N+1], cu_seqlens_cpu) (the host
+             copy, as FLA gets it; since 2026-11-23 session 17, after its figures)
   fla        fla.ops.gated_delta_rule.chunk_gated_delta_rule, same layout, cu_seqlens int64 on
              the GPU plus cu_seqlens_cpu (no host sync inside the graph)
   flashinfer flashinfer.gdn_prefill.chunk_gated_delta_rule: q/k/v [T, H, 128] (batch dim
@@ -428,7 +429,8 @@ class FlashGDNPeer(Peer):
 
     def forward(self, a: Dict[str, Any]) -> Tuple[Any, Any]:
         return self.fn(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"],
-                       output_final_state=True, cu_seqlens=a["cu32"], **self.extra)
+                       output_final_state=True, cu_seqlens=a["cu32"],
+                       cu_seqlens_cpu=a["cu_cpu"], **self.extra)
 
 
 class FLAPeer(Peer):
