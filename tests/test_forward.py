@@ -73,6 +73,45 @@ def test_cu_seqlens_cpu_hint(device: str, honest: bool):
         assert all(torch.equal(a, b) for a, b in zip(grads, grads0))
 
 
+def test_fla_keywords(device: str):
+    """FLA 0.5's keywords: transpose_state_layout=True is state_layout="vk" (the same bits);
+    use_gate_in_kernel=True forms g = -exp(A_log) * softplus(g + dt_bias) from the raw gate
+    (the same bits as passing that g), differentiable in A_log and dt_bias; cp_context and
+    contradictions are refused with a clear error."""
+    case = Case("fla_kw", [100, 37], 1, 2, gate="normal")
+    inp = make_inputs(case, device, seed=4)
+    h0_vk = inp["initial_state"].transpose(-1, -2).contiguous()
+    o_vk, ht_vk = flashgdn.chunk_gated_delta_rule(**{**inp, "initial_state": h0_vk},
+                                                  output_final_state=True, state_layout="vk")
+    o_t, ht_t = flashgdn.chunk_gated_delta_rule(**{**inp, "initial_state": h0_vk},
+                                                output_final_state=True,
+                                                transpose_state_layout=True)
+    assert torch.equal(o_t, o_vk) and torch.equal(ht_t, ht_vk)
+
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(inp["g"].shape, generator=gen).to(device)
+    A_log = (torch.rand(case.hv, generator=gen) - 2).to(device).requires_grad_()
+    dt_bias = torch.randn(case.hv, generator=gen).to(device).requires_grad_()
+    g, _ = flashgdn.gdn_gating(a, A_log, dt_bias, torch.zeros_like(a))
+    o_ref, _ = flashgdn.chunk_gated_delta_rule(**{**inp, "g": g})
+    o_in, _ = flashgdn.chunk_gated_delta_rule(**{**inp, "g": a}, use_gate_in_kernel=True,
+                                              A_log=A_log, dt_bias=dt_bias)
+    assert torch.equal(o_in, o_ref)
+    d_in = torch.autograd.grad(o_in.float().sum(), [A_log, dt_bias])
+    d_ref = torch.autograd.grad(o_ref.float().sum(), [A_log, dt_bias])
+    for x, y in zip(d_in, d_ref):
+        assert torch.isfinite(x).all() and torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        flashgdn.chunk_gated_delta_rule(**inp, cp_context=object())
+    with pytest.raises(ValueError, match="contradicts"):
+        flashgdn.chunk_gated_delta_rule(**inp, state_layout="vk", transpose_state_layout=False)
+    with pytest.raises(ValueError, match="needs A_log"):
+        flashgdn.chunk_gated_delta_rule(**inp, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="only with use_gate_in_kernel"):
+        flashgdn.chunk_gated_delta_rule(**inp, A_log=A_log)
+
+
 def test_scale_and_no_final_state(device: str):
     inp = make_inputs(Case("s", [70], 1, 1), device, seed=1)
     o, ht = flashgdn.chunk_gated_delta_rule(**inp, scale=0.3)

@@ -288,6 +288,35 @@ def _resolve_scale(scale: Optional[float]) -> float:
     return float(scale)
 
 
+def _fla_keywords(g: Tensor, state_layout: str, transpose_state_layout: Optional[bool],
+                  use_gate_in_kernel: bool, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+                  cp_context: object) -> Tuple[str, Tensor]:
+    """FLA 0.5's keywords of chunk_gated_delta_rule in flashgdn's terms: (state_layout, g)."""
+    if cp_context is not None:
+        raise NotImplementedError("cp_context (FLA's multi-GPU context parallelism) is not "
+                                  "supported; flashgdn splits long sequences within the GPU "
+                                  "by itself, pass cp_context=None")
+    if transpose_state_layout is not None:
+        want = "vk" if transpose_state_layout else "kv"
+        if state_layout not in ("kv", want):
+            raise ValueError(f"transpose_state_layout={transpose_state_layout} contradicts "
+                             f"state_layout={state_layout!r}; pass one of them")
+        state_layout = want
+    if use_gate_in_kernel:
+        _require_tensor("g", g)
+        if A_log is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log ([H_v]): g is then the raw "
+                             "gate input of g = -exp(A_log) * softplus(g + dt_bias)")
+        _require_tensor("A_log", A_log)
+        _require_tensor("dt_bias", dt_bias, optional=True)
+        if dt_bias is None:
+            dt_bias = torch.zeros_like(A_log)
+        g, _ = gdn_gating(g, A_log, dt_bias, torch.zeros_like(g))
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log and dt_bias are read only with use_gate_in_kernel=True")
+    return state_layout, g
+
+
 def _max_seqlen(q: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> int:
     """The longest sequence in tokens from the host copy of cu_seqlens (0 without one).
 
@@ -327,6 +356,11 @@ def chunk_gated_delta_rule(
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
     cu_seqlens_cpu: Optional[Tensor] = None,
+    transpose_state_layout: Optional[bool] = None,
+    use_gate_in_kernel: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    cp_context: object = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Gated DeltaNet over chunks of 64 tokens (forward; differentiable).
 
@@ -354,10 +388,19 @@ def chunk_gated_delta_rule(
             sequence holding every token): e.g. no split launches at all for many short
             sequences. Every plan is valid for any lengths, so a copy that differs from
             cu_seqlens costs speed, never correctness.
+        transpose_state_layout, use_gate_in_kernel, A_log, dt_bias: FLA 0.5's keywords,
+            for dropping in: transpose_state_layout=True is state_layout="vk";
+            use_gate_in_kernel=True takes g as the raw gate input and forms
+            g = -exp(A_log) * softplus(g + dt_bias) first (A_log [H_v] required, dt_bias
+            [H_v] optional; the fused gate kernel, differentiable in A_log and dt_bias).
+        cp_context: FLA's multi-GPU context parallelism: not supported (must be None);
+            flashgdn splits long sequences within the GPU by itself.
 
     Returns:
         (o [B, T, H_v, 128] in the dtype of v, final_state or None).
     """
+    state_layout, g = _fla_keywords(g, state_layout, transpose_state_layout, use_gate_in_kernel,
+                                    A_log, dt_bias, cp_context)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_tensor(name, x)
     _require_tensor("initial_state", initial_state, optional=True)
