@@ -17,8 +17,8 @@
 // the current one computes: one block barrier per chunk. Same segments, warm-ups, phases
 // (phase 1: summaries L and, on the identity with V = 0, M) as the other state passes
 // (fwd_kernels.cuh). The backward's recomputation (p.h set) records the state entering
-// every chunk and U; it runs here only with FLASHGDN_BWD_COLS=1 (launch.cu; not yet run on
-// a GPU), else in state_fwd_f16_kernel.
+// every chunk and U; it runs here only with FLASHGDN_BWD_COLS=1 (launch.cu; opt-in, tested
+// on H100 in session 15), else in state_fwd_f16_kernel.
 //   reads  Kh, Qh, Tv16, v, P16, EG (wy_kernel), Lb, initial state, seg_in
 //   writes o, final state (phase 0); seg_L, seg_M (phase 1); h, U (recomputation)
 #pragma once
@@ -331,8 +331,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
 
 // ---------------------------------------------------------------------------------------
 // state_fwd_cols_wg_kernel: state_fwd_cols_kernel with every product on warpgroup tensor
-// cores (wgmma m64nNk16, fp16, fp32 accumulators; opt-in: FLASHGDN_COLS_WGMMA=1, not yet run
-// on a GPU). Same grid, algebra, registers and output path; the two warpgroups own value
+// cores (wgmma m64nNk16, fp16, fp32 accumulators; opt-in: FLASHGDN_COLS_WGMMA=1, tested on
+// H100 in session 15 and no faster than the mma.sync kernel). Same grid, algebra, registers and output path; the two warpgroups own value
 // columns 0..63 and 64..127 (warp w still owns 16 w ..). A operands stay in registers (the
 // m16n8k16 A layout per warp is wgmma's), B operands are read by the tensor cores straight
 // from shared memory, so the ldmatrix traffic of the mma.sync kernel (~60 KB per warp and
