@@ -40,6 +40,33 @@ def test_torch_compile_fullgraph(device):
         assert rel_err(a_, b_.double()) < 1e-6
 
 
+def test_torch_compile_fullgraph_with_fla_keywords(device):
+    """FLA 0.5's keywords under torch.compile(fullgraph=True): cu_seqlens_cpu (its values
+    are not read while compiling: the plan then assumes the worst case) and
+    transpose_state_layout; the same results as eager."""
+    a = make_inputs(Case("tck", [70, 130], 2, 4), device)
+    cu_cpu = a["cu_seqlens"].cpu()
+    h0_vk = a["initial_state"].transpose(-1, -2).contiguous()
+
+    def f(q, k, v, g, beta, h0):
+        o, ht = flashgdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                output_final_state=True,
+                                                cu_seqlens=a["cu_seqlens"],
+                                                cu_seqlens_cpu=cu_cpu,
+                                                transpose_state_layout=True)
+        return o.float().square().sum() + ht.sum()
+
+    leaves = [x.clone().requires_grad_() for x in (a["q"], a["k"], a["v"], a["g"], a["beta"],
+                                                   h0_vk)]
+    eager = f(*leaves)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)
+    grads = torch.autograd.grad(out, leaves)
+    assert rel_err(out, eager) < 1e-6
+    for a_, b_ in zip(grads, eager_grads):
+        assert rel_err(a_, b_.double()) < 1e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_cuda_graph_capture_forward_backward():

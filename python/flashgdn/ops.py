@@ -325,6 +325,10 @@ def _max_seqlen(q: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optiona
     """
     if cu_seqlens_cpu is None:
         return 0
+    if torch.compiler.is_compiling():
+        # reading values is data-dependent for the compiler: plan without the hint there
+        # (torch.compile with fullgraph=True keeps working; the plan assumes the worst case)
+        return 0
     _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
     if cu_seqlens is None:
         raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens; pass cu_seqlens too")
