@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 
 #include "planner.h"
 
@@ -319,4 +320,29 @@ TEST(Planner, LongestHintPlansPackedShortSequencesWithoutASplit) {
   const auto hinted8 = plan_segments(q);
   EXPECT_TRUE(hinted8.split && hinted8.device_choice);
   EXPECT_EQ(hinted8.max_segments, blind8.max_segments);
+}
+
+TEST(Planner, PlansStayValidWhateverTheHint) {
+  // random packed queries, with and without a longest_hint (any value, also below the true
+  // longest): an unsplit plan's segment is as long as all chunks together (the device never
+  // cuts a sequence the plan did not size for), a split plan's grid holds total / seg + N
+  // segments and runs phase 1 whenever any sequence can be longer than a segment, and the
+  // overlapped schedule is never taken where the device picks the split
+  std::mt19937 rng(7);
+  for (int it = 0; it < 20000; ++it) {
+    auto q = query(1 + rng() % 2000, 1, 1 << (rng() % 7), /*varlen=*/true);
+    q.total_chunks = 1 + rng() % 20000 + q.N;
+    q.allow_cols = rng() % 2;
+    q.longest_hint = rng() % 3 == 0 ? -1 : 1 + static_cast<int64_t>(rng() % q.total_chunks);
+    const auto p = plan_segments(q);
+    if (!p.split) {
+      EXPECT_GE(p.seg_chunks, q.total_chunks) << it;
+    } else {
+      EXPECT_GE(p.max_segments, q.total_chunks / p.seg_chunks + q.N) << it;
+      EXPECT_GT(q.total_chunks, p.seg_chunks) << it;
+    }
+    if (q.N > 1) {
+      EXPECT_FALSE(p.overlap) << it;
+    }
+  }
 }
