@@ -76,6 +76,9 @@ def main() -> None:
     ap.add_argument("--sweep", default=None,
                     help="extra BW:SEG[:PASS] settings (BW 16, 32 or 128, PASS a FLASHGDN_FWD_PASS), e.g. 16:64,128:32,32:64:tf32")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--cu-seqlens-cpu", action="store_true",
+                    help="pass the host copy of cu_seqlens to flashgdn and FLA (FLA's "
+                         "cu_seqlens_cpu; flashgdn's planner then knows the longest sequence)")
     ap.add_argument("--wgmma", action="store_true",
                     help="also time the warpgroup (wgmma) state pass (= --passes wgmma)")
     ap.add_argument("--passes", default="",
@@ -110,11 +113,12 @@ def main() -> None:
     print("|" + "---|" * len(head))
     for row in rows:
         x = bg.make_inputs(row, seed=0)
+        host = {"cu_seqlens_cpu": x["cu_cpu"]} if args.cu_seqlens_cpu else {}
 
         def ours() -> Tuple[torch.Tensor, torch.Tensor]:
             return flashgdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                    initial_state=x["h0"], output_final_state=True,
-                                                   cu_seqlens=x["cu32"])
+                                                   cu_seqlens=x["cu32"], **host)
 
         times, outs = [], []
         for _, s in settings:
@@ -127,7 +131,7 @@ def main() -> None:
         if fla_fn:
             def fla() -> object:
                 return fla_fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                              output_final_state=True, cu_seqlens=x["cu64"])
+                              output_final_state=True, cu_seqlens=x["cu64"], **host)
             t_fla = timer.time(fla)[0]
             cells += [f"{t_fla:.3f}", f"{t_fla / times[1]:.2f}"]
         cells.append(" ".join(f"{d:.1e}" for d in diffs))

@@ -428,9 +428,11 @@ class FlashGDNPeer(Peer):
         self.extra: Dict[str, Any] = dict(self.options.flashgdn_kwargs)
 
     def forward(self, a: Dict[str, Any]) -> Tuple[Any, Any]:
+        # the host copy of cu_seqlens as FLA gets it; --flashgdn-kwargs cu_seqlens_cpu=None
+        # times flashgdn without it
+        kw = {"cu_seqlens_cpu": a["cu_cpu"], **self.extra}
         return self.fn(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["h0"],
-                       output_final_state=True, cu_seqlens=a["cu32"],
-                       cu_seqlens_cpu=a["cu_cpu"], **self.extra)
+                       output_final_state=True, cu_seqlens=a["cu32"], **kw)
 
 
 class FLAPeer(Peer):
