@@ -185,17 +185,15 @@ __device__ __forceinline__ void frag_a_trans_f32(uint32_t (&a)[4], const float* 
   a[3] = __float_as_uint(round_tf32(p0[ld + 8]));
 }
 
+// One segment block of state_bwd_tc_kernel (for_each_segment_block).
 template <typename In, int BW>
-__global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
+__device__ __forceinline__ void state_bwd_tc_segment(const BwdParams& p, const SegmentBlock& b) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   using SM = StateBwdSmem<In, BW>;
   constexpr int NJ = BW / 16, NS = BW / 8, LDO = SM::LDO;
-  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
   // ---- which segment, where dS comes from (phase 0), or which summary this block forms
   // (phase 1, for a segment whose predecessor starts exactly from it: the dS leaving the
   // segment from its own start, or the columns of its transition, from I)
-  SegmentBlock b;
-  if (!segment_block<BW>(p, true, b)) return;
   const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
   const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end, j = b.j;
   const SegStart ss = b.ss;
@@ -381,6 +379,12 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (j == 0 && p.dh0) dst = p.dh0 + state_off;
   if (dst) store_acc_state(dst, sacc, vb);
+}
+
+template <typename In, int BW>
+__global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
+  for_each_segment_block<BW>(p, true, [&](const SegmentBlock& b) { state_bwd_tc_segment<In, BW>(p, b); });
 }
 
 constexpr size_t kGradSmem =

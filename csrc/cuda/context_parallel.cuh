@@ -17,7 +17,7 @@
 // (FLASHGDN_CP_SUB overrides the plan's count) cut the phase 0 of exact segments into
 // pieces started from recorded states (sub_record, sub_start_kernel).
 //
-// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols): see its definition.
+// seg_combine_kernel  grid (sequence slots, H_v, 128 / kCombineCols): see its definition.
 // sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kCombineCols): likewise.
 #pragma once
 
@@ -41,6 +41,12 @@ struct SegParams {
   const int64_t* seg_chunks_dev;  // varlen, device-chosen segment length (plan_kernel)
   int64_t segs_per_seq;           // fixed-length inputs: segments of every sequence
   const int64_t* seg_offsets;     // varlen: [N + 1] first segment of each sequence
+  const int64_t* split_seqs;      // varlen split plans: [0] R, [1 + r] the r-th sequence
+                                  //   of more than one segment (plan_kernel), else null
+  const int64_t* seg_items;       // varlen split plans: [0] count, [1 + i] the segments of
+                                  //   those sequences (phase 1's work, plan_kernel)
+  bool looped;  // the sequential passes' blocks walk segments (for_each_segment_block):
+                //   varlen split plans without sub-segments; else one block per segment
   float* seg_L;   // [segments, Hv, D, D] state (or dS) leaving a segment, from its own start
                   //   (zero for an exact segment, else h0 / dht / warm-up)
   float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
@@ -177,11 +183,12 @@ struct SegmentBlock {
   int sub;  // phase 0 with sub-segments: which sub-segment of an exact segment (0: its start)
 };
 template <int BW>
-__device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, SegmentBlock& b) {
+__device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, int64_t z,
+                                              SegmentBlock& b) {
   constexpr int CBN = D / BW;
   b.h = blockIdx.y;
   b.hq = b.h / (p.Hv / p.Hqk);
-  b.z = blockIdx.z + p.z_base;
+  b.z = z;
   b.sub = 0;
   const bool subs = BW == D && p.nsub > 1;  // sub-segments: the 128-column forward kernel only
   int sub = 0;
@@ -227,6 +234,36 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   return true;
 }
 
+// Runs body(b) for the segment blocks of this block of a sequential pass, grid (D / BW [x 2
+// in phase 1], H_v, slots). One block per segment (grid z = segments, from z_base) unless
+// p.looped: packed inputs whose split the device chooses, where the host sizes the grid for
+// the most segments the lengths could make and most of those blocks would have nothing to
+// do (H100, 16/32 heads, 1024 x 512 tokens where the device split nothing: 87k phase-1
+// blocks of 167 KB, one per SM, ~0.8 ms of blocks returning at once). Looped, slot z walks
+// the items z, z + gridDim.z, ... of the device's list: in phase 1 the segments of split
+// sequences (seg_items), in phase 0 every segment (seg_offsets[N]); the host launches one
+// wave of slots (launch.cu for_each_z_slice). Between items every cp.async has landed and every thread has passed a
+// barrier, so the next item may refill shared memory.
+template <int BW, typename Body>
+__device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool reverse,
+                                                       Body&& body) {
+  // one call site of body (it is inlined): not looped, the single item is blockIdx.z
+  const bool listed = p.looped && p.phase == 1;
+  const int64_t items = !p.looped ? blockIdx.z + 1 : listed ? p.seg_items[0]
+                                                            : p.seg_offsets[p.seqs.N];
+  const int64_t stride = p.looped ? gridDim.z : 1;
+  for (int64_t i = blockIdx.z; i < items; i += stride) {
+    const int64_t z = !p.looped ? i + p.z_base : listed ? p.seg_items[1 + i] : i;
+    SegmentBlock b;
+    if (!segment_block<BW>(p, reverse, z, b)) continue;
+    body(b);
+    if (p.looped) {
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+  }
+}
+
 // Phase 1 with sub-segments: where an exact segment's block records the state entering
 // chunk ci (the start of a sub-segment), else null.
 __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBlock& b,
@@ -239,31 +276,42 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 }
 
 // ---------------------------------------------------------------------------------------
-// seg_combine_kernel  grid (N, H_v, 128 / kCombineCols), 256 threads, 132 KB smem (wide: 139)
-//   Walks the segments of one sequence in pass order (first to last for the forward,
+// seg_combine_kernel  grid (sequence slots, H_v, 128 / kCombineCols), 256 threads, 139 KB smem
+//   Walks the segments of a sequence in pass order (first to last for the forward,
 //   last to first for the backward's reverse pass, `reverse`) for kCombineCols state
 //   columns of one head and forms the exact state entering every segment that starts from
 //   its neighbour (SegSource::Exact): S_in(next) = M_prev S_in(prev) + L_prev when the
 //   previous segment is exact itself, else L_prev (what it leaves from its own start:
 //   h0 / dht or a warm-up). fp32 FMA.
-//   reads  Lb, seg_L, seg_M     writes seg_in
+//   reads  Lb, seg_L, seg_M, split_seqs     writes seg_in
+//   Sequences: fixed-length inputs, slot x walks sequence x (grid x = N). Packed inputs
+//   walk only the sequences the device split (split_seqs, plan_kernel), slot x the x-th,
+//   x + gridDim.x-th, ... of them, and the host launches one wave of blocks: a
+//   block of 139 KB is alone on its SM, so a grid of one block per packed sequence (H100,
+//   16/32 heads, 1024 x 512 tokens: 524k blocks, most of them with nothing to walk) cost
+//   1.97 ms where the device split nothing.
 //   The walk is a chain of dependent steps, so each step's loads are issued one step ahead:
 //   whether each segment starts exact is decided for up to 256 steps at once
 //   (one per thread; segment_start's warm-up test alone reads up to kWarmupMax bounds one
 //   after the other), then the next step's M (64 KB, cp.async into the other of two
 //   buffers) and L (registers) load while the current step multiplies. 8 columns per
 //   block: 16 blocks a head (2/8 heads: 128 for 132 SMs).
-//   H100, 2/8 x 32768: 72 -> 63 us against 16 columns without the prefetch. ncu: 0.25
-//   instructions issued per cycle and scheduler, mostly waiting on shared loads, 4.2 us a
-//   step: the step is bound by shared-memory traffic and bank conflicts (the wide layout
-//   below); 16 warps of 2 rows each (tried 2026-11-23, bit-identical) were 1-2% slower.
+//   Thread t owns row t % 128 and the 4 columns 4 (t / 128) .. + 3, M's rows are kMLd
+//   floats apart: each M element is read by 2 threads (128 KB a step) and a warp's 32 rows
+//   fall in distinct banks. The earlier layout (4 rows of one column a thread) read every
+//   M element from 8 threads with 4-way bank conflicts, ~5100 shared-memory cycles a step,
+//   the ~4.2 us a step ncu showed (0.25 instructions issued per cycle and scheduler);
+//   H100, 2/8 x 32768: combine 63 -> 50 us, forward 0.413 -> 0.399 ms, bit-identical (the
+//   same FMAs in the same order). 16 warps of 2 rows each were 1-2% slower.
 
 constexpr int kCombineCols = 8;
-constexpr size_t kCombineSmem = sizeof(float) * (2 * D * D + D * kCombineCols);
+constexpr int kCombineThreads = NT;
+constexpr int kMLd = D + 4;
+constexpr size_t kCombineSmem = sizeof(float) * (2 * D * kMLd + D * kCombineCols);
 
 // acc[i] += (M S)[r0 + i][col] for the kRows rows of this thread: M [D][D] and S's
-// kCombineCols columns [D][kCombineCols] in shared memory, fp32 FMA over k in order (the
-// combine's and sub_start_kernel's product).
+// kCombineCols columns [D][kCombineCols] in shared memory, fp32 FMA over k in order
+// (sub_start_kernel's product).
 template <int kRows>
 __device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* Ms,
                                               const float* Sc, int col, int r0) {
@@ -278,22 +326,8 @@ __device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* 
   }
 }
 
-constexpr int kCombineThreads = NT;
-
-// The wide layout (kWide, FLASHGDN_COMBINE_WIDE=1; opt-in, not yet run on a GPU): thread
-// t owns row t % 128 and the 4 columns 4 (t / 128) .. + 3 instead of 4 rows of one
-// column, and M's rows are kMLd floats apart. The default layout's step is bound by shared
-// memory: every M element is read by the 8 threads of its row (one per column, 512 KB a
-// step) and the 4 rows a warp reads at once are 4 rows apart, the same banks (4-way
-// conflicts): ~5100 shared-memory cycles a step over 8 warps, the ~4 us a step measured.
-// Wide: each M element is read by 2 threads (128 KB), a warp's 32 rows fall in distinct
-// banks (row stride 132 floats), S's 4 columns are one broadcast float4: ~2000 cycles.
-// Per element the same FMAs in the same order: bit-identical.
-constexpr int kMLd = D + 4;
-constexpr size_t kCombineSmemWide = sizeof(float) * (2 * D * kMLd + D * kCombineCols);
-
 // acc[c] += (M S)[row][c0 + c], c < 4, for M [D][kMLd] and S's kCombineCols columns
-// [D][kCombineCols] in shared memory, fp32 FMA over k in order (as add_m_times_s).
+// [D][kCombineCols] in shared memory, fp32 FMA over k in order (the combine's product).
 __device__ __forceinline__ void add_m_times_s_wide(float (&acc)[4], const float* Ms,
                                                    const float* Sc, int row, int c0) {
   for (int k = 0; k < D; k += 4) {
@@ -309,28 +343,18 @@ __device__ __forceinline__ void add_m_times_s_wide(float (&acc)[4], const float*
   }
 }
 
-template <bool kWide = false>
-__global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams p, bool reverse) {
-  if (p.seqs.failed()) return;
-  const int64_t h = blockIdx.y, n = blockIdx.x;
-  // values of S_in per thread: 4 rows of one column, or (kWide) one row of 4 columns
-  constexpr int kCombineRows = D * kCombineCols / kCombineThreads;
-  static_assert(!kWide || (kCombineThreads == 2 * D && kCombineCols == 8 && kCombineRows == 4),
-                "the wide layout: two threads a row, 4 columns each");
-  constexpr int ldm = kWide ? kMLd : D;  // M's row stride in shared memory
-  const int vb = blockIdx.z * kCombineCols;
-  if (n >= p.seqs.N) return;
+// The chain of sequence n (seg_combine_kernel): columns vb .. vb + kCombineCols of head h.
+__device__ __forceinline__ void combine_sequence(const SegParams& p, bool reverse, int64_t n,
+                                                 int64_t h, int vb, float* Mbuf, float* Sc,
+                                                 bool* exact) {
+  static_assert(kCombineThreads == 2 * D && kCombineCols == 8,
+                "two threads a row, 4 columns each");
   int64_t z0, count;
   sequence_segments(p, n, z0, count);
   const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][ldm] M of the previous segment
-  float* Sc = Mbuf + 2 * D * ldm;                   // [D][kCombineCols] its S_in
-  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kCombineRows;
-  const int row = threadIdx.x % D, c0 = (threadIdx.x / D) * 4;  // kWide
+  const int row = threadIdx.x % D, c0 = (threadIdx.x / D) * 4;
   // exact[1 + i]: step t0 + i goes from segment prev to segment next (pass order) and next
   // starts exact; exact[0]: the same for the step before the batch (prev is exact)
-  __shared__ bool exact[kCombineThreads + 1];
   auto prev_of = [&](int64_t t) { return reverse ? count - 1 - t : t; };
   auto base_of = [&](int64_t t) {
     return static_cast<size_t>((z0 + prev_of(t)) * p.Hv + h) * D * D;
@@ -350,39 +374,27 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
     auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
     auto load_m = [&](int64_t u) {  // step u's M into buffer u % 2 (one commit group)
       if (needs_m(u)) {
-        float* dst = Mbuf + (u & 1) * D * ldm;
+        float* dst = Mbuf + (u & 1) * D * kMLd;
         const float* src = p.seg_M + base_of(u);
-        for (int e = threadIdx.x; e < D * D / 4; e += kCombineThreads) {
-          if constexpr (kWide)
-            cp_async16(dst + (e / (D / 4)) * ldm + 4 * (e % (D / 4)), src + 4 * e, true);
-          else
-            cp_async16(dst + 4 * e, src + 4 * e, true);
-        }
+        for (int e = threadIdx.x; e < D * D / 4; e += kCombineThreads)
+          cp_async16(dst + (e / (D / 4)) * kMLd + 4 * (e % (D / 4)), src + 4 * e, true);
       }
       cp_async_commit();
     };
-    auto load_l = [&](int64_t u, float (&l)[kCombineRows]) {
+    auto load_l = [&](int64_t u, float (&l)[4]) {
       if (!needs(u)) return;
-      if constexpr (kWide) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.seg_L + base_of(u) + row * D +
-                                                                vb + c0));
-        l[0] = v.x;
-        l[1] = v.y;
-        l[2] = v.z;
-        l[3] = v.w;
-      } else {
-        const float* src = p.seg_L + base_of(u) + vb + col;
-#pragma unroll
-        for (int i = 0; i < kCombineRows; ++i) l[i] = __ldcg(src + (r0 + i) * D);
-      }
+      const float4 v =
+          __ldcg(reinterpret_cast<const float4*>(p.seg_L + base_of(u) + row * D + vb + c0));
+      l[0] = v.x;
+      l[1] = v.y;
+      l[2] = v.z;
+      l[3] = v.w;
     };
-    float lnext[kCombineRows];
+    float lnext[4];
     load_m(t0);
     load_l(t0, lnext);
     for (int64_t u = t0; u < t_end; ++u) {
-      float acc[kCombineRows];
-#pragma unroll
-      for (int i = 0; i < kCombineRows; ++i) acc[i] = lnext[i];
+      float acc[4] = {lnext[0], lnext[1], lnext[2], lnext[3]};
       if (u + 1 < t_end) {
         load_m(u + 1);  // into the buffer step u - 1 read (it ended with a barrier)
         load_l(u + 1, lnext);
@@ -393,29 +405,32 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
       if (needs_m(u)) {
         cp_async_wait<1>();
         __syncthreads();  // every thread's part of M has landed
-        const float* Ms = Mbuf + (u & 1) * D * ldm;
-        if constexpr (kWide) add_m_times_s_wide(acc, Ms, Sc, row, c0);
-        else add_m_times_s(acc, Ms, Sc, col, r0);
+        add_m_times_s_wide(acc, Mbuf + (u & 1) * D * kMLd, Sc, row, c0);
         __syncthreads();  // Sc read (and M: its buffer is refilled for step u + 2)
       }
       const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
       float* out = p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
-      if constexpr (kWide) {
-        const float4 v = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        *reinterpret_cast<float4*>(Sc + row * kCombineCols + c0) = v;
-        __stcg(reinterpret_cast<float4*>(out + row * D + vb + c0), v);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kCombineRows; ++i) {
-          Sc[(r0 + i) * kCombineCols + col] = acc[i];
-          __stcg(out + (r0 + i) * D + vb + col, acc[i]);
-        }
-      }
+      const float4 v = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      *reinterpret_cast<float4*>(Sc + row * kCombineCols + c0) = v;
+      __stcg(reinterpret_cast<float4*>(out + row * D + vb + c0), v);
       __syncthreads();
     }
     cp_async_wait<0>();
     last_flag = exact[t_end - t0];
-    __syncthreads();  // exact[] is rewritten for the next batch of steps
+    __syncthreads();  // exact[] is rewritten for the next batch of steps (or sequence)
+  }
+}
+
+__global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams p, bool reverse) {
+  if (p.seqs.failed()) return;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][kMLd] M of the previous segment
+  float* Sc = Mbuf + 2 * D * kMLd;                  // [D][kCombineCols] its S_in
+  __shared__ bool exact[kCombineThreads + 1];
+  const int64_t slots = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;
+  for (int64_t r = blockIdx.x; r < slots; r += gridDim.x) {
+    const int64_t n = p.split_seqs != nullptr ? p.split_seqs[1 + r] : r;
+    combine_sequence(p, reverse, n, blockIdx.y, blockIdx.z * kCombineCols, Mbuf, Sc, exact);
   }
 }
 

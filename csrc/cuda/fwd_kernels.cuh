@@ -79,7 +79,7 @@ struct FwdParams : SegParams {
   // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether
   // its U left fp16's comfortable range (or its state turned non-finite); the tf32 pass
   // launched right after with redo_pass set recomputes exactly those blocks.
-  int* redo;         // [blocks of the launch] or null
+  int* redo;         // [grid x, H_v, segments] (redo_index) or null
   bool redo_pass;
 };
 
@@ -89,9 +89,9 @@ struct FwdParams : SegParams {
 constexpr float kF16Hi = 32768.f;
 constexpr float kF16Lo = 1.f / 4096.f;
 
-// A block's index in its launch (the redo flags of one launch of a sequential pass).
-__device__ __forceinline__ int64_t block_linear() {
-  return blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+// A segment block's redo flag (FwdParams::redo): its column block, head and segment.
+__device__ __forceinline__ int64_t redo_index(const SegmentBlock& b) {
+  return blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * b.z);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -538,18 +538,16 @@ __device__ __forceinline__ void store_o_block(const FwdParams& p, const float (&
     }
 }
 
-template <typename In, int BW, typename PT = float>
-__global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
+// One segment block of state_fwd_mma_kernel (for_each_segment_block).
+template <typename In, int BW, typename PT>
+__device__ __forceinline__ void state_fwd_mma_segment(const FwdParams& p, const SegmentBlock& b) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   constexpr int NJ = BW / 16;  // n tiles per warp of the 64 x BW products
   constexpr int NS = BW / 8;   // n tiles per warp of the 128 x BW state update
-  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
   // ---- which segment of which sequence, where its state comes from (phase 0), or which
   // summary this block forms (phase 1; the local state is zero-based for an exact segment)
-  SegmentBlock b;
-  if (!segment_block<BW>(p, false, b)) return;
   // the redo of a guarded fp16 pass: only the blocks it flagged (same grid, same segments)
-  if (p.redo_pass && p.redo[block_linear()] == 0) return;
+  if (p.redo_pass && p.redo[redo_index(b)] == 0) return;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
   const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
   const SegStart ss = b.ss;
@@ -729,6 +727,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   if (float* dst = leaving_state(p, b)) store_acc_state(dst, sacc, vb);
 }
 
+template <typename In, int BW, typename PT = float>
+__global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
+  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) { state_fwd_mma_segment<In, BW, PT>(p, b); });
+}
+
 // ---------------------------------------------------------------------------------------
 // state_fwd_f16_kernel: the sequential pass on fp16 operands (m16n8k16, fp32 accumulation)
 //
@@ -791,16 +795,14 @@ __device__ __forceinline__ float2 pair_to_float2(uint32_t v, const __half*) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
-template <typename In, int BW, bool kGuard = false, bool kFree = false>
-__global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
+// One segment block of state_fwd_f16_kernel (for_each_segment_block).
+template <typename In, int BW, bool kGuard, bool kFree>
+__device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const SegmentBlock& b) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   using Sm = StateFwdF16Smem<BW, kFree>;
   constexpr int NJ = BW / 16;  // n8 tiles per warp of the 64 x BW products
   constexpr int NS = BW / 8;   // n8 tiles per warp of the 128 x BW state update
   constexpr int LDS = Sm::LDS, LDP = Sm::LDP;
-  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-  SegmentBlock b;
-  if (!segment_block<BW>(p, false, b)) return;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
   const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
   const int vb = b.vb;
@@ -1033,8 +1035,14 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
     big = __syncthreads_or(big);
     const bool any_normal = __syncthreads_or(u_max >= kF16Lo);  // block-wide largest |U|
     const bool any_nonzero = __syncthreads_or(u_max > 0.f);
-    if (threadIdx.x == 0) p.redo[block_linear()] = big || (any_nonzero && !any_normal) ? 1 : 0;
+    if (threadIdx.x == 0) p.redo[redo_index(b)] = big || (any_nonzero && !any_normal) ? 1 : 0;
   }
+}
+
+template <typename In, int BW, bool kGuard = false, bool kFree = false>
+__global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
+  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) { state_fwd_f16_segment<In, BW, kGuard, kFree>(p, b); });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1050,14 +1058,12 @@ struct StateFwdWgSmem {
   static constexpr size_t kBytes = 2 * kStage + sizeof(float) * (BW * D + 2 * BW * C);
 };
 
+// One segment block of state_fwd_kernel (for_each_segment_block).
 template <typename In, int BW>
-__global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
+__device__ __forceinline__ void state_fwd_segment(const FwdParams& p, const SegmentBlock& b) {
   static_assert(BW == 16 || BW == 32, "column block of 16 or 32");
   constexpr int NS = BW / 8;  // 8-column accumulator tiles per warp (every product is 64 x BW)
   using Smem = StateFwdWgSmem<In, BW>;
-  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-  SegmentBlock b;  // the block's segment, as in state_fwd_mma_kernel
-  if (!segment_block<BW>(p, false, b)) return;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
   const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end;
   const SegStart ss = b.ss;
@@ -1241,6 +1247,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
 
   // ---- the state leaving the segment: the final state, or this block's summary
   if (float* dst = leaving_state(p, b)) store_acc_state(dst, sacc, vb);
+}
+
+template <typename In, int BW>
+__global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
+  if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
+  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) { state_fwd_segment<In, BW>(p, b); });
 }
 
 }  // namespace cuda

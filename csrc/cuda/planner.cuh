@@ -6,7 +6,11 @@
 //   writes chunk_offsets [N + 1] (prefix sum of ceil(len / 64)), error (0 or 1:
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
 //          seg_offsets [N + 1] (prefix sum of max(1, ceil(chunks / seg_chunks)): the
-//          context-parallel segments of every sequence, see csrc/planner.h); with a
+//          context-parallel segments of every sequence, see csrc/planner.h) and then
+//          split_seqs [N + 1] ([0] = R, [1 + r] = the r-th sequence of more than one
+//          segment: the sequences seg_combine_kernel walks) and seg_items [segments + 1]
+//          ([0] = their segments' count, then those segments' indices: phase 1's work,
+//          for_each_segment_block); with a
 //          DeviceSegChoice, first picks seg_chunks (and, if asked, the column block)
 //          (16, 32 or 128) from the actual lengths under the planner's cost model and writes them to
 //          choice.chosen [2]
@@ -43,7 +47,8 @@ struct DeviceSegChoice {
 
 __global__ void __launch_bounds__(kPlanThreads)
     plan_kernel(SeqLayout s, int64_t total_tokens, int64_t seg_chunks, int64_t* chunk_offsets,
-                int64_t* seg_offsets, int* error, DeviceSegChoice choice) {
+                int64_t* seg_offsets, int64_t* split_seqs, int64_t* seg_items, int* error,
+                DeviceSegChoice choice) {
   using Scan = cub::BlockScan<int64_t, kPlanThreads>;
   using Reduce = cub::BlockReduce<int64_t, kPlanThreads>;
   __shared__ union {
@@ -130,7 +135,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     }
   }
   if (seg_offsets) {
-    int64_t seg_carry = 0;
+    int64_t seg_carry = 0, split_carry = 0;
     for (int64_t base = 0; base < s.N; base += kPlanThreads) {
       const int64_t n = base + threadIdx.x;
       const int64_t count = n < s.N ? chunks_of(n) : 0;
@@ -140,6 +145,25 @@ __global__ void __launch_bounds__(kPlanThreads)
       if (n < s.N) seg_offsets[n + 1] = seg_carry + incl;
       seg_carry += total;
       __syncthreads();
+      if (split_seqs) {  // compact the split sequences' indices and their segments'
+        const int64_t first_seg = seg_carry - total + incl - segs;  // seg_offsets[n]
+        const int64_t split = segs > 1 ? 1 : 0;
+        Scan(tmp.scan).InclusiveSum(split, incl, total);
+        const int64_t rank = split_carry + incl - split;  // split sequences before n
+        if (split) {
+          split_seqs[1 + rank] = n;
+          // the split sequences' segments before n: all segments before n less one for each
+          // sequence before n that has one
+          const int64_t item0 = first_seg - (n - rank);
+          for (int64_t j = 0; j < segs; ++j) seg_items[1 + item0 + j] = first_seg + j;
+        }
+        split_carry += total;
+        __syncthreads();
+      }
+    }
+    if (split_seqs && threadIdx.x == 0) {
+      split_seqs[0] = split_carry;
+      seg_items[0] = seg_carry - (s.N - split_carry);
     }
   }
   __syncthreads();

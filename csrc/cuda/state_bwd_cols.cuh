@@ -30,12 +30,10 @@ struct StateBwdColsSmem {
   static constexpr size_t kBytes = 2 * kStage;
 };
 
+// One segment block of state_bwd_cols_kernel (for_each_segment_block).
 template <typename In>
-__global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
+__device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const SegmentBlock& b) {
   using SM = StateBwdColsSmem<In>;
-  if (p.seqs.failed()) return;
-  SegmentBlock b;
-  if (!segment_block<D>(p, true, b)) return;
   const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
   const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end, j = b.j;
   const bool identity = b.identity;
@@ -213,6 +211,12 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (j == 0 && p.dh0) dst = p.dh0 + (n * p.Hv + h) * D * D;
   if (dst) store_state_cols(dst, ds, v0);
+}
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
+  if (p.seqs.failed()) return;
+  for_each_segment_block<D>(p, true, [&](const SegmentBlock& b) { state_bwd_cols_segment<In>(p, b); });
 }
 
 }  // namespace cuda

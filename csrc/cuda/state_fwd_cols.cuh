@@ -131,13 +131,11 @@ __device__ __forceinline__ void store_o_cols(const FwdParams& p, const float (&o
 // frag_b16_pair (each fragment in consecutive registers; frag_a16's pairs a0, a2 / a1, a3
 // cost ~330 register moves per chunk): chunk loop 1631 -> 1220 SASS instructions, H100
 // 1-2% faster on 18 of the 20 TP rows (perf-notes version 16).
-template <typename In, bool kRecord = false>
-__global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
+// One segment block of state_fwd_cols_kernel (for_each_segment_block).
+template <typename In, bool kRecord>
+__device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const SegmentBlock& b) {
   using Sm = StateFwdColsSmem;
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
-  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
-  SegmentBlock b;
-  if (!segment_block<D>(p, false, b)) return;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
   const int64_t c_begin = b.c_begin, c_end = b.c_end, c_first = b.ss.c_first;
   const bool identity = b.identity;
@@ -328,6 +326,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
 }
 
+template <typename In, bool kRecord = false>
+__global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
+  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) { state_fwd_cols_segment<In, kRecord>(p, b); });
+}
+
 
 // ---------------------------------------------------------------------------------------
 // state_fwd_cols_wg_kernel: state_fwd_cols_kernel with every product on warpgroup tensor
@@ -349,17 +353,15 @@ struct StateFwdColsWgSmem {
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
 };
 
+// One segment block of state_fwd_cols_wg_kernel (for_each_segment_block).
 template <typename In>
-__global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
+__device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p, const SegmentBlock& b) {
   using Sm = StateFwdColsWgSmem;
   constexpr int LDO = Sm::LDO;
   // core-matrix byte strides: a row group of 8 tokens spans D / 8 (K, Q) or C / 8 (T, P) core
   // matrices of 128 bytes
   constexpr uint32_t kRowGroupD = 128 * (D / 8), kRowGroupC = 128 * (C / 8);
   constexpr int kTokens16D = 2 * kRowGroupD / sizeof(__half);  // 16 token rows of K, in halves
-  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
-  SegmentBlock b;
-  if (!segment_block<D>(p, false, b)) return;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
   const int64_t c_begin = b.c_begin, c_end = b.c_end, c_first = b.ss.c_first;
   const bool identity = b.identity;
@@ -495,6 +497,12 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
   }
 
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
+}
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
+  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) { state_fwd_cols_wg_segment<In>(p, b); });
 }
 
 }  // namespace cuda
