@@ -328,11 +328,11 @@ def test_more_segments_than_threads(bw: str):
 
 
 # Twelve split sequences between twenty that fit one segment (~8600 tokens, 2/8 heads,
-# segments of two chunks: ~90 segments, ~70 of them in split sequences). Packed split plans
-# launch one wave of slots that walk the device's lists (SegParams::looped): at 8 value
-# heads on 132 SMs the combine has 1 sequence slot for the 12 split sequences, the
-# 32-column phase 1 2 slots and phase 0 4, the 128-column phase 1 8 and phase 0 16, so
-# every slot walks several items and skips the unsplit sequences.
+# segments of two chunks: ~90 segments, ~70 of them in split sequences). Split plans of
+# several packed sequences launch a few slots that walk the device's lists (SegParams::looped): at 8
+# value heads on 132 SMs the combine has 4 sequence slots for the 12 split sequences, the
+# 32-column phase 1 8 slots and phase 0 4, the 128-column phase 1 33 and phase 0 16, so
+# slots walk several items and skip the unsplit sequences.
 MANY_SPLIT = Case("many_split", [v for i in range(12) for v in (130 + 97 * i, 5 + 9 * i)]
                   + [60] * 8, 2, 8, gate="mixed")
 

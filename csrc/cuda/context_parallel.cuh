@@ -46,7 +46,8 @@ struct SegParams {
   const int64_t* seg_items;       // varlen split plans: [0] count, [1 + i] the segments of
                                   //   those sequences (phase 1's work, plan_kernel)
   bool looped;  // the sequential passes' blocks walk segments (for_each_segment_block):
-                //   varlen split plans without sub-segments; else one block per segment
+                //   split plans of several packed sequences without sub-segments; else
+                //   one block per segment
   float* seg_L;   // [segments, Hv, D, D] state (or dS) leaving a segment, from its own start
                   //   (zero for an exact segment, else h0 / dht / warm-up)
   float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
@@ -236,14 +237,15 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
 
 // Runs body(b) for the segment blocks of this block of a sequential pass, grid (D / BW [x 2
 // in phase 1], H_v, slots). One block per segment (grid z = segments, from z_base) unless
-// p.looped: packed inputs whose split the device chooses, where the host sizes the grid for
-// the most segments the lengths could make and most of those blocks would have nothing to
-// do (H100, 16/32 heads, 1024 x 512 tokens where the device split nothing: 87k phase-1
+// p.looped: several packed sequences, whose lengths the host does not know, so it sizes the
+// grid for the most segments they could make and most of those blocks would have nothing
+// to do (H100, 16/32 heads, 1024 x 512 tokens where the device split nothing: 87k phase-1
 // blocks of 167 KB, one per SM, ~0.8 ms of blocks returning at once). Looped, slot z walks
 // the items z, z + gridDim.z, ... of the device's list: in phase 1 the segments of split
-// sequences (seg_items), in phase 0 every segment (seg_offsets[N]); the host launches one
-// wave of slots (launch.cu for_each_z_slice). Between items every cp.async has landed and every thread has passed a
-// barrier, so the next item may refill shared memory.
+// sequences (seg_items), in phase 0 every segment (seg_offsets[N]); the host launches a
+// wave of slots in phase 0, four in phase 1 (launch.cu for_each_z_slice). Between items
+// every cp.async has landed and every thread has passed a barrier, so the next item may
+// refill shared memory.
 template <int BW, typename Body>
 __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool reverse,
                                                        Body&& body) {
@@ -286,7 +288,7 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 //   reads  Lb, seg_L, seg_M, split_seqs     writes seg_in
 //   Sequences: fixed-length inputs, slot x walks sequence x (grid x = N). Packed inputs
 //   walk only the sequences the device split (split_seqs, plan_kernel), slot x the x-th,
-//   x + gridDim.x-th, ... of them, and the host launches one wave of blocks: a
+//   x + gridDim.x-th, ... of them, and the host launches about four waves of blocks: a
 //   block of 139 KB is alone on its SM, so a grid of one block per packed sequence (H100,
 //   16/32 heads, 1024 x 512 tokens: 524k blocks, most of them with nothing to walk) cost
 //   1.97 ms where the device split nothing.

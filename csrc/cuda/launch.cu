@@ -334,21 +334,24 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
 // The sequential passes put segments in grid z, at most 65535 blocks: a larger count
 // (packed inputs with very many sequences) goes out as several launches, each on a copy of
 // the parameters whose z_base says where its slice starts. Looped passes
-// (SegParams::looped, for_each_segment_block) launch instead one wave of slots (blocks_per_z
-// blocks each; every sequential-pass kernel runs one block per SM: over 128 registers a
-// thread at 256 threads), which walk the device's list of segments. One wave, not several:
-// slots that each walk many segments are long, and a last partial wave of them ran alone
-// (H100, 16/32 heads, 1024 x 512 tokens: four waves of 544 blocks, 18.8 ms against 17.3
-// unlooped).
+// (SegParams::looped, for_each_segment_block) launch instead a few slots of blocks_per_z
+// blocks each, which walk the device's list of segments; every sequential-pass kernel runs
+// one block per SM (over 128 registers a thread at 256 threads). Phase 0: one wave of slots.
+// Several waves of slots that each walk many segments are long, and a last partial wave of
+// them ran alone (H100, 16/32 heads, 1024 x 512 tokens: four waves, 18.8 ms against 17.3
+// unlooped). Phase 1: four waves. Its work is uneven across heads (only heads whose next
+// segment starts exact form summaries), and with one wave the few busy heads' slots walked
+// their segments one after the other (2/8 heads, 28672 + 4096 tokens: 0.425 -> 0.506 ms).
 template <typename Params, typename Launch>
 void for_each_z_slice(const Params& f, int64_t count, int64_t blocks_per_z, int sms,
                       Launch&& launch) {
   constexpr int64_t kMaxZ = 65535;
   if (f.looped) {
-    const int64_t wave = std::max<int64_t>(1, sms / blocks_per_z);
+    const int64_t waves = f.phase == 1 ? 4 : 1;
+    const int64_t slots = std::max<int64_t>(1, waves * sms / blocks_per_z);
     Params all = f;
     all.z_base = 0;
-    launch(all, static_cast<unsigned>(std::min({count, wave, kMaxZ})));
+    launch(all, static_cast<unsigned>(std::min({count, slots, kMaxZ})));
     return;
   }
   for (int64_t base = 0; base < count; base += kMaxZ) {
@@ -423,15 +426,17 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
 }
 
 // seg_combine_kernel: one block per sequence for fixed-length inputs; packed inputs walk
-// the device's list of split sequences with one wave of slots (a block of 139 KB is alone
-// on its SM), each slot every gridDim.x-th of them.
+// the device's list of split sequences with about four waves of slots (a block of 139 KB is
+// alone on its SM), each slot every gridDim.x-th of them: like phase 1, the work is uneven
+// across heads (only exact heads chain), so one wave made the busy heads' slots walk
+// their sequences one after the other.
 void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
   constexpr int64_t kColBlocks = D / kCombineCols;
   const int64_t per_slot = p.Hv * kColBlocks;  // blocks of one sequence slot
-  const int64_t wave = std::max<int64_t>(1, sm_count(p.device_id) / per_slot);
-  const int64_t slots = f.split_seqs != nullptr ? std::min(p.N, wave) : p.N;
+  const int64_t waves4 = std::max<int64_t>(1, 4 * sm_count(p.device_id) / per_slot);
+  const int64_t slots = f.split_seqs != nullptr ? std::min(p.N, waves4) : p.N;
   const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.Hv), kColBlocks);
   seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
@@ -633,7 +638,9 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.seg_offsets = b.seg_offsets;
   f.split_seqs = b.split_seqs;
   f.seg_items = b.seg_items;
-  f.looped = b.split_seqs != nullptr && b.nsub <= 1;
+  // looped where the host sized the grids for lengths it does not know: packed sequences
+  // (one packed sequence's segments are exact)
+  f.looped = b.split_seqs != nullptr && p.N > 1 && b.nsub <= 1;
   f.seg_chunks_dev = plan.device_choice ? b.seg_chunks : nullptr;
   f.col_block_dev = plan.device_col_block ? b.seg_chunks + 1 : nullptr;
   if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
