@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_kernel(BwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// state_bwd_tc_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments), 256 threads,
+// state_bwd_tc_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments or slots), 256 threads,
 //   ~210 KB smem (BW 32)
 //   The reverse sequential pass of state_bwd_kernel on TF32 tensor cores (mma.cuh), laid
 //   out as state_fwd_kernel: dS (128 x BW) in the accumulator registers of the 8 warps, a
@@ -384,7 +384,9 @@ __device__ __forceinline__ void state_bwd_tc_segment(const BwdParams& p, const S
 template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_bwd_tc_kernel(BwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-  for_each_segment_block<BW>(p, true, [&](const SegmentBlock& b) { state_bwd_tc_segment<In, BW>(p, b); });
+  for_each_segment_block<BW>(p, true, [&](const SegmentBlock& b) {
+    state_bwd_tc_segment<In, BW>(p, b);
+  });
 }
 
 constexpr size_t kGradSmem =

@@ -18,7 +18,7 @@
 //   of bf16 k and q for the fp16 passes; and either T diag(beta) in fp16 (Tv16, the default
 //   pass, kFree) or W (fp16: tf32's 10-bit mantissa) and U0 (tf32-rounded fp32)
 //
-// state_fwd_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments), 256 threads,
+// state_fwd_kernel<BW>  grid (128 / BW [x 2 in phase 1], H_v, segments or slots), 256 threads,
 //   ~208 KB smem (BW 32)
 //   The sequential pass over the chunks of one segment of one sequence for BW value
 //   columns of one head. The state block S (128 x BW, fp32) stays in the accumulator
@@ -91,7 +91,8 @@ constexpr float kF16Lo = 1.f / 4096.f;
 
 // A segment block's redo flag (FwdParams::redo): its column block, head and segment.
 __device__ __forceinline__ int64_t redo_index(const SegmentBlock& b) {
-  return blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * b.z);
+  return blockIdx.x +
+         static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * b.z);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -730,7 +731,9 @@ __device__ __forceinline__ void state_fwd_mma_segment(const FwdParams& p, const 
 template <typename In, int BW, typename PT = float>
 __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) { state_fwd_mma_segment<In, BW, PT>(p, b); });
+  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) {
+    state_fwd_mma_segment<In, BW, PT>(p, b);
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1042,7 +1045,9 @@ __device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const 
 template <typename In, int BW, bool kGuard = false, bool kFree = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_f16_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) { state_fwd_f16_segment<In, BW, kGuard, kFree>(p, b); });
+  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) {
+    state_fwd_f16_segment<In, BW, kGuard, kFree>(p, b);
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1252,7 +1257,9 @@ __device__ __forceinline__ void state_fwd_segment(const FwdParams& p, const Segm
 template <typename In, int BW>
 __global__ void __launch_bounds__(NT, 1) state_fwd_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<BW>(p)) return;
-  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) { state_fwd_segment<In, BW>(p, b); });
+  for_each_segment_block<BW>(p, false, [&](const SegmentBlock& b) {
+    state_fwd_segment<In, BW>(p, b);
+  });
 }
 
 }  // namespace cuda

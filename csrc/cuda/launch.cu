@@ -491,8 +491,8 @@ void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdP
   const int64_t blocks_x = g.phase == 1 ? 2 : 1;
   for_each_z_slice(g, plan.max_segments, blocks_x * p.Hv, sm_count(p.device_id),
                    [&](const BwdParams& gz, unsigned z) {
-    state_bwd_cols_kernel<In><<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z), NT,
-                                smem, st>>>(gz);
+    const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
+    state_bwd_cols_kernel<In><<<grid, NT, smem, st>>>(gz);
     check_cuda(cudaGetLastError(), "state_bwd_cols_kernel launch");
   });
 }

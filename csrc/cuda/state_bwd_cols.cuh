@@ -2,7 +2,8 @@
 // the tensor-core products (opt-in: FLASHGDN_BWD_COLS=1; state_fwd_cols.cuh's shape for the
 // reverse recurrence, on TF32 like state_bwd_tc_kernel).
 //
-// grid (1 [x 2 in phase 1], H_v, segments), 256 threads (8 warps), ~181 KB smem, 1 block/SM.
+// grid (1 [x 2 in phase 1], H_v, segments or slots: for_each_segment_block), 256 threads
+// (8 warps), ~181 KB smem, 1 block/SM.
 // One block runs one segment (last chunk to first) of one sequence for all 128 value columns
 // of one head; warp w owns the columns 16 w .. 16 w + 15 of dS^T (16 x 128, fp32
 // accumulators) and never exchanges data with the other warps. Per chunk, going backwards:
@@ -216,7 +217,9 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
 template <typename In>
 __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
   if (p.seqs.failed()) return;
-  for_each_segment_block<D>(p, true, [&](const SegmentBlock& b) { state_bwd_cols_segment<In>(p, b); });
+  for_each_segment_block<D>(p, true, [&](const SegmentBlock& b) {
+    state_bwd_cols_segment<In>(p, b);
+  });
 }
 
 }  // namespace cuda

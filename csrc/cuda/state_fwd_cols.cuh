@@ -2,7 +2,8 @@
 // the tensor-core products (the default f16 pass at column block 128, chosen by the planner
 // or forced with FLASHGDN_FWD_BW=128; forward only).
 //
-// grid (1 [x 2 in phase 1], H_v, segments), 256 threads (8 warps), ~167 KB smem, 1 block/SM.
+// grid (1 [x 2 in phase 1], H_v, segments or slots: for_each_segment_block), 256 threads
+// (8 warps), ~167 KB smem, 1 block/SM.
 // One block runs one segment of one sequence for all 128 value columns of one head; warp w
 // owns the value columns 16 w .. 16 w + 15 of the state and never exchanges data with the
 // other warps: every product has the warp's 16 columns as its M dimension,
@@ -329,7 +330,9 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 template <typename In, bool kRecord = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
-  for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) { state_fwd_cols_segment<In, kRecord>(p, b); });
+  for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+    state_fwd_cols_segment<In, kRecord>(p, b);
+  });
 }
 
 
@@ -355,7 +358,8 @@ struct StateFwdColsWgSmem {
 
 // One segment block of state_fwd_cols_wg_kernel (for_each_segment_block).
 template <typename In>
-__device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p, const SegmentBlock& b) {
+__device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
+                                                          const SegmentBlock& b) {
   using Sm = StateFwdColsWgSmem;
   constexpr int LDO = Sm::LDO;
   // core-matrix byte strides: a row group of 8 tokens spans D / 8 (K, Q) or C / 8 (T, P) core
@@ -502,7 +506,9 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p, co
 template <typename In>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
-  for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) { state_fwd_cols_wg_segment<In>(p, b); });
+  for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+    state_fwd_cols_wg_segment<In>(p, b);
+  });
 }
 
 }  // namespace cuda
