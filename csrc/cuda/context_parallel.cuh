@@ -429,8 +429,8 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
   float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][kMLd] M of the previous segment
   float* Sc = Mbuf + 2 * D * kMLd;                  // [D][kCombineCols] its S_in
   __shared__ bool exact[kCombineThreads + 1];
-  const int64_t slots = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;
-  for (int64_t r = blockIdx.x; r < slots; r += gridDim.x) {
+  const int64_t walks = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;  // sequences
+  for (int64_t r = blockIdx.x; r < walks; r += gridDim.x) {
     const int64_t n = p.split_seqs != nullptr ? p.split_seqs[1 + r] : r;
     combine_sequence(p, reverse, n, blockIdx.y, blockIdx.z * kCombineCols, Mbuf, Sc, exact);
   }
