@@ -336,7 +336,7 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
 // the parameters whose z_base says where its slice starts. Looped passes
 // (SegParams::looped, for_each_segment_block) launch instead a few slots of blocks_per_z
 // blocks each, which walk the device's list of segments; every sequential-pass kernel runs
-// one block per SM (over 128 registers a thread at 256 threads). Phase 0: one wave of slots.
+// one block per SM (136 to 209 KB of shared memory). Phase 0: one wave of slots.
 // Several waves of slots that each walk many segments are long, and a last partial wave of
 // them ran alone (H100, 16/32 heads, 1024 x 512 tokens: four waves, 18.8 ms against 17.3
 // unlooped). Phase 1: four waves. Its work is uneven across heads (only heads whose next
