@@ -97,6 +97,10 @@ __device__ __forceinline__ int64_t seg_chunks(const SegParams& p) {
 // segment, exp(sum Lb), is below exp(kLogEps) within kWarmupMax chunks (the bound holds for
 // a chunk's transition and for its transpose alike); reaching the sequence's end first
 // means starting from h0 (forward) or dht (reverse), which is exact.
+// The kWarmupMax bounds are loaded at once, then summed in the walk's order: the walk was a
+// chain of up to 16 dependent loads (~3 us where every bound is 0, the exact heads), paid
+// at the start of every block of an exact head's chain (twice in phase 1: its own start and
+// its neighbour's) and of the combine's decisions. Same sums in the same order.
 __device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t chunk0,
                                                   int64_t nch, int64_t h, int64_t j,
                                                   bool reverse = false) {
@@ -104,11 +108,18 @@ __device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t ch
   if (!reverse) {
     const int64_t c_begin = j * seg;
     if (j == 0) return {SegSource::H0, 0};
+    float lb[kWarmupMax];  // lb[i]: chunk c_begin - 1 - i
+#pragma unroll
+    for (int i = 0; i < kWarmupMax; ++i)
+      lb[i] = c_begin - 1 - i >= 0 ? p.Lb[(chunk0 + c_begin - 1 - i) * p.Hv + h] : 0.f;
     float bound = 0.f;
     int64_t c = c_begin;
-    while (c > 0 && c_begin - c < kWarmupMax && bound > kLogEps) {
-      --c;
-      bound += p.Lb[(chunk0 + c) * p.Hv + h];
+#pragma unroll
+    for (int i = 0; i < kWarmupMax; ++i) {
+      if (c > 0 && bound > kLogEps) {
+        --c;
+        bound += lb[i];
+      }
     }
     if (bound <= kLogEps) return {c == 0 ? SegSource::H0 : SegSource::Warmup, c};
     if (c == 0) return {SegSource::H0, 0};
@@ -116,11 +127,18 @@ __device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t ch
   }
   const int64_t c_last = (j + 1) * seg < nch ? (j + 1) * seg - 1 : nch - 1;
   if (c_last == nch - 1) return {SegSource::H0, c_last};
+  float lb[kWarmupMax];  // lb[i]: chunk c_last + 1 + i
+#pragma unroll
+  for (int i = 0; i < kWarmupMax; ++i)
+    lb[i] = c_last + 1 + i <= nch - 1 ? p.Lb[(chunk0 + c_last + 1 + i) * p.Hv + h] : 0.f;
   float bound = 0.f;
   int64_t c = c_last;
-  while (c < nch - 1 && c - c_last < kWarmupMax && bound > kLogEps) {
-    ++c;
-    bound += p.Lb[(chunk0 + c) * p.Hv + h];
+#pragma unroll
+  for (int i = 0; i < kWarmupMax; ++i) {
+    if (c < nch - 1 && bound > kLogEps) {
+      ++c;
+      bound += lb[i];
+    }
   }
   if (bound <= kLogEps) return {c == nch - 1 ? SegSource::H0 : SegSource::Warmup, c};
   if (c == nch - 1) return {SegSource::H0, c};
