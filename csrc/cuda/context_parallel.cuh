@@ -18,7 +18,7 @@
 // pieces started from recorded states (sub_record, sub_start_kernel).
 //
 // seg_combine_kernel  grid (sequence slots, H_v, 128 / kCombineCols): see its definition.
-// sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kCombineCols): likewise.
+// sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kSubCols): likewise.
 #pragma once
 
 #include "../planner.h"
@@ -329,15 +329,15 @@ constexpr int kCombineThreads = NT;
 constexpr int kMLd = D + 4;
 constexpr size_t kCombineSmem = sizeof(float) * (2 * D * kMLd + D * kCombineCols);
 
-// acc[i] += (M S)[r0 + i][col] for the kRows rows of this thread: M [D][D] and S's
-// kCombineCols columns [D][kCombineCols] in shared memory, fp32 FMA over k in order
-// (sub_start_kernel's product).
-template <int kRows>
+// acc[i] += (M S)[r0 + i][col] for the kRows rows of this thread: M [D][D] and kCols
+// columns of S [D][kCols] in shared memory, fp32 FMA over k in order (sub_start_kernel's
+// product).
+template <int kRows, int kCols>
 __device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* Ms,
                                               const float* Sc, int col, int r0) {
   for (int k = 0; k < D; k += 4) {
-    const float s0 = Sc[(k + 0) * kCombineCols + col], s1 = Sc[(k + 1) * kCombineCols + col];
-    const float s2 = Sc[(k + 2) * kCombineCols + col], s3 = Sc[(k + 3) * kCombineCols + col];
+    const float s0 = Sc[(k + 0) * kCols + col], s1 = Sc[(k + 1) * kCols + col];
+    const float s2 = Sc[(k + 2) * kCols + col], s3 = Sc[(k + 3) * kCols + col];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
@@ -454,14 +454,20 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
   }
 }
 
-// sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kCombineCols), 256 threads,
-//   68 KB smem
+// sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kSubCols), 256 threads,
+//   80 KB smem (2 blocks per SM)
 //   Sub-segments (FLASHGDN_CP_SUB): the state entering sub-segment s >= 1 of an exact
-//   segment, S = M_s S_in + L_s, for kCombineCols state columns (S_in from
+//   segment, S = M_s S_in + L_s, for kSubCols state columns (S_in from
 //   seg_combine_kernel, M_s and L_s recorded by phase 1), written over L_s. Every block is
-//   independent (no chain). fp32 FMA, the combine's arithmetic.
+//   independent (no chain). fp32 FMA, the combine's arithmetic (per element the same FMAs
+//   in the same order at any kSubCols).
 //   reads  Lb, seg_in, sub_M, sub_L     writes sub_L
-constexpr size_t kSubStartSmem = sizeof(float) * (D * D + D * kCombineCols);
+//   32 columns a block: every block loads the whole M_s (64 KB), so 8 columns a block (the
+//   combine's width, before 2026-11-23) loaded each M_s 16 times from 3072 blocks at 2/8 x
+//   16384 (H100: 42 us on the exact heads' chain of the overlapped schedule); 32 columns
+//   load it 4 times from 768 blocks. Not yet run on a GPU.
+constexpr int kSubCols = 32;
+constexpr size_t kSubStartSmem = sizeof(float) * (D * D + D * kSubCols);
 
 __global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
   if (p.seqs.failed() || p.nsub <= 1 || !col_block_chosen<D>(p)) return;
@@ -473,25 +479,25 @@ __global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
   const int64_t c_begin = j * seg, c_end = c_begin + seg < nch ? c_begin + seg : nch;
   if (c_begin + s * sub_chunks(p) >= c_end) return;  // no such sub-segment
   if (segment_start(p, p.seqs.first_chunk(n), nch, h, j).src != SegSource::Exact) return;
-  constexpr int kRows = D * kCombineCols / NT;  // rows of the result per thread
+  constexpr int kRows = D * kSubCols / NT;  // rows of the result per thread
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M_s
-  float* Sc = Ms + D * D;                         // [D][kCombineCols] S_in's columns
-  const int vb = blockIdx.z * kCombineCols;
+  float* Sc = Ms + D * D;                         // [D][kSubCols] S_in's columns
+  const int vb = blockIdx.z * kSubCols;
   const float* M = p.sub_M + sub_offset(p, z, h, s);
   const float* S_in = p.seg_in + static_cast<size_t>(z * p.Hv + h) * D * D;
   for (int e = threadIdx.x; e < D * D / 4; e += NT) cp_async16(Ms + 4 * e, M + 4 * e, true);
   cp_async_commit();
-  for (int e = threadIdx.x; e < D * kCombineCols; e += NT)
-    Sc[e] = __ldcg(S_in + (e / kCombineCols) * D + vb + e % kCombineCols);
-  const int col = threadIdx.x % kCombineCols, r0 = (threadIdx.x / kCombineCols) * kRows;
+  for (int e = threadIdx.x; e < D * kSubCols; e += NT)
+    Sc[e] = __ldcg(S_in + (e / kSubCols) * D + vb + e % kSubCols);
+  const int col = threadIdx.x % kSubCols, r0 = (threadIdx.x / kSubCols) * kRows;
   float* L = p.sub_L + sub_offset(p, z, h, s) + vb + col;
   float acc[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) acc[i] = __ldcg(L + (r0 + i) * D);
   cp_async_wait<0>();
   __syncthreads();
-  add_m_times_s(acc, Ms, Sc, col, r0);
+  add_m_times_s<kRows, kSubCols>(acc, Ms, Sc, col, r0);
 #pragma unroll
   for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
 }

@@ -448,7 +448,7 @@ void launch_sub_start(const Problem& p, const SegmentPlan& plan, const SegParams
   static std::once_flag once;
   std::call_once(once, [] { set_smem(sub_start_kernel, kSubStartSmem); });
   const dim3 grid(static_cast<unsigned>(plan.max_segments * (f.nsub - 1)),
-                  static_cast<unsigned>(p.Hv), D / kCombineCols);
+                  static_cast<unsigned>(p.Hv), D / kSubCols);
   sub_start_kernel<<<grid, NT, kSubStartSmem, st>>>(f);
   check_cuda(cudaGetLastError(), "sub_start_kernel launch");
 }
