@@ -81,7 +81,8 @@ struct ForwardCost {
   double summary_factor = 0.75;  // a phase-1 (summary, no outputs) step relative to phase 0
   double warm_chunks = 5.0;      // warm-up chunks of a decaying head's segment
   double exact_share = 0.25;     // share of heads assumed to need exact entering states
-  double combine_us = 4.0;       // seg_combine_kernel, per segment of a sequence
+  double combine_us = 3.3;       // seg_combine_kernel, per segment of a sequence (H100,
+                                 //   2026-11-23: 50 us for 15 steps at 2/8 x 32768)
   double min_gain = 0.05;        // split only when it saves at least this share
   // The overlapped schedule of a split 128-column forward pass (launch.cu run_phases): the
   // phase 0 of segments that start from a warm-up runs beside the exact heads' chain, whose
