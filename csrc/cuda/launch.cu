@@ -331,6 +331,12 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   return plan_segments(q, plan_cost(backward));
 }
 
+// Slots of blocks_per_slot blocks each that fill `waves` waves of one block per SM (at
+// least one slot): the looped launches' grid size (for_each_z_slice, launch_seg_combine).
+int64_t wave_slots(int64_t waves, int sms, int64_t blocks_per_slot) {
+  return std::max<int64_t>(1, waves * sms / blocks_per_slot);
+}
+
 // The sequential passes put segments in grid z, at most 65535 blocks: a larger count
 // (packed inputs with very many sequences) goes out as several launches, each on a copy of
 // the parameters whose z_base says where its slice starts. Looped passes
@@ -347,8 +353,7 @@ void for_each_z_slice(const Params& f, int64_t count, int64_t blocks_per_z, int 
                       Launch&& launch) {
   constexpr int64_t kMaxZ = 65535;
   if (f.looped) {
-    const int64_t waves = f.phase == 1 ? 4 : 1;
-    const int64_t slots = std::max<int64_t>(1, waves * sms / blocks_per_z);
+    const int64_t slots = wave_slots(f.phase == 1 ? 4 : 1, sms, blocks_per_z);
     Params all = f;
     all.z_base = 0;
     launch(all, static_cast<unsigned>(std::min({count, slots, kMaxZ})));
@@ -435,8 +440,8 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
   std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
   constexpr int64_t kColBlocks = D / kCombineCols;
   const int64_t per_slot = p.Hv * kColBlocks;  // blocks of one sequence slot
-  const int64_t waves4 = std::max<int64_t>(1, 4 * sm_count(p.device_id) / per_slot);
-  const int64_t slots = f.split_seqs != nullptr ? std::min(p.N, waves4) : p.N;
+  const int64_t slots =
+      f.split_seqs != nullptr ? std::min(p.N, wave_slots(4, sm_count(p.device_id), per_slot)) : p.N;
   const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.Hv), kColBlocks);
   seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
