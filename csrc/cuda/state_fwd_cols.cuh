@@ -335,6 +335,248 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   });
 }
 
+// ---------------------------------------------------------------------------------------
+// state_fwd_split_kernel: state_fwd_cols_kernel's phase 0 with the outputs on warps of their
+// own (the default forward pass where the 128-column kernel runs and outputs are written;
+// FLASHGDN_FWD_SPLIT=0 goes back to state_fwd_cols_kernel).
+//
+// grid as state_fwd_cols_kernel (phase 0), 384 threads (12 warps), ~199 KB smem, 1 block/SM.
+// The 128-column step is latency-bound (perf-notes versions 15, 16): 8 warps, two per
+// scheduler, each running the chunk's products one after the other. Here the 8 state warps
+// (warp w: value columns 16 w ..) run only the state's chain,
+//   X^T = S^T K^T,  U^T = (V^T - X^T diag(e^G)) (T diag(beta))^T,
+//   S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K,
+// and hand their fp16 fragments of S^T (as the chunk starts) and U^T through shared memory to
+// 4 output warps (warp 8 + j: the columns of state warps 2 j, 2 j + 1), which form
+//   O^T = scale (S^T Q^T diag(e^G) + U^T P^T)
+// beside them: a third warp per scheduler, on a chain of its own. Same fp16 operands and fp32
+// accumulation as state_fwd_cols_kernel (the same products, one warp later), so the outputs
+// and states equal its own bit for bit. Named barriers pair each output warp with its two
+// state warps (ids 1 + j: S^T written, 5 + j: U^T written); one block barrier per chunk as
+// before (the cp.async stages and the exchange buffers are reused only after it).
+//   reads / writes as state_fwd_cols_kernel's phase 0 (no records)
+constexpr int kSplitThreads = NT + 128;
+struct StateFwdSplitSmem {
+  static constexpr int kXchRegs = 48;  // a state warp's lane: S^T (32 fp16 pairs), U^T (16)
+  static constexpr size_t kOst = sizeof(__half) * 4 * C * StateFwdColsSmem::LDO;
+  static constexpr size_t kXch = sizeof(uint32_t) * (NT / 32) * kXchRegs * 32;
+  static constexpr size_t kBytes = 2 * StateFwdColsSmem::kStage + kOst + kXch;
+};
+
+// One segment block of state_fwd_split_kernel (for_each_segment_block).
+template <typename In, bool kStateWarps>
+__device__ __forceinline__ void state_fwd_split_segment(const FwdParams& p,
+                                                        const SegmentBlock& b) {
+  using Sm = StateFwdColsSmem;
+  constexpr int LDP = Sm::LDP, LDO = Sm::LDO, kX = StateFwdSplitSmem::kXchRegs;
+  const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
+  const int64_t c_begin = b.c_begin, c_end = b.c_end, c_first = b.ss.c_first;
+  const bool identity = b.identity;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto Kst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * Sm::kStage); };
+  auto Qst = [&](int s) { return Kst(s) + C * LDH; };
+  auto Vst = [&](int s) { return reinterpret_cast<In*>(Qst(s) + C * LDH); };
+  auto Tst = [&](int s) { return reinterpret_cast<__half*>(Vst(s) + C * LDH); };
+  auto Pst = [&](int s) { return Tst(s) + C * LDP; };
+  auto Est = [&](int s) { return reinterpret_cast<float2*>(Pst(s) + C * LDP); };
+  uint32_t* xch = reinterpret_cast<uint32_t*>(smem_raw + 2 * Sm::kStage + StateFwdSplitSmem::kOst);
+  const int warp = threadIdx.x >> 5, lane = lane_id();
+  constexpr bool state_warp = kStateWarps;
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+
+  auto issue = [&](int64_t ci, int s) {  // the state warps' 256 threads (cp_async_tile)
+    if ((p.debug & 2) || !state_warp) return;
+    const int64_t tok0 = start + ci * C;
+    const int L = chunk_rows(len, ci);
+    cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    cp_async_tile<C, C, LDP>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    if (!identity)
+      cp_async_tile<C, D, LDH>(Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D,
+                               p.Hv * D, L);
+    if (want_o && ci >= c_begin) {
+      cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+      cp_async_tile<C, C, LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    }
+    if (threadIdx.x < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
+      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
+      cp_async8(Est(s) + threadIdx.x, p.EG + (tok0 + r) * p.Hv + h);
+    }
+    cp_async_commit();
+  };
+
+  if constexpr (kStateWarps) {
+    // ---- state warps: the chain S -> X -> U -> S ----
+    const int v0 = 16 * warp;
+    uint32_t* my = xch + warp * kX * 32 + lane;  // register r of this lane at my[32 r]
+    float sacc[16][4];
+    load_state_cols(sacc, entering_state(p, b), identity, v0);
+    if (c_first < c_end) issue(c_first, 0);
+    for (int64_t ci = c_first; ci < c_end; ++ci) {
+      const int s = static_cast<int>((ci - c_first) & 1);
+      cp_async_wait<0>();
+      __syncthreads();  // stage s landed; stage s ^ 1 and the exchange no longer read
+      if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
+      const bool out = want_o && ci >= c_begin;
+      if (float* dst = sub_record(p, b, ci)) store_state_cols(dst, sacc, v0);
+      const __half* K = Kst(s);
+      const float2* E = Est(s);
+
+      // fp16 A fragments of S^T (k = keys): to the output warp first, then formed again
+      // one k step at a time for X (32 conversions; holding all 8 spills at 168 registers)
+      if (out) {
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+          uint32_t sa[4];
+          acc_to_a16(sa, sacc[2 * kk], sacc[2 * kk + 1]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) my[32 * (4 * kk + e)] = sa[e];
+        }
+        bar_arrive(1 + warp / 2, 96);
+      }
+      float x[8][4] = {};  // X^T = S^T K^T: n8 tiles of tokens 8 j ..
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        uint32_t sa[4];
+        acc_to_a16(sa, sacc[2 * kk], sacc[2 * kk + 1]);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          uint32_t b0[2], b1[2];
+          frag_b16_pair(b0, b1, K, LDH, 16 * nt, 16 * kk);
+          mma_f16(x[2 * nt], sa, b0);
+          mma_f16(x[2 * nt + 1], sa, b1);
+        }
+      }
+      uint32_t wa[4][4];  // W'^T = V^T - X^T diag(e^G)
+      w_prime_frags(wa, x, Vst(s), E, v0, identity);
+      float u[8][4] = {};  // U^T = W'^T (T diag(beta))^T, T diag(beta) lower triangular
+      {
+        const __half* T = Tst(s);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int kt = 0; kt <= nt; ++kt) {
+            uint32_t b0[2], b1[2];
+            frag_b16_pair(b0, b1, T, LDP, 16 * nt, 16 * kt);
+            mma_f16(u[2 * nt], wa[kt], b0);
+            mma_f16(u[2 * nt + 1], wa[kt], b1);
+          }
+      }
+      uint32_t ua[4][4], ue[4][4];  // U^T and U^T diag(e^{G_last - G})
+      u_frags(ua, ue, u, E);
+      if (out) {
+#pragma unroll
+        for (int kt = 0; kt < 4; ++kt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) my[32 * (32 + 4 * kt + e)] = ua[kt][e];
+        bar_arrive(5 + warp / 2, 96);
+      }
+      // S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K: n8 tiles of keys, k = tokens
+      const float egl = E[C - 1].x;
+#pragma unroll
+      for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt)
+#pragma unroll
+        for (int jp = 0; jp < 8; ++jp) {
+          uint32_t b0[2], b1[2];
+          frag_b16_trans2(b0, b1, K, LDH, 16 * jp, 16 * kt);
+          mma_f16(sacc[2 * jp], ue[kt], b0);
+          mma_f16(sacc[2 * jp + 1], ue[kt], b1);
+        }
+    }
+    // the state leaving the segment: the final state, or this block's summary
+    if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
+  } else {
+    // ---- output warps: O^T for the columns of state warps 2 j, 2 j + 1 ----
+    const int j = warp - NT / 32;
+    __half* Ost = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage) + j * C * LDO;
+    const uint32_t* theirs = xch + 2 * j * kX * 32 + lane;  // state warp 2 j + m: + m kX 32
+    for (int64_t ci = c_first; ci < c_end; ++ci) {
+      const int s = static_cast<int>((ci - c_first) & 1);
+      cp_async_wait<0>();
+      __syncthreads();
+      if (!(want_o && ci >= c_begin)) continue;
+      const int64_t tok0 = start + ci * C;
+      const int L = chunk_rows(len, ci);
+      const float2* E = Est(s);
+      float o[2][8][4] = {};
+      bar_sync(1 + j, 96);  // S^T of both state warps written
+      {
+        const __half* Q = Qst(s);
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+          uint32_t sa[2][4];
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sa[m][e] = theirs[32 * (m * kX + 4 * kk + e)];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            uint32_t c0[2], c1[2];
+            frag_b16_pair(c0, c1, Q, LDH, 16 * nt, 16 * kk);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              mma_f16(o[m][2 * nt], sa[m], c0);
+              mma_f16(o[m][2 * nt + 1], sa[m], c1);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m) scale_by_eg(o[m], E);
+      bar_sync(5 + j, 96);  // U^T of both state warps written
+      {
+        const __half* P = Pst(s);
+#pragma unroll
+        for (int kt = 0; kt < 4; ++kt) {
+          uint32_t ua[2][4];
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ua[m][e] = theirs[32 * (m * kX + 32 + 4 * kt + e)];
+#pragma unroll
+          for (int nt = kt; nt < 4; ++nt) {
+            uint32_t b0[2], b1[2];
+            frag_b16_pair(b0, b1, P, LDP, 16 * nt, 16 * kt);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              mma_f16(o[m][2 * nt], ua[m], b0);
+              mma_f16(o[m][2 * nt + 1], ua[m], b1);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m) store_o_cols<In>(p, o[m], Ost, LDO, tok0, L, h, 32 * j + 16 * m);
+    }
+  }
+}
+
+// Registers: 168 a thread at launch (384 threads); the state warpgroups take 208, the output
+// warpgroup keeps 88: inc draws on the registers the block's own warps gave back, not the
+// SM's spare ones (2 x 208 + 96 = 512 > 3 x 168 hung on H100). Each role walks the same segment blocks with
+// the same block barriers.
+constexpr int kSplitStateRegs = 208, kSplitOutRegs = 88;
+static_assert(2 * kSplitStateRegs + kSplitOutRegs <= 3 * 168, "the block's own registers");
+template <typename In>
+__global__ void __launch_bounds__(kSplitThreads, 1) state_fwd_split_kernel(FwdParams p) {
+  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  if (threadIdx.x < NT) {
+    setmaxnreg_inc<kSplitStateRegs>();
+    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+      state_fwd_split_segment<In, true>(p, b);
+    });
+  } else {
+    setmaxnreg_dec<kSplitOutRegs>();
+    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+      state_fwd_split_segment<In, false>(p, b);
+    });
+  }
+}
+
 
 // ---------------------------------------------------------------------------------------
 // state_fwd_cols_wg_kernel: state_fwd_cols_kernel with every product on warpgroup tensor
