@@ -406,10 +406,6 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 // forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
 bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 
-// FLASHGDN_FWD_SPLIT=0: the forward's 128-column phase 0 in state_fwd_cols_kernel instead of
-// state_fwd_split_kernel (the outputs on warps of their own; bit-identical results).
-bool fwd_split() { return env_int_or("FLASHGDN_FWD_SPLIT", 1) != 0; }
-
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st) {
@@ -418,9 +414,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
-    set_smem(state_fwd_split_kernel<In>, StateFwdSplitSmem::kBytes);
   });
-  const bool split = f.phase == 0 && f.h == nullptr && f.o != nullptr && fwd_split();
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
   for_each_z_slice(f, plan.max_segments * subs, blocks_x * p.Hv, sm_count(p.device_id),
@@ -428,8 +422,6 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
     if (f.h == nullptr && cols_wgmma())
       state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(fz);
-    else if (split)
-      state_fwd_split_kernel<In><<<grid, kSplitThreads, StateFwdSplitSmem::kBytes, st>>>(fz);
     else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
       state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
     else

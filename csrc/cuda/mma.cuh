@@ -265,29 +265,6 @@ __device__ __forceinline__ void frag_b_kn_f32(uint32_t (&b)[2], const float* x, 
   b[1] = __float_as_uint(kRound ? round_tf32(x1) : x1);
 }
 
-// Named barriers (PTX bar): producer warps announce data with bar_arrive (no wait), the
-// consumer warps wait for it with bar_sync; `count` threads in all (a multiple of 32), the
-// arrivals of both sides. Prior shared-memory writes of the arriving threads are visible to
-// the waiting ones once bar_sync returns. Id 0 is __syncthreads'.
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
-// Warpgroup register budgets (PTX setmaxnreg; sm_90a): every warp of a warpgroup runs it with
-// the same count, a multiple of 8 in 24 .. 256. dec gives registers back to the SM's pool,
-// inc waits until the pool has them.
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-
 // The cols kernels' transposed state block: warp w holds S^T (or dS^T), value columns
 // v0 + (g, g + 8) (v0 = 16 w) as rows, keys 8 jn + (2t, 2t + 1) as columns, of a 128 x 128 state stored
 // [key][value]. Loaded from src (null: zero) or, with `identity`, the identity; stored to dst.
