@@ -86,8 +86,7 @@ struct ForwardCost {
   double min_gain = 0.05;        // split only when it saves at least this share
   // The overlapped schedule of a split 128-column forward pass (launch.cu run_phases): the
   // phase 0 of segments that start from a warm-up runs beside the exact heads' chain, whose
-  // own phase 0 is cut into nsub sub-segments, each block of which first forms its entering
-  // state (form_sub_start: ~2 M fp32 FMA, sub_start_us, predicted). A
+  // own phase 0 is cut into nsub sub-segments after a parallel step of sub_start_us. A
   // candidate only where every block of it fits in one wave beside the others (H100,
   // 2026-11-23: 2/8 x 8192 0.247 -> 0.209 ms; where the blocks take two waves it lost, 2/8 x
   // 32768 0.426 -> 0.470). The model overstates its gain (state pass at 2/8 x 8192: 41%
@@ -95,7 +94,7 @@ struct ForwardCost {
   // takes it only when its estimate is at most overlap_margin of the best sequential plan's.
   bool overlap = true;
   int nsub = 4;
-  double sub_start_us = 9.0;  // was 5 for sub_start_kernel (measured 29 us at 2/8 x 16384)
+  double sub_start_us = 5.0;
   double overlap_margin = 0.75;
 };
 

@@ -209,8 +209,7 @@ def _unsplit_and_reference(case: Case):
 def test_subsegments(case: Case, nsub: str, overlap: str):
     """FLASHGDN_CP_SUB=<n>: phase 0 of every exact segment runs as n sub-segments, each its
     own block of the 128-column kernel, from S_c = M_c S_in + L_c (phase 1 records M_c and
-    L_c at the sub-segments' starts, each sub-segment's block forms its S_c first,
-    form_sub_start). Segments
+    L_c at the sub-segments' starts, sub_start_kernel forms S_c after the combine). Segments
     of 8 chunks give sub-segments of 4, 3 and 2 chunks (the last one shorter, or absent in a
     short last segment). Against the reference and the unsplit pass; the g == 0 heads as
     exact as unsplit; with and without FLASHGDN_CP_OVERLAP."""

@@ -15,9 +15,10 @@
 // in one wave, FLASHGDN_CP_OVERLAP overrides) runs the phase 0 of segments that do not
 // start exact beside the exact chain on a second stream (SegParams::starts); sub-segments
 // (FLASHGDN_CP_SUB overrides the plan's count) cut the phase 0 of exact segments into
-// pieces started from recorded states (sub_record, form_sub_start).
+// pieces started from recorded states (sub_record, sub_start_kernel).
 //
 // seg_combine_kernel  grid (sequence slots, H_v, 128 / kCombineCols): see its definition.
+// sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kSubCols): likewise.
 #pragma once
 
 #include "../planner.h"
@@ -58,9 +59,9 @@ struct SegParams {
                   //   forward phase 0 on two streams (launch.cu, FLASHGDN_CP_OVERLAP)
   // Sub-segments (FLASHGDN_CP_SUB, forward, column block 128 only): with nsub > 1 phase 1
   // records the local state and the transition of every exact segment at the starts of its
-  // nsub sub-segments of ceil(seg / nsub) chunks, and phase 0 runs each sub-segment of an
-  // exact segment as its own block (grid z = segments x nsub), which first turns its local
-  // state into its entering state (M_c S_in + L_c, form_sub_start).
+  // nsub sub-segments of ceil(seg / nsub) chunks, sub_start_kernel turns the local states
+  // into the sub-segments' entering states (M_c S_in + L_c), and phase 0 runs each
+  // sub-segment of an exact segment as its own block (grid z = segments x nsub).
   int nsub;
   float* sub_L;  // [segments, Hv, nsub - 1, D, D] local states, then entering states
   float* sub_M;  // [segments, Hv, nsub - 1, D, D] transitions
@@ -329,7 +330,7 @@ constexpr int kMLd = D + 4;
 constexpr size_t kCombineSmem = sizeof(float) * (2 * D * kMLd + D * kCombineCols);
 
 // acc[i] += (M S)[r0 + i][col] for the kRows rows of this thread: M [D][D] and kCols
-// columns of S [D][kCols] in shared memory, fp32 FMA over k in order (form_sub_start's
+// columns of S [D][kCols] in shared memory, fp32 FMA over k in order (sub_start_kernel's
 // product).
 template <int kRows, int kCols>
 __device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* Ms,
@@ -453,45 +454,52 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
   }
 }
 
-// The state entering sub-segment s >= 1 of exact segment z (FLASHGDN_CP_SUB), formed by the
-// phase-0 block that runs the sub-segment, before it loads its state: S = M_s S_in + L_s
-// (S_in from seg_combine_kernel, M_s and L_s recorded by phase 1), written over L_s, kSubCols
-// columns at a time, fp32 FMA (the combine's arithmetic: per element the same FMAs in the
-// same order at any kSubCols). `smem`: 80 KB the block does not use yet (M_s, S_in's
-// columns). Ends with a block barrier, after which every thread of the block reads S from
-// L_s. Until 2026-11-24 this was sub_start_kernel, a launch of its own on the exact heads'
-// chain: one block per (sub-segment, head, 32 columns), most of them (the decaying heads')
-// returning after segment_start, 29 us at 2/8 x 16384 on H100 for ~3 us of work per block.
-// Here the ~2 MFMA a sub-segment cost its block ~9 us at the start, beside the others.
-//   reads  seg_in, sub_M, sub_L     writes sub_L
+// sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kSubCols), 256 threads,
+//   80 KB smem (2 blocks per SM)
+//   Sub-segments (FLASHGDN_CP_SUB): the state entering sub-segment s >= 1 of an exact
+//   segment, S = M_s S_in + L_s, for kSubCols state columns (S_in from
+//   seg_combine_kernel, M_s and L_s recorded by phase 1), written over L_s. Every block is
+//   independent (no chain). fp32 FMA, the combine's arithmetic (per element the same FMAs
+//   in the same order at any kSubCols).
+//   reads  Lb, seg_in, sub_M, sub_L     writes sub_L
+//   32 columns a block: every block loads the whole M_s (64 KB), so 8 columns a block (the
+//   combine's width, before 2026-11-23) loaded each M_s 16 times from 3072 blocks at 2/8 x
+//   16384 (H100: 42 us on the exact heads' chain of the overlapped schedule); 32 columns
+//   load it 4 times from 768 blocks. Not yet run on a GPU.
 constexpr int kSubCols = 32;
 constexpr size_t kSubStartSmem = sizeof(float) * (D * D + D * kSubCols);
 
-__device__ __forceinline__ void form_sub_start(const SegParams& p, int64_t z, int64_t h, int s,
-                                               unsigned char* smem) {
+__global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
+  if (p.seqs.failed() || p.nsub <= 1 || !col_block_chosen<D>(p)) return;
+  const int64_t h = blockIdx.y, z = blockIdx.x / (p.nsub - 1);
+  const int s = 1 + static_cast<int>(blockIdx.x % (p.nsub - 1));
+  int64_t n, j;
+  if (!locate_segment(p, z, n, j)) return;
+  const int64_t nch = (p.seqs.seq_len(n) + C - 1) / C, seg = seg_chunks(p);
+  const int64_t c_begin = j * seg, c_end = c_begin + seg < nch ? c_begin + seg : nch;
+  if (c_begin + s * sub_chunks(p) >= c_end) return;  // no such sub-segment
+  if (segment_start(p, p.seqs.first_chunk(n), nch, h, j).src != SegSource::Exact) return;
   constexpr int kRows = D * kSubCols / NT;  // rows of the result per thread
-  float* Ms = reinterpret_cast<float*>(smem);  // [D][D] M_s
-  float* Sc = Ms + D * D;                      // [D][kSubCols] S_in's columns
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M_s
+  float* Sc = Ms + D * D;                         // [D][kSubCols] S_in's columns
+  const int vb = blockIdx.z * kSubCols;
   const float* M = p.sub_M + sub_offset(p, z, h, s);
   const float* S_in = p.seg_in + static_cast<size_t>(z * p.Hv + h) * D * D;
-  float* L_s = p.sub_L + sub_offset(p, z, h, s);
   for (int e = threadIdx.x; e < D * D / 4; e += NT) cp_async16(Ms + 4 * e, M + 4 * e, true);
   cp_async_commit();
+  for (int e = threadIdx.x; e < D * kSubCols; e += NT)
+    Sc[e] = __ldcg(S_in + (e / kSubCols) * D + vb + e % kSubCols);
   const int col = threadIdx.x % kSubCols, r0 = (threadIdx.x / kSubCols) * kRows;
-  for (int vb = 0; vb < D; vb += kSubCols) {
-    for (int e = threadIdx.x; e < D * kSubCols; e += NT)
-      Sc[e] = __ldcg(S_in + (e / kSubCols) * D + vb + e % kSubCols);
-    float* L = L_s + vb + col;
-    float acc[kRows];
+  float* L = p.sub_L + sub_offset(p, z, h, s) + vb + col;
+  float acc[kRows];
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) acc[i] = __ldcg(L + (r0 + i) * D);
-    cp_async_wait<0>();
-    __syncthreads();  // M_s and these columns of S_in are in shared memory
-    add_m_times_s<kRows, kSubCols>(acc, Ms, Sc, col, r0);
+  for (int i = 0; i < kRows; ++i) acc[i] = __ldcg(L + (r0 + i) * D);
+  cp_async_wait<0>();
+  __syncthreads();
+  add_m_times_s<kRows, kSubCols>(acc, Ms, Sc, col, r0);
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
-    __syncthreads();  // Sc free for the next columns; after the last, S visible to the block
-  }
+  for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
 }
 
 }  // namespace cuda

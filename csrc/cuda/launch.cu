@@ -132,8 +132,8 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   return b;
 }
 
-// Sub-segments of the forward's exact segments: their phase 0 as that many blocks, each
-// forming its entering state first (M_c S_in + L_c, form_sub_start) instead of one block
+// Sub-segments of the forward's exact segments: their phase 0 as that many blocks, from
+// entering states formed in parallel (M_c S_in + L_c, sub_start_kernel) instead of one block
 // walking the whole segment after the combine: the last link of the exact heads' chain gets
 // nsub times shorter. The plan's count (4 with the overlapped schedule, else none);
 // FLASHGDN_CP_SUB=<1..8> overrides. Split forward plans of the default pass whose
@@ -447,6 +447,17 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
 }
 
+void launch_sub_start(const Problem& p, const SegmentPlan& plan, const SegParams& f,
+                      cudaStream_t st) {
+  if (f.nsub <= 1) return;
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(sub_start_kernel, kSubStartSmem); });
+  const dim3 grid(static_cast<unsigned>(plan.max_segments * (f.nsub - 1)),
+                  static_cast<unsigned>(p.Hv), D / kSubCols);
+  sub_start_kernel<<<grid, NT, kSubStartSmem, st>>>(f);
+  check_cuda(cudaGetLastError(), "sub_start_kernel launch");
+}
+
 template <typename In>
 void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
   static std::once_flag once;
@@ -543,11 +554,11 @@ ChainStream* chain_stream(int device, cudaStream_t st) {
 
 // The phases of a sequential pass (the forward's, the recomputation or the reverse pass)
 // over the plan's segments: `launch(stream)` runs the pass's kernels at f's phase and
-// starts, `between(stream)` turns phase 1's summaries into entering states (the combine).
-// Split: phase 1, between, then phase 0; with FLASHGDN_CP_OVERLAP the phase 0 of segments
-// that do not start exact (they need nothing from the chain) runs on the caller's stream
-// beside the chain on the chain stream, forked and joined by events; the sequential order
-// when no chain stream can be had.
+// starts, `between(stream)` turns phase 1's summaries into entering states (the combine, the
+// sub-segment starts). Split: phase 1, between, then phase 0; with FLASHGDN_CP_OVERLAP the
+// phase 0 of segments that do not start exact (they need nothing from the chain) runs on
+// the caller's stream beside the chain on the chain stream, forked and joined by events;
+// the sequential order when no chain stream can be had.
 template <typename Params, typename Launch, typename Between>
 void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st,
                 Launch&& launch, Between&& between) {
@@ -663,6 +674,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(plan), f, st, launch,
              [&](cudaStream_t s) {
                launch_seg_combine(p, f, false, s);
+               launch_sub_start(p, plan, f, s);
              });
 }
 

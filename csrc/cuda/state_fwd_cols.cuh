@@ -176,8 +176,6 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   };
 
   // S^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); S is stored [key][value]
-  if (!kRecord && p.phase == 0 && b.sub > 0)  // a later sub-segment: S = M_c S_in + L_c
-    form_sub_start(p, b.z, b.h, b.sub, smem_raw);
   float sacc[16][4];
   load_state_cols(sacc, entering_state(p, b), identity, v0);
 
