@@ -298,9 +298,14 @@ bool bwd_cols() { return env_int("FLASHGDN_BWD_COLS") == 1; }
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
 // are the 128-column kernel's): not a candidate for the backward's plans, nor with
-// FLASHGDN_CP_OVERLAP=0; FLASHGDN_CP_SUB=n sets its sub-segments.
+// FLASHGDN_CP_OVERLAP=0; FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of
+// 16 and 32 columns are the forward's fp16 pass's.
 ForwardCost plan_cost(bool backward) {
   ForwardCost c;
+  if (!backward && fwd_pass() == FwdPass::F16) {
+    c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
+    c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
+  }
   c.overlap = !backward && env_int_or("FLASHGDN_CP_OVERLAP", -1) != 0;
   const int n = env_int_or("FLASHGDN_CP_SUB", c.nsub);
   c.nsub = n >= 2 && n <= 8 ? n : 1;

@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     LoadStats st;
     st.longest = static_cast<double>(longest);
     st.total = static_cast<double>(carry);
+    st.segs = static_cast<double>(s.N);  // unsplit: one segment per sequence
     // unsplit (longer than any sequence) at each column block, then the splits, each of
     // which must beat the best unsplit plan by min_gain
     int best_bw = choice.col_block;
