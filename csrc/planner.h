@@ -87,7 +87,11 @@ struct ForwardCost {
   // 64 blocks of 16 columns: ~1.05 ms of state pass for 512 steps, ~2.1 us.)
   double step_us_bw16_wave = 0.0;
   double step_us_bw32_wave = 0.0;
+  // Only for sequences of at most kWaveChunks chunks, where they were measured: longer ones
+  // compare with the 128-column split, whose estimate overstates its summary pass (H100,
+  // 2/8 heads, 1024 + 7168 tokens: 16 columns unsplit 0.319 ms, the split 0.272).
   static constexpr double kFp16Bw16Wave = 2.3, kFp16Bw32Wave = 2.6;
+  static constexpr double kWaveChunks = 64;
   double step_us_bw128 = 4.0;    // ... 128 columns (state_fwd_cols_kernel, 2026-11-23)
   double summary_factor = 0.75;  // a phase-1 (summary, no outputs) step relative to phase 0
   double warm_chunks = 5.0;      // warm-up chunks of a decaying head's segment
@@ -156,7 +160,8 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
     // SM, so the longest sequence's blocks are the whole cost) steps faster than the
     // block-steps of a full GPU suggest
     const double tw = bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
-    if (tw > 0.0 && s.segs > 0 && s.segs * heads * cbn <= nsm) return s.longest * tw;
+    if (tw > 0.0 && s.segs > 0 && s.segs * heads * cbn <= nsm && s.longest <= ForwardCost::kWaveChunks)
+      return s.longest * tw;
     return s.longest * t > work ? s.longest * t : work;
   }
   const double len = seg < s.longest ? seg : s.longest;
