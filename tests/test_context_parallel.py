@@ -273,6 +273,31 @@ def test_cp_auto_varlen_device_choice():
         assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
 
 
+def test_overlapped_schedule_on_the_devices_split():
+    """Packed sequences whose split plan_kernel picks (no host copy of cu_seqlens): with
+    FLASHGDN_CP_OVERLAP=1 the overlapped schedule runs on the device's segments (the host
+    launches both streams before the device has chosen; which blocks work is the device's
+    plan). Without sub-segments it must equal the sequential schedule bit for bit; with 4
+    sub-segments it must meet the reference's tolerance, the g == 0 heads as exact as
+    unsplit. (perf-notes plan item 0: forced on these shapes it was the fastest plan.)"""
+    case = Case("skewed_overlap", [7168, 1024], 2, 8, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=16)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({}):
+        o_seq, h_seq = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP_OVERLAP": "1", "FLASHGDN_CP_SUB": "1"}):
+        o_ov, h_ov = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP_OVERLAP": "1", "FLASHGDN_CP_SUB": "4"}):
+        o_sub, h_sub = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    torch.cuda.synchronize()
+    assert not torch.equal(h_seq, h_ref), "the device did not split the 7168-token sequence"
+    assert torch.equal(o_ov, o_seq) and torch.equal(h_ov, h_seq)
+    ro, rh = reference(inp)
+    check_split("device split, overlapped, 4 sub-segments", case, o_sub, h_sub, o_ref, h_ref,
+                ro, rh)
+
+
 # ---- the backward's reverse pass over dS, split like the forward (issue 4, part 3)
 
 BWD_CASES = [CP_CASES[0], CP_CASES[1], CP_CASES[2], CP_CASES[3], CP_CASES[5]]
