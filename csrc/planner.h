@@ -77,11 +77,12 @@ struct SegmentQuery {
 struct ForwardCost {
   double step_us_bw16 = 3.3;     // one chunk step of a phase-0 block, 16 columns
   double step_us_bw32 = 4.1;     // ... 32 columns
+  double step_us_bw128 = 4.0;    // ... 128 columns (state_fwd_cols_kernel, 2026-11-23)
   // The steps of 16- and 32-column blocks on the critical path of an unsplit pass whose
   // blocks all fit in one wave (N * H_v * 128 / BW <= SMs), for the forward's fp16 pass
-  // (launch.cu plan_cost sets them; 0: the two above). Those two are of the tf32 pass
-  // (version 5); the fp16 pass steps faster, which made the planner take 128 columns where
-  // 32 win. H100, 2026-11-24, forward of one 2048-token sequence: 8/24 heads 0.129 ms at
+  // (launch.cu plan_cost sets them; 0: step_us_bw16 / _bw32, which are the tf32 pass's of
+  // version 5). The fp16 pass steps faster, and with the tf32 steps the planner took 128
+  // columns where 32 win. H100, 2026-11-24, forward of one 2048-token sequence: 8/24 heads 0.129 ms at
   // 32 columns against 0.173 at 128 (4.0 us steps, so ~45 us besides the pass): ~2.6 us;
   // 16/16 heads 0.114 at 16 columns against 0.123 at 32: ~2.3 us. (CP off at 2/8 x 32768,
   // 64 blocks of 16 columns: ~1.05 ms of state pass for 512 steps, ~2.1 us.)
@@ -92,7 +93,6 @@ struct ForwardCost {
   // 2/8 heads, 1024 + 7168 tokens: 16 columns unsplit 0.319 ms, the split 0.272).
   static constexpr double kFp16Bw16Wave = 2.3, kFp16Bw32Wave = 2.6;
   static constexpr double kWaveChunks = 64;
-  double step_us_bw128 = 4.0;    // ... 128 columns (state_fwd_cols_kernel, 2026-11-23)
   double summary_factor = 0.75;  // a phase-1 (summary, no outputs) step relative to phase 0
   double warm_chunks = 5.0;      // warm-up chunks of a decaying head's segment
   double exact_share = 0.25;     // share of heads assumed to need exact entering states
@@ -160,7 +160,8 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
     // SM, so the longest sequence's blocks are the whole cost) steps faster than the
     // block-steps of a full GPU suggest
     const double tw = bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
-    if (tw > 0.0 && s.segs > 0 && s.segs * heads * cbn <= nsm && s.longest <= ForwardCost::kWaveChunks)
+    if (tw > 0.0 && s.segs > 0 && s.segs * heads * cbn <= nsm &&
+        s.longest <= ForwardCost::kWaveChunks)
       return s.longest * tw;
     return s.longest * t > work ? s.longest * t : work;
   }
