@@ -82,10 +82,10 @@ struct ForwardCost {
   // blocks all fit in one wave (N * H_v * 128 / BW <= SMs), for the forward's fp16 pass
   // (launch.cu plan_cost sets them; 0: step_us_bw16 / _bw32, which are the tf32 pass's of
   // version 5). The fp16 pass steps faster, and with the tf32 steps the planner took 128
-  // columns where 32 win. H100, 2026-11-24, forward of one 2048-token sequence: 8/24 heads 0.129 ms at
-  // 32 columns against 0.173 at 128 (4.0 us steps, so ~45 us besides the pass): ~2.6 us;
-  // 16/16 heads 0.114 at 16 columns against 0.123 at 32: ~2.3 us. (CP off at 2/8 x 32768,
-  // 64 blocks of 16 columns: ~1.05 ms of state pass for 512 steps, ~2.1 us.)
+  // columns where 32 win. H100, 2026-11-24, forward of one 2048-token sequence: 8/24 heads
+  // 0.129 ms at 32 columns against 0.173 at 128 (4.0 us steps, so ~45 us besides the
+  // pass): ~2.6 us; 16/16 heads 0.114 at 16 columns against 0.123 at 32: ~2.3 us. (CP off
+  // at 2/8 x 32768, 64 blocks of 16 columns: ~1.05 ms of state pass for 512 steps, ~2.1 us.)
   double step_us_bw16_wave = 0.0;
   double step_us_bw32_wave = 0.0;
   // Only for sequences of at most kWaveChunks chunks, where they were measured: longer ones

@@ -445,8 +445,9 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
   std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
   constexpr int64_t kColBlocks = D / kCombineCols;
   const int64_t per_slot = p.Hv * kColBlocks;  // blocks of one sequence slot
-  const int64_t slots =
-      f.split_seqs != nullptr ? std::min(p.N, wave_slots(4, sm_count(p.device_id), per_slot)) : p.N;
+  const int64_t slots = f.split_seqs != nullptr
+                            ? std::min(p.N, wave_slots(4, sm_count(p.device_id), per_slot))
+                            : p.N;
   const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.Hv), kColBlocks);
   seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
