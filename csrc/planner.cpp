@@ -102,7 +102,32 @@ int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound)
   return mask;
 }
 
+// Whether a split of q's packed sequences could run the overlapped schedule in one wave (the
+// device's estimate, planner.h): a split makes at least N + 1 segments, each a block per
+// head, and the exact share of those that do not start a sequence runs as max(nsub, 2).
+bool overlap_may_fit(const SegmentQuery& q, const ForwardCost& c) {
+  const double ns = c.nsub > 2 ? c.nsub : 2.0, hv = static_cast<double>(q.Hv);
+  return static_cast<double>(q.N + 1) * hv + c.exact_share * hv * (ns - 1.0) <= q.sms;
+}
+
 }  // namespace
+
+static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& given);
+
+// Whether the host would run one sequence of q's tokens on the overlapped schedule (varlen
+// total_chunks counts a partial chunk per sequence on top of the tokens' chunks). Packed
+// sequences take the overlapped launches (SegmentPlan::device_overlap) only then: where the
+// device then picks the sequential split, the overlapped launches' empty blocks (sized for
+// nsub sub-segments of the shortest segments) and the second stream cost time (H100, 2/8
+// heads, 28672 + 4096 tokens: 0.402 -> 0.419 ms, 8192 x 4: 0.377 -> 0.393), while every
+// measured gain was on fewer chunks (2/8 1024 + 7168: 0.294 -> 0.220).
+static bool overlapped_as_one_sequence(const SegmentQuery& q, const ForwardCost& given) {
+  SegmentQuery one = q;
+  one.N = 1;
+  one.fixed_chunks = one.total_chunks = std::max<int64_t>(1, q.total_chunks - q.N);
+  one.longest_hint = -1;
+  return plan_segments_any(one, given).overlap;
+}
 
 // The plan among the column blocks q allows (see plan_segments).
 static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& given) {
@@ -173,6 +198,9 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       d.est_us = best_split.est_us;
       d.device_choice = true;
       d.device_col_block = lengths_unknown;
+      d.device_overlap = given.overlap && d.col_block == 128 && overlap_may_fit(q, given) &&
+                         overlapped_as_one_sequence(q, given);
+      d.nsub = d.device_overlap && given.nsub > 1 ? given.nsub : 1;
       if (lengths_unknown)
         d.device_col_blocks = device_col_blocks(q, cost, bound) | col_block_bit(d.col_block);
       return d;

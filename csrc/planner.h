@@ -43,6 +43,14 @@ struct SegmentPlan {
   // kernels are launched and the one not chosen returns at once. Also set with
   // device_choice (then the device picks the column block with the segment length).
   bool device_col_block = false;
+  // device_choice at column block 128 where a split's blocks may fit in one wave beside
+  // each other (at least N + 1 segments per head): the host launches the overlapped
+  // schedule's two streams, with nsub sub-segments, and the device picks the schedule with
+  // the split (plan_kernel): a sequential split then runs every phase-0 block in the
+  // chain's launch (the other returns at once) and no sub-segments. 16 and 32 columns only
+  // unsplit then. Without it, the device's splits run sequentially. (H100, 2/8 heads, 6144
+  // + 2048 tokens: sequential split 0.298 ms, overlapped 0.234.)
+  bool device_overlap = false;
   // device_col_block: the column blocks the device may pick (col_block_bit), the others'
   // kernels are not launched. A column block is left out when its least possible cost (the
   // work term at the fewest chunks the tokens make) exceeds a bound on the cost of what the
@@ -134,6 +142,10 @@ inline int unsplit_col_block(int64_t N, int64_t Hv, int sms) {
 // (split plans) the number of segments and the most segments of one sequence.
 struct LoadStats {
   double longest = 0, total = 0, segs = 0, max_segs_per_seq = 1;
+  // split plans whose segments are known (the device's choice): their count, each a block
+  // per head of the 128-column pass; 0: the host's equivalent count of full segments
+  double seg_blocks = 0;
+  double seqs = 0;  // with seg_blocks: the sequences, whose first segments start from h0
 };
 
 // Smallest integer >= x, for x >= 0 (host and device).
@@ -171,8 +183,9 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
   if (bw == 128) {
     // one block of 128 columns per SM (255 registers a thread): the segments run in waves
     // of nsm blocks, each wave as long as a full segment (packed sequences: counted as the
-    // equivalent number of full segments)
-    blocks = ceil_pos(s.total / len) * heads;
+    // equivalent number of full segments, or their actual count where known)
+    blocks = ceil_pos(s.total / len);
+    blocks = (s.seg_blocks > blocks ? s.seg_blocks : blocks) * heads;
     crit0 *= blocks > nsm ? ceil_pos(blocks / nsm) : 1.0;
   }
   const double work0 = (s.total + c.warm_chunks * s.segs) * heads * cbn * t / nsm;
@@ -182,10 +195,13 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
   const double sequential = (crit0 > work0 ? crit0 : work0) + (crit1 > work1 ? crit1 : work1) +
                             combine;
   // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
-  // blocks each: L and M), then their nsub sub-segments
+  // blocks each: L and M), then their nsub sub-segments. Exact: a share of the segments, of
+  // those that do not start a sequence where the segments are known.
   const double ns = c.nsub > 1 ? c.nsub : 1.0;
-  const double warm_blocks = (1.0 - c.exact_share) * blocks;
-  const double beside = c.exact_share * blocks * (ns > 2.0 ? ns : 2.0);
+  const double exact_blocks =
+      c.exact_share * (s.seg_blocks > 0 && s.seqs > 0 ? blocks - s.seqs * heads : blocks);
+  const double warm_blocks = blocks - exact_blocks;
+  const double beside = exact_blocks * (ns > 2.0 ? ns : 2.0);
   if (bw != 128 || !c.overlap || warm_blocks + beside > nsm) return sequential;
   const double exact0 = ceil_pos(len / ns) * t + (ns > 1.0 ? c.sub_start_us : 0.0);
   const double chain = crit1 + combine + exact0, crit = crit0 > chain ? crit0 : chain;

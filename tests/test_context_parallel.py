@@ -279,12 +279,12 @@ def test_overlapped_schedule_on_the_devices_split():
     launches both streams before the device has chosen; which blocks work is the device's
     plan). Without sub-segments it must equal the sequential schedule bit for bit; with 4
     sub-segments it must meet the reference's tolerance, the g == 0 heads as exact as
-    unsplit. (perf-notes plan item 0: forced on these shapes it was the fastest plan.)"""
+    unsplit."""
     case = Case("skewed_overlap", [7168, 1024], 2, 8, gate="mixed")
     inp = make_inputs(case, "cuda", seed=16)
     with cp_env("off"):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({}):
+    with env_vars({"FLASHGDN_CP_OVERLAP": "0"}):
         o_seq, h_seq = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars({"FLASHGDN_CP_OVERLAP": "1", "FLASHGDN_CP_SUB": "1"}):
         o_ov, h_ov = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
@@ -296,6 +296,46 @@ def test_overlapped_schedule_on_the_devices_split():
     ro, rh = reference(inp)
     check_split("device split, overlapped, 4 sub-segments", case, o_sub, h_sub, o_ref, h_ref,
                 ro, rh)
+
+
+def test_device_chooses_the_schedule():
+    """Packed sequences at few heads (SegmentPlan::device_overlap): the host launches the
+    overlapped schedule (two streams, 4 sub-segments) and plan_kernel picks, with the split,
+    overlapped or sequential. 7168 + 1024 tokens at 2/8 heads: overlapped (the exact head's
+    bits differ from the sequential schedule's by its sub-segments; warm-started heads equal
+    them), within the reference's tolerance, g == 0 heads as exact as unsplit, eager equal
+    to a CUDA graph's replay. 6144 + 4 x 512 at 4/16 heads: the overlapped launches too, but
+    the device's cost model picks the sequential split under them (simulated on the host
+    with planner.h): bit for bit the sequential schedule's (FLASHGDN_CP_OVERLAP=0)."""
+    case = Case("device_schedule", [7168, 1024], 2, 8, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=18)
+    with env_vars({}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    with env_vars({"FLASHGDN_CP_OVERLAP": "0"}):
+        o_seq, h_seq = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
+    assert not torch.equal(ht[:, 0], h_seq[:, 0]), "the exact head ran no sub-segments"
+    assert torch.equal(ht[:, 1], h_seq[:, 1]), "a warm-started head changed"
+    ro, rh = reference(inp)
+    check_split("device-chosen overlapped schedule", case, o, ht, o_ref, h_ref, ro, rh)
+
+    case = Case("device_sequential", [6144, 512, 512, 512, 512], 4, 16, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=19)
+    with env_vars({}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    with env_vars({"FLASHGDN_CP_OVERLAP": "0"}):
+        o_seq, h_seq = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with cp_env("off"):
+        h_off = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)[1]
+    torch.cuda.synchronize()
+    assert not torch.equal(h_seq, h_off), "the device did not split the 6144-token sequence"
+    assert torch.equal(o, o_seq) and torch.equal(ht, h_seq), "sequential choice differs"
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
 
 
 # ---- the backward's reverse pass over dS, split like the forward (issue 4, part 3)

@@ -67,7 +67,17 @@ struct SegParams {
   float* sub_M;  // [segments, Hv, nsub - 1, D, D] transitions
   const int64_t* col_block_dev;  // varlen: the device-chosen column block; the kernel of the
                                  //   other column block returns at once (null: host's choice)
+  const int64_t* schedule_dev;   // SegmentPlan::device_overlap: the device's schedule, 1
+                                 //   overlapped (or unsplit), 0 sequential: the starts = 1
+                                 //   launch returns at once, the starts = 2 one runs every
+                                 //   segment, and no sub-segments (null: the host's schedule)
 };
+
+// Whether the device chose the sequential schedule under launches made for the overlapped
+// one (SegParams::schedule_dev).
+__device__ __forceinline__ bool device_sequential(const SegParams& p) {
+  return p.schedule_dev != nullptr && *p.schedule_dev == 0;
+}
 
 // Whether a sequential pass compiled for column block BW runs in this call.
 template <int BW>
@@ -209,12 +219,18 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   b.hq = b.h / (p.Hv / p.Hqk);
   b.z = z;
   b.sub = 0;
-  const bool subs = BW == D && p.nsub > 1;  // sub-segments: the 128-column forward kernel only
+  // sub-segments: the 128-column forward kernel only, the grid's (grid z = segments x
+  // nsub in phase 0) unless the device chose the sequential schedule
+  const bool sequential = device_sequential(p);
+  const bool grid_subs = BW == D && p.nsub > 1, subs = grid_subs && !sequential;
+  const int starts = sequential ? (p.starts == 1 ? -1 : 0) : p.starts;
   int sub = 0;
-  if (subs && p.phase == 0) {
+  if (grid_subs && p.phase == 0) {
     sub = static_cast<int>(b.z % p.nsub);
     b.z /= p.nsub;
+    if (!subs && sub != 0) return false;
   }
+  if (p.phase == 0 && starts < 0) return false;  // the chain's launch runs this one
   if (!locate_segment(p, b.z, b.n, b.j)) return false;
   b.start = p.seqs.seq_start(b.n);
   b.len = p.seqs.seq_len(b.n);
@@ -240,7 +256,7 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     if (b.identity && b.ss.src != SegSource::Exact) return false;
   } else if (static_cast<int>(blockIdx.x) >= CBN) {
     return false;
-  } else if (p.starts != 0 && (b.ss.src == SegSource::Exact) != (p.starts == 2)) {
+  } else if (starts != 0 && (b.ss.src == SegSource::Exact) != (starts == 2)) {
     return false;
   } else if (subs) {
     if (b.ss.src != SegSource::Exact) return sub == 0;  // the whole segment in one block
@@ -288,7 +304,8 @@ __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool 
 // chunk ci (the start of a sub-segment), else null.
 __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBlock& b,
                                              int64_t ci) {
-  if (p.nsub <= 1 || p.phase != 1 || b.ss.src != SegSource::Exact || ci <= b.c_begin)
+  if (p.nsub <= 1 || p.phase != 1 || b.ss.src != SegSource::Exact || ci <= b.c_begin ||
+      device_sequential(p))
     return nullptr;
   const int64_t r = sub_chunks(p), k = ci - b.c_begin;
   if (k % r != 0) return nullptr;
@@ -471,7 +488,7 @@ constexpr int kSubCols = 32;
 constexpr size_t kSubStartSmem = sizeof(float) * (D * D + D * kSubCols);
 
 __global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
-  if (p.seqs.failed() || p.nsub <= 1 || !col_block_chosen<D>(p)) return;
+  if (p.seqs.failed() || p.nsub <= 1 || !col_block_chosen<D>(p) || device_sequential(p)) return;
   const int64_t h = blockIdx.y, z = blockIdx.x / (p.nsub - 1);
   const int s = 1 + static_cast<int>(blockIdx.x % (p.nsub - 1));
   int64_t n, j;

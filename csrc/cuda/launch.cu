@@ -100,7 +100,8 @@ struct FwdBuffers {
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   int nsub;                        // FLASHGDN_CP_SUB: sub-segments of exact segments (0: none)
   float *sub_L, *sub_M;            //   their records (SegParams::sub_L, sub_M)
-  int64_t* seg_chunks;             // varlen: the device's [segment length, column block]
+  int64_t* seg_chunks;             // varlen: the device's [segment length, column block,
+                                   //   schedule] (plan_kernel)
   int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
 };
 struct BwdBuffers {
@@ -167,7 +168,7 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
       b.sub_M = c.take<float>(segheads * (b.nsub - 1) * D * D);
     }
   }
-  if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(2);
+  if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(3);
   if (b.pass == FwdPass::Auto)  // the largest launch: phase 1 at 16 columns
     b.redo = c.take<int>(static_cast<size_t>(2 * (D / 16) * p.Hv * plan.max_segments));
   return b;
@@ -527,7 +528,13 @@ bool launches(const SegmentPlan& plan, int bw) {
 // FLASHGDN_CP_OVERLAP=1 forces it for every split pass, =0 never.
 bool cp_overlap(const SegmentPlan& plan) {
   const int v = env_int_or("FLASHGDN_CP_OVERLAP", -1);
-  return v < 0 ? plan.overlap : v == 1;
+  return v < 0 ? plan.overlap || plan.device_overlap : v == 1;
+}
+
+// Whether the device picks the schedule (SegmentPlan::device_overlap; FLASHGDN_CP_OVERLAP
+// set forces the host's).
+bool device_schedule(const SegmentPlan& plan) {
+  return plan.device_overlap && env_int_or("FLASHGDN_CP_OVERLAP", -1) < 0;
 }
 
 // The chain's stream and its fork/join events, one set per host thread and device, created
@@ -630,7 +637,9 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   DeviceSegChoice choice{};
   if (plan.device_choice || plan.device_col_block) {
     choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
-    choice.cost.overlap = false;              // the device's split runs sequentially
+    // the device's split runs sequentially unless the overlapped launches are made for it
+    choice.cost.overlap = device_schedule(plan);
+    choice.split_col_blocks = device_schedule(plan) ? col_block_bit(D) : 0;
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);
     choice.col_block = plan.col_block;
@@ -654,6 +663,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.looped = b.split_seqs != nullptr && p.N > 1 && b.nsub <= 1;
   f.seg_chunks_dev = plan.device_choice ? b.seg_chunks : nullptr;
   f.col_block_dev = plan.device_col_block ? b.seg_chunks + 1 : nullptr;
+  f.schedule_dev = device_schedule(plan) ? b.seg_chunks + 2 : nullptr;
   if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
   f.seg_L = b.seg_L;
   f.seg_M = b.seg_M;
@@ -672,8 +682,10 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
       launch_state_cols<In>(plan, p, fc, s);
       return;
     }
-    if (launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, s);
-    if (launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, s);
+    // the device's schedule: 16 and 32 columns unsplit only, in the launch beside the chain
+    const bool narrow = !f.schedule_dev || (f.phase == 0 && f.starts == 1);
+    if (narrow && launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, s);
+    if (narrow && launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, s);
     if (launches(plan, D)) launch_state_cols<In>(plan, p, f, s);  // the f16 pass's 128 columns
   };
   if (p.N == 0) return;

@@ -11,9 +11,9 @@
 //          segment: the sequences seg_combine_kernel walks) and seg_items [segments + 1]
 //          ([0] = their segments' count, then those segments' indices: phase 1's work,
 //          for_each_segment_block); with a
-//          DeviceSegChoice, first picks seg_chunks (and, if asked, the column block)
-//          (16, 32 or 128) from the actual lengths under the planner's cost model and writes them to
-//          choice.chosen [2]
+//          DeviceSegChoice, first picks seg_chunks (and, if asked, the column block:
+//          16, 32 or 128, and the schedule) from the actual lengths under the planner's
+//          cost model (choose_plan) and writes them to choice.chosen [3]
 // poison_kernel grid-stride
 //   writes NaN into an output when error is set, so a bad cu_seqlens is never
 //   silent garbage (the compute kernels skip all work in that case).
@@ -34,16 +34,137 @@ constexpr int kPlanThreads = 1024;
 // model of csrc/planner.h on the actual lengths, over unsplit and min_seg and the longer
 // candidates after it (next_seg_candidate)
 struct DeviceSegChoice {
-  ForwardCost cost;
+  ForwardCost cost;             // cost.overlap: the overlapped schedule is a candidate
+                                //   (SegmentPlan::device_overlap)
   double heads = 0;
   int sms = 0, col_block = 32;
   bool pick_col_block = false;  // also choose the column block (16, 32, or 128 if allow_cols)
   bool allow_cols = false;      // column block 128 (state_fwd_cols_kernel) is a candidate
   bool allow_split = true;      // false: only the column block is chosen (unsplit plan)
   int col_blocks = 0;           // the column blocks launched (SegmentPlan::device_col_blocks)
+  int split_col_blocks = 0;     // the column blocks a split may take (0: any launched)
   int64_t min_seg = 0;
-  int64_t* chosen = nullptr;  // writes [chunks per segment, column block] here
+  int64_t* chosen = nullptr;  // writes [chunks per segment, column block, schedule] here
+                              //   (schedule: 0 sequential split, 1 overlapped or unsplit)
 };
+
+// Segment lengths the device tries at most (min_seg, then next_seg_candidate's steps of
+// 4/3 and 3/2: 32 of them reach 2^16 times min_seg).
+constexpr int kMaxSegCandidates = 32;
+constexpr int kMaxPlanCandidates = 3 * (1 + kMaxSegCandidates);  // x column blocks 16, 32, 128
+
+struct ChoiceScratch {
+  int64_t seg[kMaxSegCandidates];    // candidate segment lengths
+  unsigned long long segs[kMaxSegCandidates];  // segments they cut the sequences into
+  double est[kMaxPlanCandidates][2];  // [unsplit, then each length] x [16, 32, 128]:
+                                      //   sequential and overlapped estimates (1e300: none)
+  int n;                              // candidate lengths
+  int64_t chosen;                     // the segment length chosen
+};
+
+// plan_kernel's choice (all threads call it; returns the segment length chosen, or
+// seg_chunks when only the column block is chosen). Every thread sums the segments its
+// sequences make at each candidate length; one warp evaluates the cost model, a lane per
+// candidate (fp64, once per candidate: when all 1024 threads evaluated every candidate the
+// kernel took 17 us, H100, 16/32 heads 8192 x 4 tokens, 5 us without the choice); lane 0
+// then compares the estimates in a fixed order. Unsplit at 16, 32, 128 first; a split must
+// beat the best of them by min_gain; the overlapped schedule replaces the best sequential
+// split where its estimate is at most overlap_margin of it (the host's rule, planner.cpp).
+__device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longest, int64_t total,
+                                               int64_t seg_chunks, const DeviceSegChoice& choice,
+                                               ChoiceScratch& sc) {
+  const int bws[3] = {16, 32, 128};
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int64_t seg = choice.min_seg; choice.allow_split && seg > 0 && seg < longest &&
+                                       n < kMaxSegCandidates;
+         seg = next_seg_candidate(seg))
+      sc.seg[n++] = seg;
+    sc.n = n;
+  }
+  if (threadIdx.x < kMaxSegCandidates) sc.segs[threadIdx.x] = 0;
+  __syncthreads();
+  const int nk = sc.n;
+  for (int k = 0; k < nk; ++k) {
+    const int64_t seg = sc.seg[k];
+    unsigned long long acc = 0;
+    for (int64_t n = threadIdx.x; n < s.N; n += kPlanThreads) {
+      const int64_t len = s.cu(n + 1) - s.cu(n);
+      acc += static_cast<unsigned long long>(segments_of(len > 0 ? (len + C - 1) / C : 0, seg));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if (lane == 0 && acc != 0) atomicAdd(&sc.segs[k], acc);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    auto candidate = [&](int bw) {
+      if (!choice.pick_col_block) return bw == choice.col_block;
+      return (bw != 128 || choice.allow_cols) && (choice.col_blocks & col_block_bit(bw)) != 0;
+    };
+    ForwardCost sequential = choice.cost;
+    sequential.overlap = false;
+    LoadStats st0;
+    st0.longest = static_cast<double>(longest);
+    st0.total = static_cast<double>(total);
+    st0.segs = static_cast<double>(s.N);  // unsplit: one segment per sequence
+    const int ncand = 3 * (1 + nk);
+    for (int i = lane; i < ncand; i += 32) {
+      const int bw = bws[i % 3], k = i / 3 - 1;  // k < 0: unsplit
+      double seq = 1e300, ov = 1e300;
+      if (candidate(bw) && k < 0) {
+        seq = estimate_state_pass_us(sequential, st0, choice.heads, choice.sms, bw, 0.0);
+      } else if (candidate(bw) && seg_candidate_for(bw, sc.seg[k], longest) &&
+                 (choice.split_col_blocks == 0 ||
+                  (choice.split_col_blocks & col_block_bit(bw)) != 0)) {
+        LoadStats st = st0;
+        st.segs = static_cast<double>(sc.segs[k]);
+        st.seg_blocks = st.segs;
+        st.seqs = static_cast<double>(s.N);
+        st.max_segs_per_seq = static_cast<double>(segments_of(longest, sc.seg[k]));
+        const double seg = static_cast<double>(sc.seg[k]);
+        seq = estimate_state_pass_us(sequential, st, choice.heads, choice.sms, bw, seg);
+        bool overlapped = false;
+        const double t = choice.cost.overlap
+                             ? estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms,
+                                                      bw, seg, &overlapped)
+                             : 1e300;
+        if (overlapped) ov = t;
+      }
+      sc.est[i][0] = seq;
+      sc.est[i][1] = ov;
+    }
+    __syncwarp();
+    if (threadIdx.x == 0) {
+      int best_bw = choice.col_block;
+      double best = 1e300;
+      for (int b = 0; b < 3; ++b)
+        if (sc.est[b][0] < best) best = sc.est[b][0], best_bw = bws[b];
+      int split = -1, overlapped = -1;  // the best sequential split, the best overlapped one
+      for (int i = 3; i < ncand; ++i) {
+        if (sc.est[i][0] < (split < 0 ? 1e300 : sc.est[split][0])) split = i;
+        if (sc.est[i][1] < (overlapped < 0 ? 1e300 : sc.est[overlapped][1])) overlapped = i;
+      }
+      double split_us = split < 0 ? 1e300 : sc.est[split][0];
+      bool ov = false;
+      if (overlapped >= 0 && split >= 0 &&
+          sc.est[overlapped][1] <= choice.cost.overlap_margin * split_us)
+        split = overlapped, split_us = sc.est[overlapped][1], ov = true;
+      int64_t best_seg = total + 1;  // unsplit: longer than any sequence
+      if (split >= 0 && split_us < (1.0 - choice.cost.min_gain) * best)
+        best_seg = sc.seg[split / 3 - 1], best_bw = bws[split % 3];
+      else
+        ov = true;  // unsplit: every segment starts from h0, the overlapped launch runs it
+      sc.chosen = choice.allow_split ? best_seg : seg_chunks;
+      choice.chosen[0] = sc.chosen;
+      choice.chosen[1] = best_bw;
+      choice.chosen[2] = ov ? 1 : 0;
+    }
+  }
+  __syncthreads();
+  return sc.chosen;
+}
 
 __global__ void __launch_bounds__(kPlanThreads)
     plan_kernel(SeqLayout s, int64_t total_tokens, int64_t seg_chunks, int64_t* chunk_offsets,
@@ -57,6 +178,7 @@ __global__ void __launch_bounds__(kPlanThreads)
   } tmp;
   __shared__ int bad;
   __shared__ int64_t seg_shared;
+  __shared__ ChoiceScratch choose;
   if (threadIdx.x == 0) {
     bad = (s.cu(0) != 0 || s.cu(s.N) != total_tokens) ? 1 : 0;
     chunk_offsets[0] = 0;
@@ -84,56 +206,11 @@ __global__ void __launch_bounds__(kPlanThreads)
   }
   if (choice.chosen != nullptr) {  // choose the segment length from the actual lengths
     longest = Reduce(tmp.reduce).Reduce(longest, [](int64_t a, int64_t b) { return a > b ? a : b; });
-    __syncthreads();
     if (threadIdx.x == 0) seg_shared = longest;
     __syncthreads();
     longest = seg_shared;
-    LoadStats st;
-    st.longest = static_cast<double>(longest);
-    st.total = static_cast<double>(carry);
-    st.segs = static_cast<double>(s.N);  // unsplit: one segment per sequence
-    // unsplit (longer than any sequence) at each column block, then the splits, each of
-    // which must beat the best unsplit plan by min_gain
-    int best_bw = choice.col_block;
-    double best = 1e300;
-    const int bws[3] = {16, 32, 128};
-    auto candidate = [&](int bw) {
-      if (!choice.pick_col_block) return bw == choice.col_block;
-      return (bw != 128 || choice.allow_cols) && (choice.col_blocks & col_block_bit(bw)) != 0;
-    };
-    for (int bw : bws) {
-      if (!candidate(bw)) continue;
-      const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms, bw, 0.0);
-      if (t < best) best = t, best_bw = bw;
-    }
-    int64_t best_seg = carry + 1;
-    const double bar = (1.0 - choice.cost.min_gain) * best;
-    for (int64_t seg = choice.min_seg; choice.allow_split && seg > 0 && seg < longest;
-         seg = next_seg_candidate(seg)) {
-      int64_t segs = 0;
-      for (int64_t n = threadIdx.x; n < s.N; n += kPlanThreads) {
-        const int64_t c = chunks_of(n);
-        segs += segments_of(c, seg);
-      }
-      segs = Reduce(tmp.reduce).Sum(segs);
-      __syncthreads();
-      if (threadIdx.x == 0) seg_shared = segs;
-      __syncthreads();
-      st.segs = static_cast<double>(seg_shared);
-      st.max_segs_per_seq = static_cast<double>(segments_of(longest, seg));
-      for (int bw : bws) {
-        if (!candidate(bw) || !seg_candidate_for(bw, seg, longest)) continue;
-        const double t = estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms, bw,
-                                                static_cast<double>(seg));
-        if (t < bar && t < best) best = t, best_seg = seg, best_bw = bw;
-      }
-      __syncthreads();
-    }
-    if (choice.allow_split) seg_chunks = best_seg;
-    if (threadIdx.x == 0) {
-      choice.chosen[0] = choice.allow_split ? best_seg : seg_chunks;
-      choice.chosen[1] = best_bw;
-    }
+    __syncthreads();
+    seg_chunks = choose_plan(s, longest, carry, seg_chunks, choice, choose);
   }
   if (seg_offsets) {
     int64_t seg_carry = 0, split_carry = 0;

@@ -274,8 +274,8 @@ TEST(Planner, OverlappedScheduleOnlyWhereItFitsOneWave) {
   q = query(1, 512, 8);
   q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q).overlap);
-  // packed sequences whose lengths the device sees: never (the device's split runs
-  // sequentially)
+  // packed sequences whose lengths the device sees: never the host's schedule (the device
+  // picks it: DeviceOverlapForFewPackedSequences)
   q = query(4, 512, 8, /*varlen=*/true);
   q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q).overlap);
@@ -369,4 +369,61 @@ TEST(Planner, OneWaveOfNarrowBlocksForShortSequencesOfTheFp16Pass) {
   p = plan_segments(tp8, fp16);
   EXPECT_TRUE(p.split);
   EXPECT_EQ(p.col_block, 128);
+}
+
+TEST(Planner, DeviceOverlapForFewPackedSequences) {
+  // Packed sequences at few heads: the host launches the overlapped schedule (4
+  // sub-segments) and the device picks it or the sequential one with the split. Only where
+  // a split's N + 1 segments can fit in a wave beside the exact ones' sub-segments,
+  // (N + 1) H_v + 0.25 H_v (4 - 1) <= 132, and one sequence of all the chunks would run
+  // overlapped.
+  auto q = query(2, 64, 8, /*varlen=*/true);  // 2/8 heads, 2 sequences
+  q.allow_cols = true;
+  auto p = plan_segments(q);
+  EXPECT_TRUE(p.split && p.device_choice && p.device_overlap);
+  EXPECT_FALSE(p.overlap);  // not the host's
+  EXPECT_EQ(p.nsub, 4);
+  EXPECT_EQ(p.col_block, 128);
+  q.N = 14;  // 15 x 8 + 6 = 126
+  EXPECT_TRUE(plan_segments(q).device_overlap);
+  q.N = 15;  // 16 x 8 + 6 = 134
+  EXPECT_FALSE(plan_segments(q).device_overlap);
+  EXPECT_EQ(plan_segments(q).nsub, 1);
+  q = query(2, 256, 8, /*varlen=*/true);  // 28672 + 4096 tokens: fits, but one sequence of
+  q.allow_cols = true;                     // 514 chunks runs sequentially: not launched
+  EXPECT_TRUE(plan_segments(q).device_choice);
+  EXPECT_FALSE(plan_segments(q).device_overlap);
+  q = query(4, 24, 16, /*varlen=*/true);  // 4/16 heads, 4 sequences: 5 x 16 + 12 = 92
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).device_overlap);
+  flashgdn::ForwardCost sequential;  // FLASHGDN_CP_OVERLAP=0 (launch.cu plan_cost)
+  sequential.overlap = false;
+  EXPECT_FALSE(plan_segments(q, sequential).device_overlap);
+  q.allow_cols = false;  // no 128-column pass (the tf32 passes, the backward)
+  EXPECT_FALSE(plan_segments(q).device_overlap);
+  q = query(1, 512, 8, /*varlen=*/true);  // one packed sequence: the host's own plan
+  q.fixed_chunks = q.total_chunks = 512;
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q).device_overlap);
+}
+
+TEST(Planner, OverlapEstimateFromTheDevicesSegments) {
+  // The device knows its segments (LoadStats::seg_blocks, seqs): the first segment of a
+  // sequence starts from h0, so only the others count towards the exact share. 4/16 heads,
+  // 7168 + 1024 tokens (112 + 16 chunks) at segments of 32: 5 segments, 80 blocks; exact
+  // 0.25 x 3 x 16 = 12, running 4 sub-segments: 68 + 48 = 116 blocks fit in a wave. Counted
+  // as a share of all 80 blocks: 60 + 80 = 140 do not.
+  flashgdn::ForwardCost c;
+  flashgdn::LoadStats st;
+  st.longest = 112;
+  st.total = 128;
+  st.segs = 5;
+  st.max_segs_per_seq = 4;
+  st.seg_blocks = 5;
+  bool ov = false;
+  flashgdn::estimate_state_pass_us(c, st, 16, 132, 128, 32, &ov);
+  EXPECT_FALSE(ov);
+  st.seqs = 2;
+  flashgdn::estimate_state_pass_us(c, st, 16, 132, 128, 32, &ov);
+  EXPECT_TRUE(ov);
 }
