@@ -97,10 +97,14 @@ def test_bad_cu_seqlens_values_gpu_give_nan_not_garbage(name, values, msg):
     o, ht = call(**{**a, "cu_seqlens": cu})
     torch.cuda.synchronize()
     assert torch.isnan(o.float()).all() and torch.isnan(ht).all()
-    q = a["q"].clone().requires_grad_()
-    o, ht = call(**{**a, "q": q, "cu_seqlens": cu})
-    (dq,) = torch.autograd.grad(o.float().sum(), [q])
-    assert torch.isnan(dq.float()).all()
+    # every gradient too (one poison launch fills all six of the backward's outputs)
+    names = ("q", "k", "v", "g", "beta")
+    leaves = {n: a[n].clone().requires_grad_() for n in names}
+    h0 = torch.zeros(len(values) - 1, *ht.shape[1:], device="cuda", requires_grad=True)
+    o, ht = call(**{**a, **leaves, "initial_state": h0, "cu_seqlens": cu})
+    grads = torch.autograd.grad(o.float().sum() + ht.sum(), [*leaves.values(), h0])
+    for n, d in zip((*names, "h0"), grads):
+        assert torch.isnan(d.float()).all(), f"d{n} is not all NaN"
     with pytest.raises(ValueError, match=msg):
         flashgdn.check_cu_seqlens(cu, a["q"].shape[1])
 

@@ -218,18 +218,26 @@ struct DeviceGuard {
   }
 };
 
-template <typename T>
-void poison(void* out, int64_t n, const int* error, cudaStream_t st) {
-  if (out == nullptr || n == 0) return;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 1024));
-  poison_kernel<T><<<blocks, 256, 0, st>>>(static_cast<T*>(out), n, error);
-}
+int sm_count(int device);
 
-void poison_dtype(void* out, flashgdn_dtype t, int64_t n, const int* error, cudaStream_t st) {
-  if (t == FLASHGDN_DTYPE_F32) poison<float>(out, n, error, st);
-  else if (t == FLASHGDN_DTYPE_BF16) poison<__nv_bfloat16>(out, n, error, st);
-  else poison<__half>(out, n, error, st);
-}
+// The NaN fill of a call's outputs when cu_seqlens was bad, one launch (poison_kernel).
+struct Poison {
+  PoisonList list;
+  void add(void* out, flashgdn_dtype t, int64_t n) {
+    if (out == nullptr || n == 0) return;
+    list.ptr[list.count] = out;
+    list.n[list.count] = n;
+    list.dtype[list.count] = t;
+    ++list.count;
+  }
+  void launch(const Problem& p, const int* error, cudaStream_t st) const {
+    if (list.count == 0) return;
+    // one block per SM: when error is unset (always, but for a bad cu_seqlens) every block
+    // returns after one load
+    poison_kernel<<<sm_count(p.device_id), 256, 0, st>>>(list, error);
+    check_cuda(cudaGetLastError(), "poison_kernel launch");
+  }
+};
 
 void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, int64_t seg_chunks,
                  const DeviceSegChoice& choice, cudaStream_t st) {
@@ -707,9 +715,10 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
   f.ht = out.final_state;
   run_state_pass<In>(p, plan, b, f, st);
   if (p.varlen()) {
-    poison_dtype(out.o, p.qkv_dtype, p.TT * p.Hv * D, b.error, st);
-    poison<float>(out.final_state, out.final_state ? p.N * p.Hv * D * D : 0, b.error, st);
-    check_cuda(cudaGetLastError(), "poison_kernel launch");
+    Poison z;
+    z.add(out.o, p.qkv_dtype, p.TT * p.Hv * D);
+    z.add(out.final_state, FLASHGDN_DTYPE_F32, p.N * p.Hv * D * D);
+    z.launch(p, b.error, st);
   }
 }
 
@@ -779,13 +788,14 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   if (p.varlen()) {
     const int64_t qk = p.TT * p.Hqk * D, vv = p.TT * p.Hv * D, gg = p.TT * p.Hv;
-    poison_dtype(io.dq, p.qkv_dtype, qk, b.f.error, st);
-    poison_dtype(io.dk, p.qkv_dtype, qk, b.f.error, st);
-    poison_dtype(io.dv, p.qkv_dtype, vv, b.f.error, st);
-    poison_dtype(io.dg, p.g_dtype, gg, b.f.error, st);
-    poison_dtype(io.dbeta, p.beta_dtype, gg, b.f.error, st);
-    poison<float>(io.dh0, io.dh0 ? p.N * p.Hv * D * D : 0, b.f.error, st);
-    check_cuda(cudaGetLastError(), "poison_kernel launch");
+    Poison z;
+    z.add(io.dq, p.qkv_dtype, qk);
+    z.add(io.dk, p.qkv_dtype, qk);
+    z.add(io.dv, p.qkv_dtype, vv);
+    z.add(io.dg, p.g_dtype, gg);
+    z.add(io.dbeta, p.beta_dtype, gg);
+    z.add(io.dh0, FLASHGDN_DTYPE_F32, p.N * p.Hv * D * D);
+    z.launch(p, b.f.error, st);
   }
 }
 
