@@ -304,7 +304,7 @@ def test_device_chooses_the_schedule():
     overlapped or sequential. 7168 + 1024 tokens at 2/8 heads: overlapped (the exact head's
     bits differ from the sequential schedule's by its sub-segments; warm-started heads equal
     them), within the reference's tolerance, g == 0 heads as exact as unsplit, eager equal
-    to a CUDA graph's replay. 6144 + 4 x 512 at 4/16 heads: the overlapped launches too, but
+    to a CUDA graph's replay. 12288 + 8 x 512 at 2/8 heads: the overlapped launches too, but
     the device's cost model picks the sequential split under them (simulated on the host
     with planner.h): bit for bit the sequential schedule's (FLASHGDN_CP_OVERLAP=0)."""
     case = Case("device_schedule", [7168, 1024], 2, 8, gate="mixed")
@@ -323,7 +323,7 @@ def test_device_chooses_the_schedule():
     ro, rh = reference(inp)
     check_split("device-chosen overlapped schedule", case, o, ht, o_ref, h_ref, ro, rh)
 
-    case = Case("device_sequential", [6144, 512, 512, 512, 512], 4, 16, gate="mixed")
+    case = Case("device_sequential", [12288] + [512] * 8, 2, 8, gate="mixed")
     inp = make_inputs(case, "cuda", seed=19)
     with env_vars({}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
@@ -333,7 +333,7 @@ def test_device_chooses_the_schedule():
     with cp_env("off"):
         h_off = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)[1]
     torch.cuda.synchronize()
-    assert not torch.equal(h_seq, h_off), "the device did not split the 6144-token sequence"
+    assert not torch.equal(h_seq, h_off), "the device did not split the 12288-token sequence"
     assert torch.equal(o, o_seq) and torch.equal(ht, h_seq), "sequential choice differs"
     assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
 
