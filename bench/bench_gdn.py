@@ -154,12 +154,33 @@ def _pick(items: Sequence[Any], key: Callable[[Any], str], wanted: Optional[List
     return list(items) if wanted is None else [x for x in items if key(x) in wanted]
 
 
+def parse_seqs(label: str) -> Optional[Tuple[int, ...]]:
+    """Lengths of a forward row named outside the table: "NxL" (N sequences of L tokens) or
+    "A+B+..." (one sequence each), e.g. 1x24576 or 12288+512+512; None if it is neither."""
+    try:
+        if "x" in label:
+            n, length = label.split("x")
+            lens = (int(length),) * int(n)
+        else:
+            lens = tuple(int(x) for x in label.split("+"))
+    except ValueError:
+        return None
+    return lens if lens and min(lens) > 0 else None
+
+
 def build_rows(mode: str, models: Optional[List[str]], seqs: Optional[List[str]],
                seed: int) -> List[Row]:
-    """Rows in run order (forward first), filtered by `--models` / `--seqs`."""
+    """Rows in run order (forward first), filtered by `--models` / `--seqs`; forward rows
+    named outside the table (parse_seqs) are added after it."""
     tables = []
     if mode in ("fwd", "both"):
-        tables.append(("fwd", FWD_MODELS, list(FWD_SEQS) + (list(PACKED_SEQS) if seqs else [])))
+        extra = list(PACKED_SEQS) if seqs else []
+        known = {s for s, _ in list(FWD_SEQS) + extra}
+        for label in seqs or []:
+            lens = parse_seqs(label)
+            if label not in known and lens is not None:
+                extra.append((label, lens))
+        tables.append(("fwd", FWD_MODELS, list(FWD_SEQS) + extra))
     if mode in ("bwd", "both"):
         tables.append(("bwd", BWD_MODELS, _bwd_seqs(seed)))
     rows: List[Row] = []

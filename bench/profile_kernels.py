@@ -6,6 +6,11 @@ call's kernel time. This is where docs/perf-notes.md's per-kernel figures come f
 
     python bench/profile_kernels.py --mode fwd --models 2/8,16/32 --seqs 1x32768,8192x4
     python bench/profile_kernels.py --mode bwd --models 16/32 --seqs 32k_1seq
+
+`--trace` instead captures the call in a CUDA graph (as the benchmarks time it), prints
+the replay's median time and the timeline of one replay: each kernel's start (us from the
+first kernel) and duration, which shows the gaps between kernels and what runs beside
+what. `--cu-seqlens-cpu` hands flashgdn the host copy of cu_seqlens, as bench_gdn.py does.
 """
 from __future__ import annotations
 
@@ -39,6 +44,36 @@ def kernel_times(fn: Callable[[], Any], calls: int) -> List[Tuple[str, float]]:
     return sorted(((k, v / calls) for k, v in total.items()), key=lambda kv: -kv[1])
 
 
+def graph_trace(fn: Callable[[], Any], replays: int = 50) -> Tuple[float, List[Tuple[float, float, str]]]:
+    """(median ms of `replays` graph replays, [(start us, duration us, kernel)] of one)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                 key=lambda e: e.time_range.start)
+    t0 = evs[0].time_range.start if evs else 0
+    line = [(e.time_range.start - t0, e.time_range.end - e.time_range.start,
+             e.name.split("(")[0].replace("void ", "").strip()) for e in evs]
+    return sorted(times)[len(times) // 2], line
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,6 +81,9 @@ def main() -> None:
     ap.add_argument("--models", default="2/8")
     ap.add_argument("--seqs", default="1x32768")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--trace", action="store_true", help="timeline of one CUDA-graph replay")
+    ap.add_argument("--cu-seqlens-cpu", action="store_true",
+                    help="hand flashgdn the host copy of cu_seqlens")
     args = ap.parse_args()
 
     import torch
@@ -54,6 +92,8 @@ def main() -> None:
     for row in bg.build_rows(args.mode, args.models.split(","), args.seqs.split(","), seed=0):
         x = bg.make_inputs(row, seed=0)
         kw = dict(initial_state=x["h0"], output_final_state=True, cu_seqlens=x["cu64"])
+        if args.cu_seqlens_cpu:
+            kw["cu_seqlens_cpu"] = x["cu_cpu"]
         if args.mode == "fwd":
             fn = lambda: flashgdn.chunk_gated_delta_rule(  # noqa: E731
                 x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
@@ -63,9 +103,15 @@ def main() -> None:
             def fn() -> Any:
                 q, k, v, g, beta, h0 = leaves
                 o, ht = flashgdn.chunk_gated_delta_rule(
-                    q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                    cu_seqlens=x["cu64"])
+                    q, k, v, g, beta, **{**kw, "initial_state": h0})
                 return torch.autograd.grad((o, ht), leaves, (x["do"], x["dht"]))
+        if args.trace:
+            ms, line = graph_trace(fn)
+            print(f"\n## {args.mode} {row.model.key} {row.seq_label}: graph replay {ms:.3f} ms "
+                  "(median); one replay's kernels (start us, duration us):")
+            for start, dur, name in line:
+                print(f"  {start:9.1f} {dur:8.1f}  {name}")
+            continue
         rows = kernel_times(fn, args.calls)
         tot = sum(ms for _, ms in rows)
         print(f"\n## {args.mode} {row.model.key} {row.seq_label}: {tot:.3f} ms of kernels per call")
