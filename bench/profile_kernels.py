@@ -44,7 +44,8 @@ def kernel_times(fn: Callable[[], Any], calls: int) -> List[Tuple[str, float]]:
     return sorted(((k, v / calls) for k, v in total.items()), key=lambda kv: -kv[1])
 
 
-def graph_trace(fn: Callable[[], Any], replays: int = 50) -> Tuple[float, List[Tuple[float, float, str]]]:
+def graph_trace(fn: Callable[[], Any],
+                replays: int = 50) -> Tuple[float, List[Tuple[float, float, str]]]:
     """(median ms of `replays` graph replays, [(start us, duration us, kernel)] of one)."""
     import torch
     from torch.profiler import ProfilerActivity, profile

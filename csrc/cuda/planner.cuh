@@ -270,9 +270,10 @@ __device__ __forceinline__ void poison_array(void* out, int64_t n) {
 __global__ void poison_kernel(PoisonList list, const int* error) {
   if (*error == 0) return;
   for (int a = 0; a < list.count; ++a) {
-    if (list.dtype[a] == FLASHGDN_DTYPE_F32) poison_array<float>(list.ptr[a], list.n[a]);
-    else if (list.dtype[a] == FLASHGDN_DTYPE_BF16) poison_array<__nv_bfloat16>(list.ptr[a], list.n[a]);
-    else poison_array<__half>(list.ptr[a], list.n[a]);
+    void* out = list.ptr[a];
+    if (list.dtype[a] == FLASHGDN_DTYPE_F32) poison_array<float>(out, list.n[a]);
+    else if (list.dtype[a] == FLASHGDN_DTYPE_BF16) poison_array<__nv_bfloat16>(out, list.n[a]);
+    else poison_array<__half>(out, list.n[a]);
   }
 }
 
