@@ -44,26 +44,18 @@ def kernel_times(fn: Callable[[], Any], calls: int) -> List[Tuple[str, float]]:
     return sorted(((k, v / calls) for k, v in total.items()), key=lambda kv: -kv[1])
 
 
-def graph_trace(fn: Callable[[], Any],
-                replays: int = 50) -> Tuple[float, List[Tuple[float, float, str]]]:
-    """(median ms of `replays` graph replays, [(start us, duration us, kernel)] of one)."""
+def graph_trace(fn: Callable[[], Any]) -> Tuple[float, List[Tuple[float, float, str]]]:
+    """(median ms of graph replays as bench_gdn.py times them, [(start us, duration us,
+    kernel)] of one replay under the profiler)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+    median_ms = bg.Timer(warmup=10, reps=100, max_seconds=0.3).time(fn)[0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    graph.replay()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
@@ -72,7 +64,7 @@ def graph_trace(fn: Callable[[], Any],
     t0 = evs[0].time_range.start if evs else 0
     line = [(e.time_range.start - t0, e.time_range.end - e.time_range.start,
              e.name.split("(")[0].replace("void ", "").strip()) for e in evs]
-    return sorted(times)[len(times) // 2], line
+    return median_ms, line
 
 
 def main() -> None:
