@@ -102,9 +102,12 @@ int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound)
   return mask;
 }
 
-// Whether a split of q's packed sequences could run the overlapped schedule in one wave (the
-// device's estimate, planner.h): a split makes at least N + 1 segments, each a block per
-// head, and the exact share of those that do not start a sequence runs as max(nsub, 2).
+// Whether a split of q's packed sequences could run the overlapped schedule in one wave: a
+// split makes at least N + 1 segments, each a block per head, and the exact share of those
+// that do not start a sequence runs as max(nsub, 2) blocks beside the others. This is the
+// fit test estimate_state_pass_us had before 2026-11-24 (d43a23c); that estimate now
+// allows more (summaries beside the warm-started blocks, sub-segments after them), so this
+// bound is the stricter one for packed sequences and was kept as measured.
 bool overlap_may_fit(const SegmentQuery& q, const ForwardCost& c) {
   const double ns = c.nsub > 2 ? c.nsub : 2.0, hv = static_cast<double>(q.Hv);
   return static_cast<double>(q.N + 1) * hv + c.exact_share * hv * (ns - 1.0) <= q.sms;

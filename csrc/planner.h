@@ -44,12 +44,13 @@ struct SegmentPlan {
   // device_choice (then the device picks the column block with the segment length).
   bool device_col_block = false;
   // device_choice at column block 128 where a split's blocks may fit in one wave beside
-  // each other (at least N + 1 segments per head): the host launches the overlapped
-  // schedule's two streams, with nsub sub-segments, and the device picks the schedule with
-  // the split (plan_kernel): a sequential split then runs every phase-0 block in the
-  // chain's launch (the other returns at once) and no sub-segments. 16 and 32 columns only
-  // unsplit then. Without it, the device's splits run sequentially. (H100, 2/8 heads, 6144
-  // + 2048 tokens: sequential split 0.298 ms, overlapped 0.234.)
+  // each other (at least N + 1 segments per head) and one sequence of all the tokens would
+  // run overlapped (planner.cpp): the host launches the overlapped schedule's two streams,
+  // with nsub sub-segments, and the device picks the schedule with the split
+  // (plan_kernel): a sequential split then runs every phase-0 block in the chain's launch
+  // (the other returns at once) and no sub-segments. 16 and 32 columns only unsplit then.
+  // Without it, the device's splits run sequentially. (H100, 2/8 heads, 6144 + 2048
+  // tokens: sequential split 0.298 ms, overlapped 0.221.)
   bool device_overlap = false;
   // device_col_block: the column blocks the device may pick (col_block_bit), the others'
   // kernels are not launched. A column block is left out when its least possible cost (the

@@ -643,11 +643,12 @@ template <typename In>
 void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   DeviceSegChoice choice{};
+  const bool dev_schedule = device_schedule(plan);
   if (plan.device_choice || plan.device_col_block) {
     choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
     // the device's split runs sequentially unless the overlapped launches are made for it
-    choice.cost.overlap = device_schedule(plan);
-    choice.split_col_blocks = device_schedule(plan) ? col_block_bit(D) : 0;
+    choice.cost.overlap = dev_schedule;
+    choice.split_col_blocks = dev_schedule ? col_block_bit(D) : 0;
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);
     choice.col_block = plan.col_block;
@@ -671,7 +672,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.looped = b.split_seqs != nullptr && p.N > 1 && b.nsub <= 1;
   f.seg_chunks_dev = plan.device_choice ? b.seg_chunks : nullptr;
   f.col_block_dev = plan.device_col_block ? b.seg_chunks + 1 : nullptr;
-  f.schedule_dev = device_schedule(plan) ? b.seg_chunks + 2 : nullptr;
+  f.schedule_dev = dev_schedule ? b.seg_chunks + 2 : nullptr;
   if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
   f.seg_L = b.seg_L;
   f.seg_M = b.seg_M;
