@@ -34,6 +34,10 @@ struct SegmentPlan {
   // nsub sub-segments
   bool overlap = false;
   int nsub = 1;
+  // exact segments' outputs by correction (SegParams::corr): phase 1 gives their local
+  // outputs and effective queries, seg_correct_kernel adds Q_eff S_in after the combine, and
+  // their phase 0 does not run (no sub-segments then)
+  bool corr = false;
   // varlen Auto: the host does not know the lengths, so when a split may pay off it sizes
   // the grids for segments of seg_chunks (the shortest candidate) and the device
   // (plan_kernel) picks the segment length, or none, from the actual lengths.

@@ -24,7 +24,7 @@ STATE_TOL = 3.7e-3
 
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
-            "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB")
+            "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR")
 
 
 @contextmanager
@@ -78,6 +78,30 @@ def test_cp_matches_unsplit_and_reference(case: Case, seg: int, bw: str):
     torch.cuda.synchronize()
     ro, rh = reference(inp)
     check_split(f"{case.name} BW {bw} seg={seg}", case, o, ht, o_ref, h_ref, ro, rh)
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("bw", ["16", "32", "128"])
+@pytest.mark.parametrize("seg", [1, 3])
+@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.name)
+def test_corr_matches_unsplit_and_reference(case: Case, seg: int, bw: str, overlap: str):
+    """Exact segments' outputs by correction (FLASHGDN_CP_CORR=1: phase 1 writes their local
+    outputs and effective queries, seg_correct_kernel adds Q_eff S_in, the combine forms the
+    final state where the last segment is exact), each state-pass kernel, sequential and
+    overlapped schedule: against the unsplit pass and the reference, g == 0 heads as exact
+    as unsplit."""
+    inp = make_inputs(case, "cuda", seed=13)
+    with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": bw}):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), "FLASHGDN_FWD_BW": bw,
+                   "FLASHGDN_CP_CORR": "1", "FLASHGDN_CP_OVERLAP": overlap}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o2 = flashgdn.chunk_gated_delta_rule(**inp)  # no final state asked for
+    torch.cuda.synchronize()
+    ro, rh = reference(inp)
+    check_split(f"{case.name} corr BW {bw} seg={seg} overlap={overlap}", case, o, ht, o_ref,
+                h_ref, ro, rh)
+    assert torch.equal(o, o2[0] if isinstance(o2, tuple) else o2)
 
 
 def zero_gate_heads(case: Case) -> range:

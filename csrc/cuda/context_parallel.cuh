@@ -71,6 +71,18 @@ struct SegParams {
                                  //   overlapped (or unsplit), 0 sequential: the starts = 1
                                  //   launch returns at once, the starts = 2 one runs every
                                  //   segment, and no sub-segments (null: the host's schedule)
+  // Exact segments' outputs by correction (SegmentPlan::corr, forward only, no
+  // sub-segments): phase 1 runs every exact segment from a zero state with outputs, its
+  // local outputs O_loc (the L block) and, on the identity, Q_eff = scale M_t^T q_t per token
+  // (the M block: o_t = O_loc,t + Q_eff,t^T S_in for the segment's exact entering state
+  // S_in); seg_correct_kernel adds the second term after the combine, which also forms the
+  // final state of a sequence whose last segment is exact (corr_ht); phase 0 skips exact
+  // segments. Their chain loses its third link (phase 0 over the segment after the combine).
+  bool corr;
+  float* o_loc;      // [Hv, D, corr_ld] fp32, value-major (token index fastest)
+  float* q_eff;      // [Hv, D, corr_ld] fp32, key-major
+  int64_t corr_ld;   // tokens of the packed input (TT)
+  float* corr_ht;    // [N, Hv, D, D] final states (the forward's ht) or null
 };
 
 // Whether the device chose the sequential schedule under launches made for the overlapped
@@ -245,8 +257,9 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   b.identity = false;
   if (p.phase == 1) {
     // summaries where the neighbour in pass order starts exactly from this segment, and
-    // with sub-segments also for every exact segment (the records of its sub-segments)
-    const bool own = subs && b.ss.src == SegSource::Exact;
+    // with sub-segments or corr also for every exact segment (the records of its
+    // sub-segments; corr: its outputs and the final state)
+    const bool own = (subs || p.corr) && b.ss.src == SegSource::Exact;
     const bool last = reverse ? b.j == 0 : b.c_end >= b.nch;  // no neighbour
     const int64_t nb = reverse ? b.j - 1 : b.j + 1;
     if (!own && (last || segment_start(p, b.chunk0, b.nch, b.h, nb, reverse).src !=
@@ -256,6 +269,8 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     if (b.identity && b.ss.src != SegSource::Exact) return false;
   } else if (static_cast<int>(blockIdx.x) >= CBN) {
     return false;
+  } else if (p.corr && b.ss.src == SegSource::Exact) {
+    return false;  // its outputs: seg_correct_kernel
   } else if (starts != 0 && (b.ss.src == SegSource::Exact) != (starts == 2)) {
     return false;
   } else if (subs) {
@@ -397,13 +412,17 @@ __device__ __forceinline__ void combine_sequence(const SegParams& p, bool revers
     return static_cast<size_t>((z0 + prev_of(t)) * p.Hv + h) * D * D;
   };
   bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
-  for (int64_t t0 = 0; t0 + 1 < count; t0 += kCombineThreads) {
+  // SegParams::corr: one more step, from the last segment to the sequence's final state,
+  // taken where the last segment is exact (phase 0 does not run it then)
+  const int64_t steps = count - 1 + (p.corr_ht != nullptr ? 1 : 0);
+  for (int64_t t0 = 0; t0 < steps; t0 += kCombineThreads) {
     const int64_t t = t0 + threadIdx.x, t_end =
-        t0 + kCombineThreads < count - 1 ? t0 + kCombineThreads : count - 1;
+        t0 + kCombineThreads < steps ? t0 + kCombineThreads : steps;
     if (t < t_end) {
       const int64_t prev = prev_of(t), next = reverse ? prev - 1 : prev + 1;
       exact[1 + threadIdx.x] =
-          segment_start(p, chunk0, nch, h, next, reverse).src == SegSource::Exact;
+          segment_start(p, chunk0, nch, h, t == count - 1 ? prev : next, reverse).src ==
+          SegSource::Exact;
     }
     if (threadIdx.x == 0) exact[0] = last_flag;
     __syncthreads();
@@ -446,7 +465,8 @@ __device__ __forceinline__ void combine_sequence(const SegParams& p, bool revers
         __syncthreads();  // Sc read (and M: its buffer is refilled for step u + 2)
       }
       const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
-      float* out = p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
+      float* out = u == count - 1 ? p.corr_ht + static_cast<size_t>(n * p.Hv + h) * D * D
+                                  : p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
       const float4 v = make_float4(acc[0], acc[1], acc[2], acc[3]);
       *reinterpret_cast<float4*>(Sc + row * kCombineCols + c0) = v;
       __stcg(reinterpret_cast<float4*>(out + row * D + vb + c0), v);
@@ -518,6 +538,88 @@ __global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
   add_m_times_s<kRows, kSubCols>(acc, Ms, Sc, col, r0);
 #pragma unroll
   for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
+}
+
+// seg_correct_kernel  grid (max_chunks, H_v), 256 threads, 104 KB smem (2 blocks per SM)
+//   SegParams::corr: the outputs of one chunk of an exact segment, o_t = O_loc,t + Q_eff,t^T
+//   S_in for its tokens t (phase 1's local outputs and effective queries, the combine's
+//   entering state), written to o in the input dtype. Blocks of chunks whose segment does
+//   not start exact return after segment_start. The product O^T = S_in^T Q_eff^T (128
+//   values x 64 tokens, k = 128 keys) on TF32 mma.sync (both operands rounded to nearest: the
+//   fp16 state pass's 10-bit mantissa), fp32 accumulation; warp w the values 16 w .. + 15.
+//   reads  Lb, seg_in, o_loc, q_eff     writes o
+constexpr int kCorrSLd = D + 8;   // S_in [key][kCorrSLd]: the A fragments' 32 lanes in 32 banks
+constexpr int kCorrQLd = C + 8;   // Q_eff^T [key][kCorrQLd] (idem for B), later O [C][kCorrOLd]
+constexpr int kCorrOLd = D + 4;
+constexpr size_t kCorrSmem = sizeof(float) * (D * kCorrSLd + D * kCorrQLd);
+static_assert(C * kCorrOLd <= D * kCorrQLd, "O staging fits in the Q_eff tile");
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 2) seg_correct_kernel(SegParams p, void* out) {
+  if (p.seqs.failed()) return;
+  const ChunkRef cr = locate_chunk(p.seqs, blockIdx.x);
+  if (cr.L == 0) return;
+  const int64_t h = blockIdx.y, n = cr.seq;
+  const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
+  const int64_t c = blockIdx.x - chunk0, j = c / seg_chunks(p);
+  if (j == 0 || segment_start(p, chunk0, nch, h, j).src != SegSource::Exact) return;
+  int64_t z0, count;
+  sequence_segments(p, n, z0, count);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* Ss = reinterpret_cast<float*>(smem_raw);  // [D keys][kCorrSLd] S_in, tf32
+  float* Qs = Ss + D * kCorrSLd;                   // [D keys][kCorrQLd] Q_eff^T, tf32
+  const float* S_in = p.seg_in + static_cast<size_t>((z0 + j) * p.Hv + h) * D * D;
+  for (int e = threadIdx.x; e < D * D / 4; e += NT) {
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(S_in) + e);
+    const int r = e / (D / 4), c4 = 4 * (e % (D / 4));
+    *reinterpret_cast<float4*>(Ss + r * kCorrSLd + c4) =
+        make_float4(round_tf32(v.x), round_tf32(v.y), round_tf32(v.z), round_tf32(v.w));
+  }
+  const int L = cr.L;
+  const size_t col0 = static_cast<size_t>(h) * D * p.corr_ld + cr.tok0;  // (h, key 0, token 0)
+  for (int e = threadIdx.x; e < D * C; e += NT) {
+    const int key = e / C, tok = e % C;
+    Qs[key * kCorrQLd + tok] =
+        tok < L ? round_tf32(__ldcg(p.q_eff + col0 + key * p.corr_ld + tok)) : 0.f;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3, m0 = 16 * warp;
+  float acc[8][4] = {};
+#pragma unroll 4
+  for (int k0 = 0; k0 < D; k0 += 8) {
+    uint32_t a[4];  // A[m][k] = S_in[k][m]
+    a[0] = __float_as_uint(Ss[(k0 + t) * kCorrSLd + m0 + g]);
+    a[1] = __float_as_uint(Ss[(k0 + t) * kCorrSLd + m0 + g + 8]);
+    a[2] = __float_as_uint(Ss[(k0 + t + 4) * kCorrSLd + m0 + g]);
+    a[3] = __float_as_uint(Ss[(k0 + t + 4) * kCorrSLd + m0 + g + 8]);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t b[2];  // B[k][n] = Q_eff^T[key k][token n]
+      b[0] = __float_as_uint(Qs[(k0 + t) * kCorrQLd + 8 * nt + g]);
+      b[1] = __float_as_uint(Qs[(k0 + t + 4) * kCorrQLd + 8 * nt + g]);
+      mma_tf32(acc[nt], a, b);
+    }
+  }
+  __syncthreads();  // Qs read: it stages O [token][value] next
+  float* Os = Qs;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = m0 + g + (e >= 2 ? 8 : 0), tok = 8 * nt + 2 * t + (e & 1);
+      const float loc = tok < L ? __ldcg(p.o_loc + col0 + v * p.corr_ld + tok) : 0.f;
+      Os[tok * kCorrOLd + v] = acc[nt][e] + loc;
+    }
+  __syncthreads();
+  In* o = static_cast<In*>(out);
+  for (int e = threadIdx.x; e < C * (D / 4); e += NT) {
+    const int tok = e / (D / 4), v = 4 * (e % (D / 4));
+    if (tok >= L) break;
+    const float4 x = *reinterpret_cast<const float4*>(Os + tok * kCorrOLd + v);
+    In q4[4] = {from_f<In>(x.x), from_f<In>(x.y), from_f<In>(x.z), from_f<In>(x.w)};
+    *reinterpret_cast<uint2*>(o + ((cr.tok0 + tok) * p.Hv + h) * D + v) =
+        *reinterpret_cast<const uint2*>(q4);
+  }
 }
 
 }  // namespace cuda

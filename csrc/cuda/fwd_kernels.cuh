@@ -539,6 +539,27 @@ __device__ __forceinline__ void store_o_block(const FwdParams& p, const float (&
     }
 }
 
+// SegParams::corr, phase 1 of an exact segment: whether this block writes outputs (its local
+// outputs O_loc, or Q_eff from the identity's block), and the store of a warp's 16 x 8 NJ
+// block of them (rows m0 .. of the chunk at token tok0 with L rows, columns col0 ..) as
+// scale * acc in fp32, [h][column][token].
+__device__ __forceinline__ bool corr_outputs(const FwdParams& p, const SegmentBlock& b) {
+  return p.corr && p.phase == 1 && b.ss.src == SegSource::Exact;
+}
+template <int NJ>
+__device__ __forceinline__ void store_o_corr(const FwdParams& p, const SegmentBlock& b,
+                                             const float (&acc)[NJ][4], int64_t tok0, int L,
+                                             int m0, int col0) {
+  float* dst = (b.identity ? p.q_eff : p.o_loc) + static_cast<size_t>(b.h) * D * p.corr_ld + tok0;
+#pragma unroll
+  for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = m0 + acc_row(e), c = col0 + 8 * jj + acc_col(e);
+      if (r < L) __stcg(dst + static_cast<size_t>(c) * p.corr_ld + r, p.scale * acc[jj][e]);
+    }
+}
+
 // One segment block of state_fwd_mma_kernel (for_each_segment_block).
 template <typename In, int BW, typename PT>
 __device__ __forceinline__ void state_fwd_mma_segment(const FwdParams& p, const SegmentBlock& b) {
@@ -824,7 +845,8 @@ __device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const 
   __half* Wph = Ueh + C * LDS;  // kFree: [C][LDS] W' = V - diag(e^G) K S
 
   const int warp = threadIdx.x >> 5;
-  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const bool corr_out = corr_outputs(p, b);
+  const bool want_o = ((p.phase == 0 && p.o != nullptr) || corr_out) && !(p.debug & 1);
   const bool record = p.phase == 0 && p.h != nullptr;  // the backward's recomputation
 
   auto issue = [&](int64_t ci, int s) {
@@ -993,7 +1015,8 @@ __device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const 
 #pragma unroll
         for (int jj = 0; jj < NJ; ++jj) mma_f16(qa[jj], ap, bu[jj]);
       }
-      store_o_block<In>(p, qa, tok0, L, h, m0, vb + n0);
+      if (corr_out) store_o_corr(p, b, qa, tok0, L, m0, vb + n0);
+      else store_o_block<In>(p, qa, tok0, L, h, m0, vb + n0);
     }
     {  // S <- exp(G_last) S + K^T diag(eL) U: warp w rows 16 w .. +16, all BW columns
       const float eg = __expf(gl);

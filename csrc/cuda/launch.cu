@@ -98,6 +98,7 @@ struct FwdBuffers {
   __half* Tv16;       // the default f16 pass: T diag(beta) (W and U0 are null)
   float2* EG;         // f16 forward: (e^G, e^{G_last - G}) per token-head (cols kernel)
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
+  float *o_loc, *q_eff;            // SegParams::corr: exact segments' local outputs, Q_eff
   int nsub;                        // FLASHGDN_CP_SUB: sub-segments of exact segments (0: none)
   float *sub_L, *sub_M;            //   their records (SegParams::sub_L, sub_M)
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block,
@@ -140,12 +141,23 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
 // FLASHGDN_CP_SUB=<1..8> overrides. Split forward plans of the default pass whose
 // 128-column kernel runs (the mma.sync one); 0 (none) otherwise. Read when the workspace is
 // carved.
+bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward);
 int cp_subsegments(const SegmentPlan& plan, FwdPass pass, bool backward) {
   const int n = env_int_or("FLASHGDN_CP_SUB", plan.nsub);
   if (n < 2 || n > 8 || backward || !plan.split || !plan.cols || pass != FwdPass::F16 ||
-      env_int("FLASHGDN_COLS_WGMMA") == 1)
+      env_int("FLASHGDN_COLS_WGMMA") == 1 || cp_corr(plan, pass, backward))
     return 0;
   return n;
+}
+// Exact segments' outputs by correction (SegParams::corr): the plan's choice
+// (SegmentPlan::corr), FLASHGDN_CP_CORR=1 / 0 forces it on / off. Forward split plans of the
+// default pass whose segments the host made (not the device's choice for packed
+// sequences); not with the opt-in wgmma 128-column kernel. Read when the workspace is carved.
+bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward) {
+  const int v = env_int_or("FLASHGDN_CP_CORR", -1);
+  const bool want = v < 0 ? plan.corr : v == 1;
+  return want && !backward && plan.split && !plan.device_choice && pass == FwdPass::F16 &&
+         env_int("FLASHGDN_COLS_WGMMA") != 1;
 }
 
 FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
@@ -163,6 +175,11 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
     b.seg_M = c.take<float>(segheads * D * D);
     b.seg_in = c.take<float>(segheads * D * D);
     b.nsub = cp_subsegments(plan, b.pass, backward);
+    if (cp_corr(plan, b.pass, backward)) {
+      const size_t cols = static_cast<size_t>(p.Hv) * D * p.TT;
+      b.o_loc = c.take<float>(cols);
+      b.q_eff = c.take<float>(cols);
+    }
     if (b.nsub > 1) {
       b.sub_L = c.take<float>(segheads * (b.nsub - 1) * D * D);
       b.sub_M = c.take<float>(segheads * (b.nsub - 1) * D * D);
@@ -427,6 +444,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   std::call_once(once, [] {
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
+    set_smem(state_fwd_cols_kernel<In, false, true>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
@@ -436,6 +454,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
     if (f.h == nullptr && cols_wgmma())
       state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(fz);
+    else if (f.corr && f.phase == 1)  // exact segments' outputs by correction
+      state_fwd_cols_kernel<In, false, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
     else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
       state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
     else
@@ -460,6 +480,16 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
   const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.Hv), kColBlocks);
   seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
   check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
+}
+
+template <typename In>
+void launch_seg_correct(const Problem& p, const FwdParams& f, cudaStream_t st) {
+  if (!f.corr || p.max_chunks() == 0) return;
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(seg_correct_kernel<In>, kCorrSmem); });
+  const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hv));
+  seg_correct_kernel<In><<<grid, NT, kCorrSmem, st>>>(f, f.o);
+  check_cuda(cudaGetLastError(), "seg_correct_kernel launch");
 }
 
 void launch_sub_start(const Problem& p, const SegmentPlan& plan, const SegParams& f,
@@ -680,11 +710,17 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.nsub = b.nsub;
   f.sub_L = b.sub_L;
   f.sub_M = b.sub_M;
+  f.corr = b.o_loc != nullptr && f.h == nullptr;
+  f.o_loc = b.o_loc;
+  f.q_eff = b.q_eff;
+  f.corr_ld = p.TT;
+  f.corr_ht = f.corr ? f.ht : nullptr;
   launch_wy<In>(p, f, st);
   // FLASHGDN_BWD_COLS=1: the backward's recomputation in state_fwd_cols_kernel too, on the
   // backward's segments (whatever column block the plan or the device picked for them)
   const bool recompute_cols = f.h != nullptr && b.pass == FwdPass::F16 && bwd_cols();
   auto launch = [&](cudaStream_t s) {
+    if (f.corr && f.phase == 0 && f.starts == 2) return;  // exact segments: seg_correct_kernel
     if (recompute_cols) {
       FwdParams fc = f;
       fc.col_block_dev = nullptr;
@@ -701,6 +737,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(plan), f, st, launch,
              [&](cudaStream_t s) {
                launch_seg_combine(p, f, false, s);
+               launch_seg_correct<In>(p, f, s);
                launch_sub_start(p, plan, f, s);
              });
 }

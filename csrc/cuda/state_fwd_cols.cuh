@@ -133,7 +133,7 @@ __device__ __forceinline__ void store_o_cols(const FwdParams& p, const float (&o
 // cost ~330 register moves per chunk): chunk loop 1631 -> 1220 SASS instructions, H100
 // 1-2% faster on 18 of the 20 TP rows (perf-notes version 16).
 // One segment block of state_fwd_cols_kernel (for_each_segment_block).
-template <typename In, bool kRecord>
+template <typename In, bool kRecord, bool kCorr>
 __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const SegmentBlock& b) {
   using Sm = StateFwdColsSmem;
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
@@ -152,7 +152,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   __half* Ost = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage) + warp * C * LDO;
 
   const int v0 = 16 * warp;  // the warp's value columns (rows of S^T)
-  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const bool corr_out = kCorr && corr_outputs(p, b);  // SegParams::corr: O_loc or Q_eff
+  const bool want_o = ((p.phase == 0 && p.o != nullptr) || corr_out) && !(p.debug & 1);
   const bool record = kRecord && p.phase == 0 && p.h != nullptr;
 
   auto issue = [&](int64_t ci, int s) {
@@ -299,6 +300,18 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
           mma_f16(o[2 * nt], ua[kt], b0);
           mma_f16(o[2 * nt + 1], ua[kt], b1);
         }
+      if (kCorr && corr_out) {  // fp32 [h][value][token]: a thread's token pairs adjacent
+        float* dst = (identity ? p.q_eff : p.o_loc) + static_cast<size_t>(h) * D * p.corr_ld +
+                     tok0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = 8 * j + acc_col(e), v = v0 + acc_row(e);
+            if (r < L) __stcg(dst + static_cast<size_t>(v) * p.corr_ld + r, p.scale * o[j][e]);
+          }
+        continue;
+      }
       // O^T tiles -> Ost [token][16 values] (transposed by stmatrix), then 16-byte rows out
       const int m = lane >> 3, i = lane & 7;
 #pragma unroll
@@ -327,11 +340,13 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
 }
 
-template <typename In, bool kRecord = false>
+// kCorr: phase 1 with SegParams::corr (its own instantiation: the fp32 output path costs
+// the phase-0 kernel ~32 bytes of spills)
+template <typename In, bool kRecord = false, bool kCorr = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-    state_fwd_cols_segment<In, kRecord>(p, b);
+    state_fwd_cols_segment<In, kRecord, kCorr>(p, b);
   });
 }
 
