@@ -161,8 +161,10 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   }
   // Auto: the cheapest of the unsplit plans and the splits into segments of 32, 64, 128, ...
   // chunks, for each column block; a split must save at least min_gain.
-  SegmentPlan best_unsplit, best_split, best_overlapped;
-  best_unsplit.est_us = best_split.est_us = best_overlapped.est_us = 1e300;
+  SegmentPlan best_unsplit, best_split, best_overlapped, best_corr;
+  best_unsplit.est_us = best_split.est_us = best_overlapped.est_us = best_corr.est_us = 1e300;
+  // exact outputs by correction: host-made splits only (not the device's, packed sequences)
+  const bool corr = cost.corr && !(q.fixed_chunks < 0 && q.N > 1);
   ForwardCost sequential = cost;
   sequential.overlap = false;
   for (int bw : {16, 32, 128}) {
@@ -176,15 +178,29 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       if (!s.split) continue;
       s.est_us = estimate_us(q, s, sequential);
       if (s.est_us < best_split.est_us) best_split = s;
+
       if (!cost.overlap) continue;
       s.est_us = estimate_schedule_us(q, s, cost);
       if (s.overlap && s.est_us < best_overlapped.est_us) best_overlapped = s;
+    }
+    // corr: 16 and 32 columns, segments from kMinCorrSegChunks (its chain has no warm-up,
+    // and every block must fit in one wave anyway)
+    for (int64_t seg = kMinCorrSegChunks; corr && bw != 128 && seg < longest_est;
+         seg = next_seg_candidate(seg)) {
+      SegmentPlan k = with_length(q, seg, bw);
+      if (!k.split) continue;
+      k.corr = true;
+      k.overlap = true;  // its phase 0 beside the chain; no sub-segments
+      k.est_us = estimate_corr_us(cost, load_stats(q, k), static_cast<double>(q.Hv),
+                                  static_cast<double>(q.N), q.sms, bw, static_cast<double>(seg));
+      if (k.est_us < best_corr.est_us) best_corr = k;
     }
   }
   // the overlapped schedule where the model's gain over the best sequential split is large
   // enough to survive its overstatement (ForwardCost::overlap_margin)
   if (best_overlapped.est_us <= cost.overlap_margin * best_split.est_us)
     best_split = best_overlapped;
+  if (best_corr.est_us < best_split.est_us) best_split = best_corr;
   const bool lengths_unknown = q.fixed_chunks < 0 && q.N > 1 && !forced_bw;
   // The host's estimates take the worst case (one sequence holding every chunk, the most
   // segments), so they bound the plans' costs at the actual lengths; the device picks a

@@ -124,6 +124,13 @@ struct ForwardCost {
   int nsub = 4;
   double sub_start_us = 5.0;
   double overlap_margin = 0.75;
+  // Exact segments' outputs by correction (SegmentPlan::corr; host-made splits of the
+  // forward's fp16 pass at 16 or 32 columns, estimate_corr_us): a phase-1 step with outputs
+  // relative to a phase-0 step (H100, 2026-11-24, 2/8 x 4096, segments of 24 at 32 columns:
+  // 3.1 us against the one-wave 2.6) and seg_correct_kernel's time.
+  bool corr = false;
+  double corr_step_factor = 1.2;
+  double corr_us = 6.0;
 };
 
 #ifdef __CUDACC__
@@ -224,10 +231,34 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
   return ov;
 }
 
+// Estimated time (us) of a split state pass whose exact segments' outputs come by correction
+// (SegmentPlan::corr), column block bw (16 or 32), segments of seg chunks, n_seqs sequences:
+// the warm-started and first segments' phase 0 runs beside the exact segments' chain (phase
+// 1 with outputs, the combine, seg_correct_kernel), and every block of both must fit in one
+// wave (else no estimate: 1e300).
+inline double estimate_corr_us(const ForwardCost& c, const LoadStats& s, double heads,
+                               double n_seqs, int sms, int bw, double seg) {
+  if (!c.corr || (bw != 16 && bw != 32) || seg <= 0) return 1e300;
+  const double t = bw == 16 ? c.step_us_bw16 : c.step_us_bw32;
+  const double tw = bw == 16 ? c.step_us_bw16_wave : c.step_us_bw32_wave;
+  const double step = tw > 0.0 ? tw : t, cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
+  const double len = seg < s.longest ? seg : s.longest;
+  const double later = s.segs > n_seqs ? s.segs - n_seqs : 0.0;  // segments not first
+  const double exact_blocks = heads * cbn * c.exact_share * later;
+  const double warm_blocks = heads * cbn * s.segs - exact_blocks;
+  if (warm_blocks + 2.0 * exact_blocks > nsm) return 1e300;
+  const double crit0 = (len + c.warm_chunks) * step;
+  const double chain = len * step * c.corr_step_factor + c.combine_us * s.max_segs_per_seq +
+                       c.corr_us;
+  return crit0 > chain ? crit0 : chain;
+}
+
 // Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a
 // small part of a segment's work. (Measured at 2/8 x 8192, column block 128: segments of
 // 24 chunks 0.286 ms, 32 0.321, 16 0.311.)
 constexpr int64_t kMinSegChunks = 24;
+// ... and with exact outputs by correction (SegmentPlan::corr; candidates 12, 16, 24, ...)
+constexpr int64_t kMinCorrSegChunks = 12;
 
 // The segment lengths Auto mode tries, from kMinSegChunks up: 24, 32, 48, 64, 96, 128, ...
 // (steps of 4/3 and 3/2, so that plans of one block per SM can fill their last wave).

@@ -566,37 +566,46 @@ __global__ void __launch_bounds__(NT, 2) seg_correct_kernel(SegParams p, void* o
   int64_t z0, count;
   sequence_segments(p, n, z0, count);
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* Ss = reinterpret_cast<float*>(smem_raw);  // [D keys][kCorrSLd] S_in, tf32
-  float* Qs = Ss + D * kCorrSLd;                   // [D keys][kCorrQLd] Q_eff^T, tf32
+  float* Ss = reinterpret_cast<float*>(smem_raw);  // [D keys][kCorrSLd] S_in
+  float* Qs = Ss + D * kCorrSLd;                   // [D keys][kCorrQLd] Q_eff^T
+  // every load in flight at once (cp.async; a loop of plain loads waited on each: H100, 2/8
+  // x 32768, 109 us for the kernel), rounded to tf32 at the fragments
   const float* S_in = p.seg_in + static_cast<size_t>((z0 + j) * p.Hv + h) * D * D;
-  for (int e = threadIdx.x; e < D * D / 4; e += NT) {
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(S_in) + e);
-    const int r = e / (D / 4), c4 = 4 * (e % (D / 4));
-    *reinterpret_cast<float4*>(Ss + r * kCorrSLd + c4) =
-        make_float4(round_tf32(v.x), round_tf32(v.y), round_tf32(v.z), round_tf32(v.w));
-  }
+  for (int e = threadIdx.x; e < D * D / 4; e += NT)
+    cp_async16(Ss + (e / (D / 4)) * kCorrSLd + 4 * (e % (D / 4)), S_in + 4 * e, true);
   const int L = cr.L;
   const size_t col0 = static_cast<size_t>(h) * D * p.corr_ld + cr.tok0;  // (h, key 0, token 0)
   for (int e = threadIdx.x; e < D * C; e += NT) {
     const int key = e / C, tok = e % C;
-    Qs[key * kCorrQLd + tok] =
-        tok < L ? round_tf32(__ldcg(p.q_eff + col0 + key * p.corr_ld + tok)) : 0.f;
+    if (tok < L) cp_async4(Qs + key * kCorrQLd + tok, p.q_eff + col0 + key * p.corr_ld + tok);
+    else Qs[key * kCorrQLd + tok] = 0.f;
   }
-  __syncthreads();
+  cp_async_commit();
   const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3, m0 = 16 * warp;
+  float loc[8][4];  // O_loc at this thread's accumulator places, loaded under the product
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = m0 + g + (e >= 2 ? 8 : 0), tok = 8 * nt + 2 * t + (e & 1);
+      loc[nt][e] = tok < L ? __ldcg(p.o_loc + col0 + v * p.corr_ld + tok) : 0.f;
+    }
+  cp_async_wait<0>();
+  __syncthreads();
+  auto tf = [](float x) { return __float_as_uint(round_tf32(x)); };
   float acc[8][4] = {};
 #pragma unroll 4
   for (int k0 = 0; k0 < D; k0 += 8) {
     uint32_t a[4];  // A[m][k] = S_in[k][m]
-    a[0] = __float_as_uint(Ss[(k0 + t) * kCorrSLd + m0 + g]);
-    a[1] = __float_as_uint(Ss[(k0 + t) * kCorrSLd + m0 + g + 8]);
-    a[2] = __float_as_uint(Ss[(k0 + t + 4) * kCorrSLd + m0 + g]);
-    a[3] = __float_as_uint(Ss[(k0 + t + 4) * kCorrSLd + m0 + g + 8]);
+    a[0] = tf(Ss[(k0 + t) * kCorrSLd + m0 + g]);
+    a[1] = tf(Ss[(k0 + t) * kCorrSLd + m0 + g + 8]);
+    a[2] = tf(Ss[(k0 + t + 4) * kCorrSLd + m0 + g]);
+    a[3] = tf(Ss[(k0 + t + 4) * kCorrSLd + m0 + g + 8]);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       uint32_t b[2];  // B[k][n] = Q_eff^T[key k][token n]
-      b[0] = __float_as_uint(Qs[(k0 + t) * kCorrQLd + 8 * nt + g]);
-      b[1] = __float_as_uint(Qs[(k0 + t + 4) * kCorrQLd + 8 * nt + g]);
+      b[0] = tf(Qs[(k0 + t) * kCorrQLd + 8 * nt + g]);
+      b[1] = tf(Qs[(k0 + t + 4) * kCorrQLd + 8 * nt + g]);
       mma_tf32(acc[nt], a, b);
     }
   }
@@ -607,8 +616,7 @@ __global__ void __launch_bounds__(NT, 2) seg_correct_kernel(SegParams p, void* o
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int v = m0 + g + (e >= 2 ? 8 : 0), tok = 8 * nt + 2 * t + (e & 1);
-      const float loc = tok < L ? __ldcg(p.o_loc + col0 + v * p.corr_ld + tok) : 0.f;
-      Os[tok * kCorrOLd + v] = acc[nt][e] + loc;
+      Os[tok * kCorrOLd + v] = acc[nt][e] + loc[nt][e];
     }
   __syncthreads();
   In* o = static_cast<In*>(out);

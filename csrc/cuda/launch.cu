@@ -335,6 +335,8 @@ ForwardCost plan_cost(bool backward) {
   c.overlap = !backward && env_int_or("FLASHGDN_CP_OVERLAP", -1) != 0;
   const int n = env_int_or("FLASHGDN_CP_SUB", c.nsub);
   c.nsub = n >= 2 && n <= 8 ? n : 1;
+  c.corr = !backward && fwd_pass() == FwdPass::F16 && env_int_or("FLASHGDN_CP_CORR", -1) != 0 &&
+           env_int("FLASHGDN_COLS_WGMMA") != 1;
   return c;
 }
 

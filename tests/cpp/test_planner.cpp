@@ -448,3 +448,40 @@ TEST(Planner, SubSegmentsWaitForTheWarmStartedBlocks) {
   EXPECT_TRUE(ov);
   EXPECT_GE(t, (24 + c.warm_chunks) * c.step_us_bw128 + 6 * c.step_us_bw128);
 }
+
+TEST(Planner, ExactOutputsByCorrectionForShortTpSequences) {
+  // The forward's fp16 pass with exact outputs by correction (ForwardCost::corr): at 2/8
+  // heads x 4096 tokens (64 chunks) the unsplit pass is 64 steps of 16-column blocks; a
+  // split into segments of 24 at 32 columns (112 blocks, one wave) runs its exact heads'
+  // chain as phase 1 with outputs, the combine and seg_correct_kernel. H100, 2026-11-24:
+  // 0.167 -> 0.129 ms (segments of 16: 152 blocks, two waves, 0.130; of 32: 0.144).
+  flashgdn::ForwardCost fp16;
+  fp16.step_us_bw16_wave = flashgdn::ForwardCost::kFp16Bw16Wave;
+  fp16.step_us_bw32_wave = flashgdn::ForwardCost::kFp16Bw32Wave;
+  auto q = query(1, 64, 8);
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q, fp16).split);  // without corr: unsplit
+  fp16.corr = true;
+  auto p = plan_segments(q, fp16);
+  EXPECT_TRUE(p.split);
+  EXPECT_TRUE(p.corr);
+  EXPECT_TRUE(p.overlap);
+  EXPECT_EQ(p.nsub, 1);
+  EXPECT_EQ(p.col_block, 32);
+  EXPECT_EQ(p.seg_chunks, 24);
+  // every block of a corr plan must fit in one wave: at 64 heads none does
+  auto wide = q;
+  wide.Hv = 16 * 4;
+  EXPECT_FALSE(plan_segments(wide, fp16).corr);
+  // packed sequences (the device's split): never
+  auto packed = query(2, 32, 8, /*varlen=*/true);
+  packed.allow_cols = true;
+  EXPECT_FALSE(plan_segments(packed, fp16).corr);
+  // forced off (FLASHGDN_CP=off) and forced on without corr asked: no corr
+  auto off = q;
+  off.mode = CpMode::Off;
+  EXPECT_FALSE(plan_segments(off, fp16).corr);
+  auto on = q;
+  on.mode = CpMode::On;
+  EXPECT_FALSE(plan_segments(on, fp16).corr);
+}
