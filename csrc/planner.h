@@ -99,12 +99,16 @@ struct ForwardCost {
   // 0.129 ms at 32 columns against 0.173 at 128 (4.0 us steps, so ~45 us besides the
   // pass): ~2.6 us; 16/16 heads 0.114 at 16 columns against 0.123 at 32: ~2.3 us. (CP off
   // at 2/8 x 32768, 64 blocks of 16 columns: ~1.05 ms of state pass for 512 steps, ~2.1 us.)
+  // Three stages of copies (2026-11-24, session 22) made these steps ~10% faster (CP off:
+  // 4/16 x 4096 0.195 -> 0.176 ms, 16/16 x 4096 0.212 -> 0.191): 2.3 -> 2.1 and 2.6 -> 2.35;
+  // with the old 2.6, 8/24 x 4096 split at 128 columns (0.225 ms) where unsplit 32 (0.212)
+  // won.
   double step_us_bw16_wave = 0.0;
   double step_us_bw32_wave = 0.0;
   // Only for sequences of at most kWaveChunks chunks, where they were measured: longer ones
   // compare with the 128-column split, whose estimate overstates its summary pass (H100,
   // 2/8 heads, 1024 + 7168 tokens: 16 columns unsplit 0.319 ms, the split 0.272).
-  static constexpr double kFp16Bw16Wave = 2.3, kFp16Bw32Wave = 2.6;
+  static constexpr double kFp16Bw16Wave = 2.1, kFp16Bw32Wave = 2.35;
   static constexpr double kWaveChunks = 64;
   double summary_factor = 0.75;  // a phase-1 (summary, no outputs) step relative to phase 0
   double warm_chunks = 5.0;      // warm-up chunks of a decaying head's segment

@@ -781,7 +781,12 @@ struct StateFwdF16Smem {
   static constexpr int LDS = BW + 8;  // S [D][LDS], U and diag(eL) U [C][LDS]: idem (80 / 48 B)
   static constexpr size_t kTile = sizeof(__half) * C * LDH;  // W, K, Q
   static constexpr size_t kStage = 3 * kTile + sizeof(__half) * C * LDP + sizeof(float) * C;
-  static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (D + (kFree ? 3 : 2) * C) * LDS;
+  // three stages: a chunk's copies are issued two steps ahead, after the step's first
+  // products (H100, 2026-11-24: issued one step ahead at that point they landed late, 4-10%
+  // slower; at the head of the step their ~170 instructions a thread delay every product)
+  static constexpr int kStages = 3;
+  static constexpr size_t kBytes =
+      kStages * kStage + sizeof(__half) * (D + (kFree ? 3 : 2) * C) * LDS;
 };
 
 // The per-thread values the fp16 pass loads one chunk ahead: U0 (fp32) or, for the W/U0-free
@@ -839,7 +844,7 @@ __device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const 
   auto Qst = [&](int s) { return Kst(s) + C * LDH; };
   auto Pst = [&](int s) { return Qst(s) + C * LDH; };
   auto Gst = [&](int s) { return reinterpret_cast<float*>(Pst(s) + C * LDP); };
-  __half* Sh = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage);  // [D][LDS] S
+  __half* Sh = reinterpret_cast<__half*>(smem_raw + Sm::kStages * Sm::kStage);  // [D][LDS] S
   __half* Uh = Sh + D * LDS;                                           // [C][LDS] U
   __half* Ueh = Uh + C * LDS;                                          // [C][LDS] diag(eL) U
   __half* Wph = Ueh + C * LDS;  // kFree: [C][LDS] W' = V - diag(e^G) K S
@@ -889,20 +894,22 @@ __device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const 
   float u_max = 0.f;
 
   Ahead u0a, u0b;
+  // one commit group per chunk, empty past the segment's end: at a step's start the groups
+  // in flight are its chunk's and the next one's
   if (c_first < c_end) {
     issue(c_first, 0);
     load_u0(u0a, c_first);
   }
+  if (c_first + 1 < c_end) issue(c_first + 1, 1);
+  else cp_async_commit();
   auto step = [&](const int64_t ci, const Ahead& u0, Ahead& u0n) {
-    const int s = static_cast<int>((ci - c_first) & 1);
+    const int s = static_cast<int>(ci - c_first) % Sm::kStages;
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
-    cp_async_wait<0>();
-    __syncthreads();  // stage s landed; Sh, Uh, Ueh of the previous chunk complete
-    if (ci + 1 < c_end) {
-      issue(ci + 1, s ^ 1);
-      load_u0(u0n, ci + 1);
-    }
+    cp_async_wait<1>();
+    __syncthreads();  // stage s landed; Sh, Uh, Ueh of the previous chunk complete; the
+                      // stage of chunk ci - 1 is free for chunk ci + 2
+    if (ci + 1 < c_end) load_u0(u0n, ci + 1);
     const bool out = want_o && ci >= c_begin;
     if (record && ci >= c_begin)  // the state entering chunk ci
       store_acc_state(p.h + ((chunk0 + ci) * p.Hv + h) * D * D, sacc, vb);
@@ -943,6 +950,8 @@ __device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const 
       };
       if (out) products(std::true_type{});
       else products(std::false_type{});
+      if (ci + 2 < c_end) issue(ci + 2, (s + 2) % Sm::kStages);  // under the products' latency
+      else cp_async_commit();
       add_acc(ua, ub);
       add_acc(qa, qb);
     }
