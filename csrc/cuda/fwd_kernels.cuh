@@ -765,7 +765,10 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_mma_kernel(FwdParams p) {
 // per-chunk copies of S, U and diag(eL) U) are fp16 (tf32's 10-bit mantissa, so the same
 // rounding; docs/perf-notes.md, operand precision), so each product takes half the mma
 // instructions of tf32 and every fragment comes whole from one ldmatrix. S stays in fp32
-// accumulators across chunks; its fp16 copy [128][BW] feeds K S (or W S) and Q S.
+// accumulators across chunks; its fp16 copy [128][BW] feeds K S (or W S) and Q S. The
+// chunk tiles go through three cp.async stages (~200 / 206 KB of shared memory at 16 / 32
+// columns): chunk c + 2's copies are issued in step c right after its first products.
+// Phase 1 with SegParams::corr writes an exact segment's outputs (O_loc, Q_eff) in fp32.
 //   kFree (the default, FLASHGDN_FWD_PASS=f16): per chunk KS = K S, W' = V - diag(e^G) KS,
 //          U = T diag(beta) W' (one more 64 x 64 x BW product and barrier than below), then
 //          O and S as in the tf32 pass; V is loaded one chunk ahead into registers.
