@@ -151,6 +151,31 @@ def test_cp_auto_engages_on_long_single_sequence():
         assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
 
 
+def test_cp_auto_takes_correction_on_short_tp_sequence():
+    """Auto mode at 2/8 heads x 4096 tokens (64 chunks: no split paid before the exact outputs
+    by correction) takes the correction plan, segments of 24 chunks at 32 columns on the
+    overlapped schedule (csrc/planner.h estimate_corr_us): bit-identical to that plan
+    forced, different from the unsplit pass, as exact on g == 0 heads; with
+    FLASHGDN_CP_CORR=0 the planner keeps the unsplit pass (bit-identical to CP off)."""
+    case = Case("auto_corr", [4096], 2, 8, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=14)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with cp_env("auto"):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "24", "FLASHGDN_FWD_BW": "32",
+                   "FLASHGDN_CP_CORR": "1", "FLASHGDN_CP_OVERLAP": "1"}):
+        o_f, ht_f = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP_CORR": "0"}):
+        o_0, ht_0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_f) and torch.equal(ht, ht_f), "auto mode did not take the plan"
+    assert not torch.equal(ht, h_ref), "auto mode did not split (state bit-equal to unsplit)"
+    assert torch.equal(o_0, o_ref) and torch.equal(ht_0, h_ref)
+    ro, rh = reference(inp)
+    check_split("auto corr 2/8 x 4096", case, o, ht, o_ref, h_ref, ro, rh)
+
+
 def forward_from_graph(inp: dict, replays: int):
     """o and the final state of the forward captured in a CUDA graph (after a warm-up call on
     a side stream, under the switches in force) and replayed `replays` times."""

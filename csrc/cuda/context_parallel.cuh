@@ -17,8 +17,12 @@
 // (FLASHGDN_CP_SUB overrides the plan's count) cut the phase 0 of exact segments into
 // pieces started from recorded states (sub_record, sub_start_kernel).
 //
+// Exact outputs by correction (SegParams::corr) replace the exact segments' phase 0 by phase
+// 1's local outputs plus Q_eff S_in, added by seg_correct_kernel after the combine.
+//
 // seg_combine_kernel  grid (sequence slots, H_v, 128 / kCombineCols): see its definition.
 // sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kSubCols): likewise.
+// seg_correct_kernel  grid (chunks, H_v): likewise.
 #pragma once
 
 #include "../planner.h"
@@ -335,7 +339,8 @@ __device__ __forceinline__ float* sub_record(const SegParams& p, const SegmentBl
 //   its neighbour (SegSource::Exact): S_in(next) = M_prev S_in(prev) + L_prev when the
 //   previous segment is exact itself, else L_prev (what it leaves from its own start:
 //   h0 / dht or a warm-up). fp32 FMA.
-//   reads  Lb, seg_L, seg_M, split_seqs     writes seg_in
+//   reads  Lb, seg_L, seg_M, split_seqs     writes seg_in; with corr_ht (SegParams::corr)
+//   also the final state of a sequence whose last segment is exact, one step more
 //   Sequences: fixed-length inputs, slot x walks sequence x (grid x = N). Packed inputs
 //   walk only the sequences the device split (split_seqs, plan_kernel), slot x the x-th,
 //   x + gridDim.x-th, ... of them, and the host launches about four waves of blocks: a
