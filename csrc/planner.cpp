@@ -163,8 +163,9 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   // chunks, for each column block; a split must save at least min_gain.
   SegmentPlan best_unsplit, best_split, best_overlapped, best_corr;
   best_unsplit.est_us = best_split.est_us = best_overlapped.est_us = best_corr.est_us = 1e300;
-  // exact outputs by correction: host-made splits only (not the device's, packed sequences)
-  const bool corr = cost.corr && !(q.fixed_chunks < 0 && q.N > 1);
+  // exact outputs by correction: host-made splits only (not the device's, packed sequences),
+  // and only with the overlapped schedule (its estimate runs phase 0 beside the chain)
+  const bool corr = cost.corr && cost.overlap && !(q.fixed_chunks < 0 && q.N > 1);
   ForwardCost sequential = cost;
   sequential.overlap = false;
   for (int bw : {16, 32, 128}) {
@@ -178,7 +179,6 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       if (!s.split) continue;
       s.est_us = estimate_us(q, s, sequential);
       if (s.est_us < best_split.est_us) best_split = s;
-
       if (!cost.overlap) continue;
       s.est_us = estimate_schedule_us(q, s, cost);
       if (s.overlap && s.est_us < best_overlapped.est_us) best_overlapped = s;

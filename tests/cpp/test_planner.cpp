@@ -477,6 +477,10 @@ TEST(Planner, ExactOutputsByCorrectionForShortTpSequences) {
   auto packed = query(2, 32, 8, /*varlen=*/true);
   packed.allow_cols = true;
   EXPECT_FALSE(plan_segments(packed, fp16).corr);
+  // without the overlapped schedule (FLASHGDN_CP_OVERLAP=0): no corr
+  auto no_overlap = fp16;
+  no_overlap.overlap = false;
+  EXPECT_FALSE(plan_segments(q, no_overlap).corr);
   // forced off (FLASHGDN_CP=off) and forced on without corr asked: no corr
   auto off = q;
   off.mode = CpMode::Off;
