@@ -89,15 +89,28 @@ double estimate_schedule_us(const SegmentQuery& q, SegmentPlan& p, const Forward
 
 // The column blocks the device may pick for packed sequences (SegmentPlan::device_col_blocks):
 // those whose least cost, the work term at ceil(tokens / 64) chunks (any split only adds),
-// does not exceed `bound`, an upper bound on the cost of the device's choice.
-int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound) {
+// does not exceed `bound`, an upper bound on the cost of the device's choice. unsplit_only:
+// the device picks among unsplit plans only, whose critical path is the longest sequence,
+// at least the average one (tokens / 64 / N chunks) at the block's fastest step: with N
+// sequences of about equal length the blocks that cannot win are not launched (H100, 2/8
+// heads 4096 + 4096 tokens: 16 columns unsplit, but the 32- and 128-column kernels were
+// launched as well and returned at once, 0.196 ms against 0.175 with the host's choice).
+int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound,
+                      bool unsplit_only) {
   LoadStats least;
   least.total = static_cast<double>(q.total_chunks - q.N);  // varlen: total_chunks adds N
+  const double longest = q.N > 0 ? static_cast<double>((q.total_chunks - q.N) / q.N) : 0.0;
   int mask = 0;
   for (int bw : {16, 32, 128}) {
     if (bw == 128 && !q.allow_cols) continue;
-    if (estimate_state_pass_us(c, least, static_cast<double>(q.Hv), q.sms, bw, 0.0) <= bound)
-      mask |= col_block_bit(bw);
+    double cost = estimate_state_pass_us(c, least, static_cast<double>(q.Hv), q.sms, bw, 0.0);
+    if (unsplit_only) {
+      const double t = bw == 16 ? c.step_us_bw16 : bw == 32 ? c.step_us_bw32 : c.step_us_bw128;
+      const double tw = bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
+      const double step = tw > 0.0 && tw < t ? tw : t;
+      cost = std::max(cost, longest * step);
+    }
+    if (cost <= bound) mask |= col_block_bit(bw);
   }
   return mask;
 }
@@ -221,7 +234,8 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
                          overlapped_as_one_sequence(q, given);
       d.nsub = d.device_overlap && given.nsub > 1 ? given.nsub : 1;
       if (lengths_unknown)
-        d.device_col_blocks = device_col_blocks(q, cost, bound) | col_block_bit(d.col_block);
+        d.device_col_blocks =
+            device_col_blocks(q, cost, bound, false) | col_block_bit(d.col_block);
       return d;
     }
     return best_split;
@@ -230,9 +244,15 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   // cannot tell for packed sequences: the device decides (likewise between 128 and the
   // others: 128 pays when the total work, not one sequence, bounds the pass)
   best_unsplit.device_col_block = lengths_unknown && (best_unsplit.col_block == 16 || q.allow_cols);
-  if (best_unsplit.device_col_block)
+  if (best_unsplit.device_col_block) {
     best_unsplit.device_col_blocks =
-        device_col_blocks(q, cost, bound) | col_block_bit(best_unsplit.col_block);
+        device_col_blocks(q, cost, bound, true) | col_block_bit(best_unsplit.col_block);
+    // only the host's block can win: the host's choice, no choice on the device
+    if (best_unsplit.device_col_blocks == col_block_bit(best_unsplit.col_block)) {
+      best_unsplit.device_col_block = false;
+      best_unsplit.device_col_blocks = 0;
+    }
+  }
   return best_unsplit;
 }
 

@@ -489,3 +489,25 @@ TEST(Planner, ExactOutputsByCorrectionForShortTpSequences) {
   on.mode = CpMode::On;
   EXPECT_FALSE(plan_segments(on, fp16).corr);
 }
+
+TEST(Planner, EqualPackedSequencesNeedNoDeviceChoice) {
+  // 2 packed sequences of 4096 tokens (64 chunks each) with max_seqlen known: the longest is
+  // at least the average, 64 chunks, so the 32- and 128-column kernels cannot beat 16
+  // columns' one wave (64 x 2.1 us) at 2/8 heads, nor 128 columns 32 at 4/16: the host's
+  // choice, no kernels launched that would return at once
+  flashgdn::ForwardCost fp16;
+  fp16.step_us_bw16_wave = flashgdn::ForwardCost::kFp16Bw16Wave;
+  fp16.step_us_bw32_wave = flashgdn::ForwardCost::kFp16Bw32Wave;
+  for (int64_t hv : {8, 16}) {
+    auto q = query(2, 64, hv, /*varlen=*/true);
+    q.allow_cols = true;
+    q.longest_hint = 64;
+    const auto p = plan_segments(q, fp16);
+    EXPECT_FALSE(p.split) << hv;
+    EXPECT_FALSE(p.device_col_block) << hv;
+    EXPECT_EQ(p.col_block, hv == 8 ? 16 : 32) << hv;
+    // a looser hint leaves room for a longer and a shorter sequence: the device picks
+    q.longest_hint = 100;
+    EXPECT_TRUE(plan_segments(q, fp16).device_col_block) << hv;
+  }
+}
