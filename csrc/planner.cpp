@@ -105,8 +105,7 @@ int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound,
     if (bw == 128 && !q.allow_cols) continue;
     double cost = estimate_state_pass_us(c, least, static_cast<double>(q.Hv), q.sms, bw, 0.0);
     if (unsplit_only) {
-      const double t = bw == 16 ? c.step_us_bw16 : bw == 32 ? c.step_us_bw32 : c.step_us_bw128;
-      const double tw = bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
+      const double t = step_us(c, bw), tw = wave_step_us(c, bw);
       const double step = tw > 0.0 && tw < t ? tw : t;
       cost = std::max(cost, longest * step);
     }

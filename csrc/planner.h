@@ -170,6 +170,15 @@ inline FLASHGDN_HD double ceil_pos(double x) {
   return f < x ? f + 1.0 : f;
 }
 
+// A chunk step of a bw-column block (ForwardCost::step_us_bw*), and the one-wave step of the
+// fp16 pass's 16 and 32 columns (ForwardCost::step_us_bw*_wave; 0 where none, and for 128).
+inline FLASHGDN_HD double step_us(const ForwardCost& c, int bw) {
+  return bw == 16 ? c.step_us_bw16 : bw == 32 ? c.step_us_bw32 : c.step_us_bw128;
+}
+inline FLASHGDN_HD double wave_step_us(const ForwardCost& c, int bw) {
+  return bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
+}
+
 // Estimated time (us) of the state pass with column block bw, split into segments of seg
 // chunks (seg = 0: unsplit): per launch, the larger of the critical path and the
 // block-steps spread over the SMs; split plans add the summary pass and the combine. For a
@@ -180,14 +189,14 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
                                                  double heads, int sms, int bw, double seg,
                                                  bool* overlapped = nullptr) {
   if (overlapped != nullptr) *overlapped = false;
-  const double t = bw == 16 ? c.step_us_bw16 : bw == 32 ? c.step_us_bw32 : c.step_us_bw128;
+  const double t = step_us(c, bw);
   const double cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
   const double work = s.total * heads * cbn * t / nsm;
   if (seg <= 0) {
     // unsplit, s.segs sequences: one wave of 16- or 32-column blocks (each alone on its
     // SM, so the longest sequence's blocks are the whole cost) steps faster than the
     // block-steps of a full GPU suggest
-    const double tw = bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
+    const double tw = wave_step_us(c, bw);
     if (tw > 0.0 && s.segs > 0 && s.segs * heads * cbn <= nsm &&
         s.longest <= ForwardCost::kWaveChunks)
       return s.longest * tw;
@@ -243,9 +252,8 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
 inline double estimate_corr_us(const ForwardCost& c, const LoadStats& s, double heads,
                                double n_seqs, int sms, int bw, double seg) {
   if (!c.corr || (bw != 16 && bw != 32) || seg <= 0) return 1e300;
-  const double t = bw == 16 ? c.step_us_bw16 : c.step_us_bw32;
-  const double tw = bw == 16 ? c.step_us_bw16_wave : c.step_us_bw32_wave;
-  const double step = tw > 0.0 ? tw : t, cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
+  const double tw = wave_step_us(c, bw);
+  const double step = tw > 0.0 ? tw : step_us(c, bw), cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
   const double len = seg < s.longest ? seg : s.longest;
   const double later = s.segs > n_seqs ? s.segs - n_seqs : 0.0;  // segments not first
   const double exact_blocks = heads * cbn * c.exact_share * later;

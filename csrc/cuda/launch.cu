@@ -71,6 +71,9 @@ int env_int_or(const char* name, int unset) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : unset;
 }
 
+// FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
+// forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
+bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
@@ -145,7 +148,7 @@ bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward);
 int cp_subsegments(const SegmentPlan& plan, FwdPass pass, bool backward) {
   const int n = env_int_or("FLASHGDN_CP_SUB", plan.nsub);
   if (n < 2 || n > 8 || backward || !plan.split || !plan.cols || pass != FwdPass::F16 ||
-      env_int("FLASHGDN_COLS_WGMMA") == 1 || cp_corr(plan, pass, backward))
+      cols_wgmma() || cp_corr(plan, pass, backward))
     return 0;
   return n;
 }
@@ -157,7 +160,7 @@ bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward) {
   const int v = env_int_or("FLASHGDN_CP_CORR", -1);
   const bool want = v < 0 ? plan.corr : v == 1;
   return want && !backward && plan.split && !plan.device_choice && pass == FwdPass::F16 &&
-         env_int("FLASHGDN_COLS_WGMMA") != 1;
+         !cols_wgmma();
 }
 
 FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
@@ -336,7 +339,7 @@ ForwardCost plan_cost(bool backward) {
   const int n = env_int_or("FLASHGDN_CP_SUB", c.nsub);
   c.nsub = n >= 2 && n <= 8 ? n : 1;
   c.corr = !backward && fwd_pass() == FwdPass::F16 && env_int_or("FLASHGDN_CP_CORR", -1) != 0 &&
-           env_int("FLASHGDN_COLS_WGMMA") != 1;
+           !cols_wgmma();
   return c;
 }
 
@@ -435,9 +438,6 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
   });
 }
 
-// FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
-// forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
-bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,

@@ -24,6 +24,14 @@ SegmentQuery query(int64_t N, int64_t chunks_per_seq, int64_t Hv, bool varlen = 
   return q;
 }
 
+// The forward fp16 pass's cost model (launch.cu plan_cost): its one-wave narrow steps.
+flashgdn::ForwardCost fp16_cost() {
+  flashgdn::ForwardCost c;
+  c.step_us_bw16_wave = flashgdn::ForwardCost::kFp16Bw16Wave;
+  c.step_us_bw32_wave = flashgdn::ForwardCost::kFp16Bw32Wave;
+  return c;
+}
+
 }  // namespace
 
 TEST(Planner, SplitsOneLongSequenceAtTp8) {
@@ -352,9 +360,7 @@ TEST(Planner, OneWaveOfNarrowBlocksForShortSequencesOfTheFp16Pass) {
   // unsplit pass has an SM to itself, its steps are the one-wave ones. H100: 8/24 heads x
   // 2048 tokens ran 0.129 ms at 32 columns against 0.173 at 128; 16/16 heads 0.114 at 16
   // against 0.123 at 32.
-  flashgdn::ForwardCost fp16;
-  fp16.step_us_bw16_wave = flashgdn::ForwardCost::kFp16Bw16Wave;
-  fp16.step_us_bw32_wave = flashgdn::ForwardCost::kFp16Bw32Wave;
+  flashgdn::ForwardCost fp16 = fp16_cost();
   auto q = query(1, 32, 24);
   q.allow_cols = true;
   EXPECT_EQ(plan_segments(q).col_block, 128);  // the tf32-era steps: 128 columns
@@ -455,9 +461,7 @@ TEST(Planner, ExactOutputsByCorrectionForShortTpSequences) {
   // split into segments of 24 at 32 columns (112 blocks, one wave) runs its exact heads'
   // chain as phase 1 with outputs, the combine and seg_correct_kernel. H100, 2026-11-24:
   // 0.167 -> 0.129 ms (segments of 16: 152 blocks, two waves, 0.130; of 32: 0.144).
-  flashgdn::ForwardCost fp16;
-  fp16.step_us_bw16_wave = flashgdn::ForwardCost::kFp16Bw16Wave;
-  fp16.step_us_bw32_wave = flashgdn::ForwardCost::kFp16Bw32Wave;
+  flashgdn::ForwardCost fp16 = fp16_cost();
   auto q = query(1, 64, 8);
   q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q, fp16).split);  // without corr: unsplit
@@ -495,9 +499,7 @@ TEST(Planner, EqualPackedSequencesNeedNoDeviceChoice) {
   // at least the average, 64 chunks, so the 32- and 128-column kernels cannot beat 16
   // columns' one wave (64 x 2.1 us) at 2/8 heads, nor 128 columns 32 at 4/16: the host's
   // choice, no kernels launched that would return at once
-  flashgdn::ForwardCost fp16;
-  fp16.step_us_bw16_wave = flashgdn::ForwardCost::kFp16Bw16Wave;
-  fp16.step_us_bw32_wave = flashgdn::ForwardCost::kFp16Bw32Wave;
+  flashgdn::ForwardCost fp16 = fp16_cost();
   for (int64_t hv : {8, 16}) {
     auto q = query(2, 64, hv, /*varlen=*/true);
     q.allow_cols = true;
