@@ -621,8 +621,36 @@ template <typename In>
 struct GradSmem {
   static constexpr size_t kTiles =
       sizeof(In) * 3 * C * LDH + sizeof(float) * (2 * C * LDW + 4 * C * LDA);
-  static constexpr size_t kBytes = kTiles + sizeof(float) * (7 * C + 4 * 8 * C + 8);
+  static constexpr size_t kBytes = kTiles + sizeof(float) * (8 * C + 4 * 8 * C + 8);
 };
+
+// Brings 64 KB from `src` into L2: two 128-byte lines a thread of the block.
+__device__ __forceinline__ void prefetch_l2_64k(const void* src) {
+  const char* b = static_cast<const char*>(src) + 128 * threadIdx.x;
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b));
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b + 128 * NT));
+}
+// L2 prefetch of what grad_chunk_tc_kernel reads for value head h of a chunk: h and dS
+// (contiguous) and the chunk's L rows of dO, U and dVt.
+template <typename In>
+__device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t chunk,
+                                                   int64_t tok0, int L, int64_t h) {
+  prefetch_l2_64k(p.h + (chunk * p.Hv + h) * D * D);
+  prefetch_l2_64k(p.dh + (chunk * p.Hv + h) * D * D);
+  // rows: 2 lines of dO, 4 of U and 4 of dVt each (one of each tensor a thread)
+  const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
+  if (r < L) {
+    const int64_t row = ((tok0 + r) * p.Hv + h) * D;
+    const char* u = reinterpret_cast<const char*>(p.U + row) + 128 * part;
+    const char* dv = reinterpret_cast<const char*>(p.dVt + row) + 128 * part;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(u));
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(dv));
+    if (part < 2) {
+      const char* o = reinterpret_cast<const char*>(static_cast<const In*>(p.d_o) + row) + 128 * part;
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(o));
+    }
+  }
+}
 
 template <typename In>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
@@ -656,6 +684,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   float* lastrow = db + C;
   float* part = lastrow + C;    // [4][8][C] per-warp partial row sums
   float* red = part + 4 * 8 * C;  // [8] per-warp partial sums of <h, dS>
+  float* vdt = red + 8;           // [C] v . dVt per row (dbeta)
 
   const int64_t qk_off = (tok0 * p.Hqk + hq) * D;
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
@@ -672,6 +701,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     cp_async_commit();
     const float* S0 = p.h + (chunk * p.Hv + h) * D * D;
     const float* dSL = p.dh + (chunk * p.Hv + h) * D * D;
+    if (h == hq * group) {  // the first head's h and dS into L2 (later heads: below)
+      prefetch_l2_64k(S0);
+      prefetch_l2_64k(dSL);
+    }
     // B fragment (k = column c, n = row i) of h or dS: X[i][c], paired k
     auto ld_b = [&](const float* X, int nt, int k0) {
       return __ldcs(reinterpret_cast<const float2*>(X + (nw + 8 * nt + g) * D + k0 + 2 * t));
@@ -695,6 +728,48 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       dG[r] = 0.f;
     }
     cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- per row (four threads each): dv = beta dVt, v . dVt; then U and dVt rounded to
+    // tf32 in place, so that the products below read plain fragments
+    {
+      const int r = threadIdx.x >> 2, qq = threadIdx.x & 3;
+      float vd = 0.f;
+      float* urow = Us + r * LDW + 32 * qq;
+      float* drow = dVs + r * LDW + 32 * qq;
+      if (r < L) {
+        const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
+        const In* vrow = static_cast<const In*>(p.v) + off;
+        In* dvrow = static_cast<In*>(p.dv) + off;
+        const float br = bs[r];
+#pragma unroll
+        for (int c8 = 0; c8 < 4; ++c8) {
+          const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
+          const In* ve = reinterpret_cast<const In*>(&vv);
+          uint4 out;
+          In* oe = reinterpret_cast<In*>(&out);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float d = drow[8 * c8 + e];
+            vd += to_f(ve[e]) * d;
+            oe[e] = from_f<In>(br * d);
+          }
+          *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
+        }
+      }
+#pragma unroll
+      for (int c4 = 0; c4 < 8; ++c4) {
+        float4 u = *reinterpret_cast<float4*>(urow + 4 * c4);
+        float4 d = *reinterpret_cast<float4*>(drow + 4 * c4);
+        u = make_float4(round_tf32(u.x), round_tf32(u.y), round_tf32(u.z), round_tf32(u.w));
+        d = make_float4(round_tf32(d.x), round_tf32(d.y), round_tf32(d.z), round_tf32(d.w));
+        *reinterpret_cast<float4*>(urow + 4 * c4) = u;
+        *reinterpret_cast<float4*>(drow + 4 * c4) = d;
+      }
+#pragma unroll
+      for (int m = 1; m <= 2; m <<= 1) vd += __shfl_xor_sync(0xffffffffu, vd, m);
+      if (qq == 0) vdt[r] = vd;
+    }
     __syncthreads();
 
     // ---- Y = dO h^T, Z = dVt h^T, R = U dS^T (column strips), <h, dS>
@@ -723,8 +798,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           for (int mt = 0; mt < 4; ++mt) {
             uint32_t aO[4], aV[4], aU[4];
             frag_a(aO, dOs, LDH, 16 * mt, k0);
-            frag_a_rna(aV, dVs, LDW, 16 * mt, k0);
-            frag_a_rna(aU, Us, LDW, 16 * mt, k0);
+            frag_a(aV, dVs, LDW, 16 * mt, k0);
+            frag_a(aU, Us, LDW, 16 * mt, k0);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
               mma_tf32(Y[mt][nt], aO, bS[nt]);
@@ -784,30 +859,45 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       lastrow[r] = eL[r] * kr;
     }
 
-    // ---- 64 x 64: dVt U^T, dO U^T, K K^T, Q K^T -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
+    // The next head's operands into L2 while this one finishes (its h and dS stream from
+    // global memory into fragments a few k steps ahead only).
+    if (h + 1 < (hq + 1) * group) prefetch_grad_head<In>(p, chunk, tok0, L, h + 1);
+    // ---- 64 x 64: dVt U^T, dO U^T (tf32), K K^T, Q K^T (the inputs' own 16-bit type, exact
+    // products) -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
     {
       float t1[2][2][4] = {}, t2[2][2][4] = {}, t3[2][2][4] = {}, t4[2][2][4] = {};
 #pragma unroll 4
       for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t bU[2][2], bK[2][2];
+        uint32_t bU[2][2];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          frag_b_rna(bU[j], Us, LDW, wn + 8 * j, k0);
-          frag_b(bK[j], Ks, LDH, wn + 8 * j, k0);
-        }
+        for (int j = 0; j < 2; ++j) frag_b(bU[j], Us, LDW, wn + 8 * j, k0);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          uint32_t aV[4], aO[4], aK[4], aQ[4];
-          frag_a_rna(aV, dVs, LDW, wm + 16 * i, k0);
+          uint32_t aV[4], aO[4];
+          frag_a(aV, dVs, LDW, wm + 16 * i, k0);
           frag_a(aO, dOs, LDH, wm + 16 * i, k0);
-          frag_a(aK, Ks, LDH, wm + 16 * i, k0);
-          frag_a(aQ, Qs, LDH, wm + 16 * i, k0);
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             mma_tf32(t1[i][j], aV, bU[j]);
             mma_tf32(t2[i][j], aO, bU[j]);
-            mma_tf32(t3[i][j], aK, bK[j]);
-            mma_tf32(t4[i][j], aQ, bK[j]);
+          }
+        }
+      }
+      const __half* Kh = reinterpret_cast<const __half*>(Ks);
+      const __half* Qh = reinterpret_cast<const __half*>(Qs);
+#pragma unroll 2
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t bK[2][2];
+        frag_b16_pair(bK[0], bK[1], Kh, LDH, wn, k0);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          uint32_t aK[4], aQ[4];
+          frag_a16(aK, Kh, LDH, wm + 16 * i, k0);
+          frag_a16(aQ, Qh, LDH, wm + 16 * i, k0);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            mma_16(t3[i][j], aK, bK[j], Ks);
+            mma_16(t4[i][j], aQ, bK[j], Ks);
           }
         }
       }
@@ -845,43 +935,19 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     }
     __syncthreads();
 
-    // ---- per row (four threads each): dG += rowsum(E) - colsum(E); dbeta; dv = beta dVt
+    // ---- per row (four threads each): dG += rowsum(E) - colsum(E); dbeta
     {
       const int r = threadIdx.x >> 2, qq = threadIdx.x & 3;
       float es = 0.f;
 #pragma unroll 4
       for (int s = 16 * qq; s < 16 * qq + 16; ++s) es += E[r * LDA + s] - E[s * LDA + r];
-      float vd = 0.f;
-      if (r < L) {
-        const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
-        const In* vrow = static_cast<const In*>(p.v) + off;
-        In* dvrow = static_cast<In*>(p.dv) + off;
-        const float br = bs[r];
 #pragma unroll
-        for (int c8 = 0; c8 < 4; ++c8) {
-          const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
-          const In* ve = reinterpret_cast<const In*>(&vv);
-          uint4 out;
-          In* oe = reinterpret_cast<In*>(&out);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float d = dVs[r * LDW + 32 * qq + 8 * c8 + e];
-            vd += to_f(ve[e]) * d;
-            oe[e] = from_f<In>(br * d);
-          }
-          *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
-        }
-      }
-#pragma unroll
-      for (int m = 1; m <= 2; m <<= 1) {
-        es += __shfl_xor_sync(0xffffffffu, es, m);
-        vd += __shfl_xor_sync(0xffffffffu, vd, m);
-      }
+      for (int m = 1; m <= 2; m <<= 1) es += __shfl_xor_sync(0xffffffffu, es, m);
       if (qq == 0) {
         float dbp = 0.f;
         for (int w = 0; w < 4; ++w) dbp += part[(3 * 8 + w) * C + r];
         dG[r] += es;
-        db[r] += dbp + vd;
+        db[r] += dbp + vdt[r];
       }
     }
     // ---- dq += M1 K, dk += M1^T Q + (M2 + M2^T) K
