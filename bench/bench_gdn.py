@@ -170,8 +170,8 @@ def parse_seqs(label: str) -> Optional[Tuple[int, ...]]:
 
 def build_rows(mode: str, models: Optional[List[str]], seqs: Optional[List[str]],
                seed: int) -> List[Row]:
-    """Rows in run order (forward first), filtered by `--models` / `--seqs`; forward rows
-    named outside the table (parse_seqs) are added after it."""
+    """Rows in run order (forward first), filtered by `--models` / `--seqs`; rows named
+    outside the tables (parse_seqs) are added after them."""
     tables = []
     if mode in ("fwd", "both"):
         extra = list(PACKED_SEQS) if seqs else []
@@ -182,7 +182,13 @@ def build_rows(mode: str, models: Optional[List[str]], seqs: Optional[List[str]]
                 extra.append((label, lens))
         tables.append(("fwd", FWD_MODELS, list(FWD_SEQS) + extra))
     if mode in ("bwd", "both"):
-        tables.append(("bwd", BWD_MODELS, _bwd_seqs(seed)))
+        bwd_seqs = _bwd_seqs(seed)
+        known = {s for s, _ in bwd_seqs}
+        for label in seqs or []:
+            lens = parse_seqs(label)
+            if label not in known and lens is not None:
+                bwd_seqs.append((label, lens))
+        tables.append(("bwd", BWD_MODELS, bwd_seqs))
     rows: List[Row] = []
     known_models, known_seqs = set(), set()
     for m, mlist, slist in tables:

@@ -319,11 +319,20 @@ int sm_count(int device) {
   return sms;
 }
 
-// FLASHGDN_BWD_COLS=1 (opt-in; tests pass on H100, not the default: the backward plan has
-// no step cost of its own for it yet, perf-notes version 15): the backward's sequential
-// passes in the one-block-per-head kernels, the reverse pass in state_bwd_cols_kernel
-// (state_bwd_cols.cuh) and the recomputation in state_fwd_cols_kernel (with the f16 pass).
-bool bwd_cols() { return env_int("FLASHGDN_BWD_COLS") == 1; }
+// The backward's sequential passes in the one-block-per-head kernels (the reverse pass in
+// state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_cols_kernel,
+// with the f16 pass) where backward_cols (planner.h) says they win;
+// FLASHGDN_BWD_COLS=0 / 1 overrides.
+bool bwd_cols(const Problem& p) {
+  const int v = env_int_or("FLASHGDN_BWD_COLS", -1);
+  if (v == 0 || v == 1) return v == 1;
+  if (fwd_pass() != FwdPass::F16) return false;
+  const int64_t total = p.varlen() && p.N == 1 ? (p.TT + C - 1) / C : p.max_chunks();
+  int64_t longest = total;
+  if (!p.varlen()) longest = (p.T + C - 1) / C;
+  else if (p.max_seqlen > 0) longest = std::min(longest, (p.max_seqlen + C - 1) / C);
+  return backward_cols(p.Hv, total, longest, sm_count(p.device_id));
+}
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
 // are the 128-column kernel's): not a candidate for the backward's plans, nor with
@@ -345,11 +354,11 @@ ForwardCost plan_cost(bool backward) {
 
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
-// recomputation and the reverse pass, column block 128 only with FLASHGDN_BWD_COLS=1 (then
-// both run one block per head and segment).
+// recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
+// one block per head and segment).
 SegmentPlan plan_forward(const Problem& p, bool backward) {
   SegmentQuery q;
-  q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols());
+  q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols(p));
   q.N = p.N;
   q.total_chunks = p.max_chunks();
   q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
@@ -647,7 +656,7 @@ void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st
 // their chaining first when a segment starts exactly from its successor.
 template <typename In>
 void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
-  const bool cols = bwd_cols();
+  const bool cols = bwd_cols(p);
   auto launch = [&](cudaStream_t s) {
     if (cols) {
       launch_state_bwd_cols<In>(plan, p, g, s);
@@ -718,9 +727,9 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.corr_ld = p.TT;
   f.corr_ht = f.corr ? f.ht : nullptr;
   launch_wy<In>(p, f, st);
-  // FLASHGDN_BWD_COLS=1: the backward's recomputation in state_fwd_cols_kernel too, on the
-  // backward's segments (whatever column block the plan or the device picked for them)
-  const bool recompute_cols = f.h != nullptr && b.pass == FwdPass::F16 && bwd_cols();
+  // bwd_cols: the backward's recomputation in state_fwd_cols_kernel too, on the backward's
+  // segments (whatever column block the plan or the device picked for them)
+  const bool recompute_cols = f.h != nullptr && b.pass == FwdPass::F16 && bwd_cols(p);
   auto launch = [&](cudaStream_t s) {
     if (f.corr && f.phase == 0 && f.starts == 2) return;  // exact segments: seg_correct_kernel
     if (recompute_cols) {

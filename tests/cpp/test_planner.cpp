@@ -513,3 +513,21 @@ TEST(Planner, EqualPackedSequencesNeedNoDeviceChoice) {
     EXPECT_TRUE(plan_segments(q, fp16).device_col_block) << hv;
   }
 }
+
+TEST(Planner, BackwardColumnBlockRule) {
+  using flashgdn::backward_cols;
+  // (value heads, chunks of all sequences, chunks of the longest): the rows measured on
+  // H100 (2026-11-24) where 128 columns won ...
+  const int64_t win[][3] = {{32, 512, 512}, {4, 512, 512},  {4, 516, 428},  {32, 260, 64},
+                            {32, 256, 256}, {16, 192, 192}, {8, 384, 384},  {2 * 2, 384, 384},
+                            {8, 322, 256},  {16, 322, 256}, {32, 128, 128}, {16, 260, 64}};
+  for (const auto& r : win) EXPECT_TRUE(backward_cols(r[0], r[1], r[2], 132)) << r[0] << " " << r[1];
+  // ... and where 16 / 32 columns did
+  const int64_t lose[][3] = {{4, 128, 128}, {16, 128, 128}, {8, 128, 128}, {8, 260, 64},
+                             {4, 260, 64},  {4, 256, 256},  {8, 256, 256}, {4, 322, 256},
+                             {4, 192, 192}, {16, 132, 71}};
+  for (const auto& r : lose) EXPECT_FALSE(backward_cols(r[0], r[1], r[2], 132)) << r[0] << " " << r[1];
+  // fewer SMs: the same work fills them sooner
+  EXPECT_FALSE(backward_cols(8, 256, 256, 132));
+  EXPECT_TRUE(backward_cols(8, 256, 256, 66));
+}
