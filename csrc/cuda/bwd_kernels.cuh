@@ -610,8 +610,9 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
 //   mma.sync with register fragments read by paired loads (mma.cuh), not per element:
 //   * 64 x 128 results (dO h^T, dVt h^T, U dS^T, dq, dk) are column strips: warp w holds
 //     columns 16 w .. 16 w + 15 of all 64 rows. The state h and dS of the chunk (fp32,
-//     2 x 64 KB per head) go from global memory straight into B fragments, each element
-//     read once, four k steps ahead; <h, dS> falls out of the same registers.
+//     2 x 64 KB per head) arrive in slices of 16 k columns through three cp.async stages
+//     (in the scratch of the 64 x 64 phase, free until then); <h, dS> falls out of the B
+//     fragments. The next value head's operands are prefetched into L2 meanwhile.
 //   * 64 x 64 products (dVt U^T, dO U^T, K K^T, Q K^T) are 32 x 16 warp tiles.
 //   * dq += M1 K and dk += M1^T Q + (M2 + M2^T) K from M1, M1^T, M2 + M2^T stored once in
 //     shared memory, K and Q read transposed by ldmatrix.
@@ -654,7 +655,9 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
 
 template <typename In>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
-  constexpr int PF = 4;  // k steps of h / dS fragments in flight
+  // h / dS slices [128][16] with 24-word rows (8 mod 16): paired loads conflict free
+  constexpr int LDK = 24;
+  static_assert(3 * 2 * D * LDK <= 4 * C * LDA, "three h / dS slice stages fit in M1 .. E");
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
   if (ck.L == 0) return;
@@ -705,18 +708,23 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       prefetch_l2_64k(S0);
       prefetch_l2_64k(dSL);
     }
-    // B fragment (k = column c, n = row i) of h or dS: X[i][c], paired k
-    auto ld_b = [&](const float* X, int nt, int k0) {
-      return __ldcs(reinterpret_cast<const float2*>(X + (nw + 8 * nt + g) * D + k0 + 2 * t));
-    };
-    float2 fs[PF][2], fd[PF][2];
+    // h and dS reach the products in slices of 16 columns (k), three stages of cp.async
+    // copies in the scratch that M1 .. E use later: stage st holds h then dS, [128][LDK]
+    auto stage = [&](int st) { return M1 + st * 2 * D * LDK; };
+    auto copy_slice = [&](int sl) {
+      float* dst = stage(sl % 3);
 #pragma unroll
-    for (int i = 0; i < PF; ++i)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        fs[i][nt] = ld_b(S0, nt, 8 * i);
-        fd[i][nt] = ld_b(dSL, nt, 8 * i);
+      for (int j = 0; j < 4; ++j) {
+        const int idx = static_cast<int>(threadIdx.x) + NT * j;  // 2 x 128 rows x 4 pieces
+        const int mat = idx >> 9, row = (idx >> 2) & 127, c4 = idx & 3;
+        cp_async16(dst + mat * D * LDK + row * LDK + 4 * c4,
+                   (mat ? dSL : S0) + row * D + 16 * sl + 4 * c4, true);
       }
+    };
+    copy_slice(0);
+    cp_async_commit();  // dO, U, dVt and slice 0
+    copy_slice(1);
+    cp_async_commit();
     if (threadIdx.x < C) {
       const int r = threadIdx.x;
       const float G = p.G[(tok0 + (r < L ? r : L - 1)) * p.Hv + h];
@@ -727,7 +735,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       bs[r] = r < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + r) * p.Hv + h) : 0.f;
       dG[r] = 0.f;
     }
-    cp_async_wait<0>();
+    cp_async_wait<1>();
     __syncthreads();
 
     // ---- per row (four threads each): dv = beta dVt, v . dVt; then U and dVt rounded to
@@ -777,22 +785,27 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       float Y[4][2][4] = {}, Z[4][2][4] = {}, R[4][2][4] = {};
       float s0ds = 0.f;
 #pragma unroll 1
-      for (int kk = 0; kk < D / 8; kk += PF) {
+      for (int sl = 0; sl < D / 16; ++sl) {
+        cp_async_wait<1>();  // slice sl has landed (only slice sl + 1 may be in flight)
+        __syncthreads();     // ... for every thread; and stage (sl + 2) % 3 is read by none
+        if (sl + 2 < D / 16) copy_slice(sl + 2);
+        cp_async_commit();  // (empty at the end: keeps one group per slice)
+        const float* Hs = stage(sl % 3);
+        const float* Ds = Hs + D * LDK;
 #pragma unroll
-        for (int sl = 0; sl < PF; ++sl) {
-          const int k8 = kk + sl, k0 = 8 * k8;
+        for (int half = 0; half < 2; ++half) {
+          const int k0 = 16 * sl + 8 * half, kl = 8 * half;
           uint32_t bS[2][2], bD[2][2];
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-            bS[nt][0] = __float_as_uint(round_tf32(fs[sl][nt].x));
-            bS[nt][1] = __float_as_uint(round_tf32(fs[sl][nt].y));
-            bD[nt][0] = __float_as_uint(round_tf32(fd[sl][nt].x));
-            bD[nt][1] = __float_as_uint(round_tf32(fd[sl][nt].y));
-            s0ds += fs[sl][nt].x * fd[sl][nt].x + fs[sl][nt].y * fd[sl][nt].y;
-            if (k8 + PF < D / 8) {
-              fs[sl][nt] = ld_b(S0, nt, k0 + 8 * PF);
-              fd[sl][nt] = ld_b(dSL, nt, k0 + 8 * PF);
-            }
+            const int off = (nw + 8 * nt + g) * LDK + kl + 2 * t;
+            const float2 fs = *reinterpret_cast<const float2*>(Hs + off);
+            const float2 fd = *reinterpret_cast<const float2*>(Ds + off);
+            bS[nt][0] = __float_as_uint(round_tf32(fs.x));
+            bS[nt][1] = __float_as_uint(round_tf32(fs.y));
+            bD[nt][0] = __float_as_uint(round_tf32(fd.x));
+            bD[nt][1] = __float_as_uint(round_tf32(fd.y));
+            s0ds += fs.x * fd.x + fs.y * fd.y;
           }
 #pragma unroll
           for (int mt = 0; mt < 4; ++mt) {
