@@ -632,13 +632,13 @@ __device__ __forceinline__ void prefetch_l2_64k(const void* src) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b + 128 * NT));
 }
 // L2 prefetch of what grad_chunk_tc_kernel reads for value head h of a chunk: h and dS
-// (contiguous) and the chunk's L rows of dO, U and dVt.
+// (contiguous) and the chunk's L rows of dO, v, U and dVt.
 template <typename In>
 __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t chunk,
                                                    int64_t tok0, int L, int64_t h) {
   prefetch_l2_64k(p.h + (chunk * p.Hv + h) * D * D);
   prefetch_l2_64k(p.dh + (chunk * p.Hv + h) * D * D);
-  // rows: 2 lines of dO, 4 of U and 4 of dVt each (one of each tensor a thread)
+  // rows: 2 lines of dO and v, 4 of U and dVt each (one of each tensor a thread)
   const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
   if (r < L) {
     const int64_t row = ((tok0 + r) * p.Hv + h) * D;
@@ -648,7 +648,9 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(dv));
     if (part < 2) {
       const char* o = reinterpret_cast<const char*>(static_cast<const In*>(p.d_o) + row) + 128 * part;
+      const char* v = reinterpret_cast<const char*>(static_cast<const In*>(p.v) + row) + 128 * part;
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(o));
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(v));
     }
   }
 }
@@ -704,9 +706,14 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     cp_async_commit();
     const float* S0 = p.h + (chunk * p.Hv + h) * D * D;
     const float* dSL = p.dh + (chunk * p.Hv + h) * D * D;
-    if (h == hq * group) {  // the first head's h and dS into L2 (later heads: below)
+    if (h == hq * group) {  // the first head's h, dS and v into L2 (later heads: below)
       prefetch_l2_64k(S0);
       prefetch_l2_64k(dSL);
+      const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
+      if (r < L && part < 2)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(
+            reinterpret_cast<const char*>(static_cast<const In*>(p.v) + v_off + r * p.Hv * D) +
+            128 * part));
     }
     // h and dS reach the products in slices of 16 columns (k), three stages of cp.async
     // copies in the scratch that M1 .. E use later: stage st holds h then dS, [128][LDK]
@@ -1020,6 +1027,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       }
     }
   }
+  // dq and dk through the Q and K tiles (no longer read after the last head's products),
+  // then out as whole 16-byte pieces of rows
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
@@ -1027,16 +1036,24 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int r = 16 * mt + g + 4 * e, c = nw + 8 * nt + 2 * t;
-        if (r < L) {
-          const int64_t idx = ((tok0 + r) * p.Hqk + hq) * D + c;
-          In q2[2] = {from_f<In>(dq[mt][nt][e]), from_f<In>(dq[mt][nt][e + 1])};
-          In k2[2] = {from_f<In>(dk[mt][nt][e]), from_f<In>(dk[mt][nt][e + 1])};
-          *reinterpret_cast<uint32_t*>(static_cast<In*>(p.dq) + idx) =
-              *reinterpret_cast<const uint32_t*>(q2);
-          *reinterpret_cast<uint32_t*>(static_cast<In*>(p.dk) + idx) =
-              *reinterpret_cast<const uint32_t*>(k2);
-        }
+        In q2[2] = {from_f<In>(dq[mt][nt][e]), from_f<In>(dq[mt][nt][e + 1])};
+        In k2[2] = {from_f<In>(dk[mt][nt][e]), from_f<In>(dk[mt][nt][e + 1])};
+        *reinterpret_cast<uint32_t*>(Qs + r * LDH + c) = *reinterpret_cast<const uint32_t*>(q2);
+        *reinterpret_cast<uint32_t*>(Ks + r * LDH + c) = *reinterpret_cast<const uint32_t*>(k2);
       }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int idx = static_cast<int>(threadIdx.x) + NT * i;  // 64 rows x 16 pieces
+    const int r = idx >> 4, c8 = 8 * (idx & 15);
+    if (r < L) {
+      const int64_t off = ((tok0 + r) * p.Hqk + hq) * D + c8;
+      *reinterpret_cast<uint4*>(static_cast<In*>(p.dq) + off) =
+          *reinterpret_cast<const uint4*>(Qs + r * LDH + c8);
+      *reinterpret_cast<uint4*>(static_cast<In*>(p.dk) + off) =
+          *reinterpret_cast<const uint4*>(Ks + r * LDH + c8);
+    }
+  }
 }
 
 }  // namespace cuda
