@@ -157,10 +157,11 @@ inline int unsplit_col_block(int64_t N, int64_t Hv, int sms) {
 // Whether the backward runs its two sequential passes (the recomputation and the reverse
 // pass) in the one-block-per-head kernels (column block 128: state_fwd_cols_kernel and
 // state_bwd_cols_kernel) rather than at 16 / 32 columns. The cost model is the forward's
-// and does not predict the backward's passes (it estimates ~0.8 ms a pass at 32 heads x
-// 32768 tokens, which take ~1.75), so this is a rule read off measurements (H100,
-// 2026-11-24, fwd+bwd of 36 rows at 4 / 8 / 16 / 32 value heads, 8k to 32k tokens in 1 to
-// 4 sequences, docs/benchmarks.md "Session 23"): 128 columns win where the work (value
+// and does not predict the backward's passes (at 32 heads x 32768 tokens it estimates
+// ~0.8 ms a pass; the recomputation takes ~1.0 and the reverse pass ~1.75), so this is
+// a rule read off measurements (H100, 2026-11-24, fwd+bwd of 36 rows at 4 / 8 / 16 / 32
+// value heads, 8k to 32k tokens in 1 to 4 sequences, docs/benchmarks.md "Session 23"):
+// 128 columns win where the work (value
 // heads x chunks, for 132 SMs) is large or one sequence is long, e.g. 32 heads x 16384
 // tokens 4.81 -> 4.40 ms, 4 heads x 32768 1.74 -> 1.68, 32 heads x 4 x 4096 4.65 -> 3.74,
 // and lose on short work, e.g. 4 heads x 8192 0.68 -> 1.04, 8 heads x 4 x 4096 1.27 ->
