@@ -53,6 +53,26 @@ class _MM(torch.autograd.Function):
         return da, db, None, None, None
 
 
+class _MMRecord(torch.autograd.Function):
+    """_MM whose dA = dC @ B^T reads a stored record in format `frec`: the saved B (the
+    chunk states h, as the per-chunk gradients read them: dO h^T, dVt h^T) or dC (the state
+    gradient dS, as they read it: dK = U dS^T); every other operand as _MM rounds it."""
+
+    @staticmethod
+    def forward(ctx, a, b, fa: str, fb: str, fbw: str, frec_b: str, frec_dc: str):  # noqa: D102
+        ctx.save_for_backward(a, b)
+        ctx.f = (fbw, frec_b, frec_dc)
+        return fwd.rnd(fwd.rnd(a, fa) @ fwd.rnd(b, fb), "f32")
+
+    @staticmethod
+    def backward(ctx, dc):  # noqa: D102
+        a, b = ctx.saved_tensors
+        f, f_b, f_dc = ctx.f
+        da = fwd.rnd(fwd.rnd(dc, f_dc) @ fwd.rnd(b, f_b).transpose(-1, -2), "f32")
+        db = fwd.rnd(fwd.rnd(a, f).transpose(-1, -2) @ fwd.rnd(dc, f), "f32")
+        return da, db, None, None, None, None, None
+
+
 class _Store(torch.autograd.Function):
     """A stored or shared operand rounded to fmt in the forward; its gradient passes as is."""
 
@@ -65,12 +85,19 @@ class _Store(torch.autograd.Function):
         return g, None
 
 
-def chunked_forward_ad(q, k, v, g, beta, scale: float, fw: str, bw: str):
+def chunked_forward_ad(q, k, v, g, beta, scale: float, fw: str, bw: str,
+                       rec: Optional[str] = None):
     """One sequence, one head (float64 leaves): o, final state. `fw`: the forward's operand
-    format (f64 or f16, as the default pass), `bw`: the backward products' operand format."""
+    format (f64 or f16, as the default pass), `bw`: the backward products' operand format,
+    `rec`: the format of the per-chunk records h and dS where the per-chunk gradients read
+    them, "fmt" for both or "h_fmt/ds_fmt" (None: bw)."""
     T = q.shape[0]
     S = torch.zeros(q.shape[1], v.shape[1], dtype=F64)
+    rec_h, _, rec_ds = (rec or bw).partition("/")
+    rec_ds = rec_ds or rec_h
     mm = lambda a, b: _MM.apply(a, b, fw, fw, bw)  # noqa: E731
+    mm_h = lambda a, b: _MMRecord.apply(a, b, fw, fw, bw, rec_h, bw)  # noqa: E731
+    mm_ds = lambda a, b: _MMRecord.apply(a, b, fw, fw, bw, bw, rec_ds)  # noqa: E731
     st = lambda x: _Store.apply(x, fw)  # noqa: E731
     out = []
     for c0 in range(0, T, C):
@@ -84,10 +111,10 @@ def chunked_forward_ad(q, k, v, g, beta, scale: float, fw: str, bw: str):
         W = st(mm(Tm * (b * torch.exp(G))[None, :], K))
         U0 = mm(Tm * b[None, :], V)
         P = st(mm(Q, K.T) * dec)
-        U = U0 - mm(W, st(S))
-        O = scale * (torch.exp(G)[:, None] * mm(Q, st(S)) + mm(P, st(U)))
+        U = U0 - mm_h(W, st(S))
+        O = scale * (torch.exp(G)[:, None] * mm_h(Q, st(S)) + mm(P, st(U)))
         eL = torch.exp(G[-1] - G)
-        S = torch.exp(G[-1]) * S + mm(K.T, st(eL[:, None] * U))
+        S = torch.exp(G[-1]) * S + mm_ds(K.T, st(eL[:, None] * U))
         out.append(O)
     return torch.cat(out), S
 
@@ -96,7 +123,7 @@ NAMES = ("q", "k", "v", "g", "beta")
 
 
 def gradients(x: Dict[str, torch.Tensor], do: torch.Tensor, dst: torch.Tensor, scale: float,
-              fw: str, bw: str, do_pow2: bool) -> List[torch.Tensor]:
+              fw: str, bw: str, do_pow2: bool, rec: Optional[str] = None) -> List[torch.Tensor]:
     """Gradients of sum(o * do) + sum(S_T * dst) over all heads; with do_pow2 the output
     gradients are multiplied by a power of two bringing max |do| to about 1 first, and the
     results divided by it afterwards (exact: a power of two)."""
@@ -108,7 +135,7 @@ def gradients(x: Dict[str, torch.Tensor], do: torch.Tensor, dst: torch.Tensor, s
     leaves = {n: x[n].clone().requires_grad_() for n in NAMES}
     loss = 0
     for h in range(x["q"].shape[1]):
-        o, s = chunked_forward_ad(*(leaves[n][:, h] for n in NAMES), scale, fw, bw)
+        o, s = chunked_forward_ad(*(leaves[n][:, h] for n in NAMES), scale, fw, bw, rec)
         loss = loss + (o * (do[:, h] * f)).sum() + (s * (dst[h] * f)).sum()
     grads = torch.autograd.grad(loss, [leaves[n] for n in NAMES])
     return [gr / f for gr in grads]
@@ -127,11 +154,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     base_do = torch.randn(args.tokens, args.heads, 128, generator=gen, dtype=F64)
     base_dst = torch.randn(args.heads, 128, 128, generator=gen, dtype=F64) / 8
-    designs: List[Tuple[str, str, str, bool]] = [
-        ("tf32 backward operands (today), fp16 forward", "f16", "tf32", False),
-        ("bf16 backward operands (FLA-like)", "f16", "bf16", False),
-        ("fp16 backward operands", "f16", "f16", False),
-        ("fp16 backward operands, dO scaled by 2^e", "f16", "f16", True),
+    designs: List[Tuple[str, str, str, bool, Optional[str]]] = [
+        ("tf32 backward operands (today), fp16 forward", "f16", "tf32", False, None),
+        ("bf16 backward operands (FLA-like)", "f16", "bf16", False, None),
+        ("fp16 backward operands", "f16", "f16", False, None),
+        ("fp16 backward operands, dO scaled by 2^e", "f16", "f16", True, None),
+        ("tf32 operands, h and dS records in bf16", "f16", "tf32", False, "bf16"),
+        ("tf32 operands, h and dS records in fp16", "f16", "tf32", False, "f16"),
+        ("tf32 operands, h records in fp16, dS in bf16", "f16", "tf32", False, "f16/bf16"),
     ]
     print(f"{args.tokens} tokens, {args.heads} heads, bench gates (every 4th head g == 0), "
           "l2-normalised q/k; relative error of each gradient against float64\n")
@@ -142,8 +172,8 @@ def main() -> None:
         ro, rs = recurrent_gated_delta_rule_ref(*(leaves[n][None] for n in NAMES), scale)
         ref = torch.autograd.grad((ro[0] * do).sum() + (rs[0] * dst).sum(),
                                   [leaves[n] for n in NAMES])
-        for name, fw, bw, pow2 in designs:
-            got = gradients(x, do, dst, scale, fw, bw, pow2)
+        for name, fw, bw, pow2, rec in designs:
+            got = gradients(x, do, dst, scale, fw, bw, pow2, rec)
             errs = []
             for a, r in zip(got, ref):
                 e = fwd.rel(a, r)

@@ -56,3 +56,30 @@ def test_backward_formats(do_scale: float):
         assert min(f16) > 0.5  # unscaled fp16: the gradients underflow
     else:
         assert max(s / t for s, t in zip(f16, tf32)) < 1.2
+
+
+@pytest.mark.parametrize("do_scale", [1.0, 1e-8])
+def test_record_formats(do_scale: float):
+    """The per-chunk records h and dS in 16 bits where the per-chunk gradients read them:
+    h in fp16 costs nothing (the forward state's range), dS in bf16 raises dk's error
+    (still below bf16 operands everywhere), dS in fp16 underflows with small gradients."""
+    x, do, dst, ref = _setup(do_scale)
+    names = list(study.NAMES)
+    iq, ik = names.index("q"), names.index("k")
+
+    def errs(rec):
+        got = study.gradients(x, do, dst, 128 ** -0.5, "f16", "tf32", False, rec)
+        return [float((a - r).norm() / r.norm()) for a, r in zip(got, ref)]
+
+    tf32 = errs(None)
+    h16 = errs("f16/tf32")
+    assert max(a / b for a, b in zip(h16, tf32)) < 1.05
+    ds_bf16 = errs("f16/bf16")
+    bf16_all = _errs(x, do, dst, ref, "f16", "bf16", False)
+    assert ds_bf16[ik] > 1.5 * tf32[ik] and ds_bf16[ik] < bf16_all[ik]
+    assert ds_bf16[iq] < 1.05 * tf32[iq]  # dq reads h only
+    ds_f16 = errs("f16")
+    if do_scale < 1e-6:
+        assert ds_f16[ik] > 0.5  # dS underflows in fp16
+    else:
+        assert max(a / b for a, b in zip(ds_f16, tf32)) < 1.05
