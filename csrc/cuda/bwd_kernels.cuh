@@ -628,8 +628,8 @@ struct GradSmem {
 // Brings 64 KB from `src` into L2: two 128-byte lines a thread of the block.
 __device__ __forceinline__ void prefetch_l2_64k(const void* src) {
   const char* b = static_cast<const char*>(src) + 128 * threadIdx.x;
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b));
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b + 128 * NT));
+  prefetch_l2(b);
+  prefetch_l2(b + 128 * NT);
 }
 // L2 prefetch of what grad_chunk_tc_kernel reads for value head h of a chunk: h and dS
 // (contiguous) and the chunk's L rows of dO, v, U and dVt.
@@ -642,15 +642,11 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
   const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
   if (r < L) {
     const int64_t row = ((tok0 + r) * p.Hv + h) * D;
-    const char* u = reinterpret_cast<const char*>(p.U + row) + 128 * part;
-    const char* dv = reinterpret_cast<const char*>(p.dVt + row) + 128 * part;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(u));
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(dv));
+    prefetch_l2(reinterpret_cast<const char*>(p.U + row) + 128 * part);
+    prefetch_l2(reinterpret_cast<const char*>(p.dVt + row) + 128 * part);
     if (part < 2) {
-      const char* o = reinterpret_cast<const char*>(static_cast<const In*>(p.d_o) + row) + 128 * part;
-      const char* v = reinterpret_cast<const char*>(static_cast<const In*>(p.v) + row) + 128 * part;
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(o));
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(v));
+      prefetch_l2(reinterpret_cast<const char*>(static_cast<const In*>(p.d_o) + row) + 128 * part);
+      prefetch_l2(reinterpret_cast<const char*>(static_cast<const In*>(p.v) + row) + 128 * part);
     }
   }
 }
@@ -711,9 +707,9 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       prefetch_l2_64k(dSL);
       const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
       if (r < L && part < 2)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(
-            reinterpret_cast<const char*>(static_cast<const In*>(p.v) + v_off + r * p.Hv * D) +
-            128 * part));
+        prefetch_l2(reinterpret_cast<const char*>(static_cast<const In*>(p.v) + v_off +
+                                                  r * p.Hv * D) +
+                    128 * part);
     }
     // h and dS reach the products in slices of 16 columns (k), three stages of cp.async
     // copies in the scratch that M1 .. E use later: stage st holds h then dS, [128][LDK]

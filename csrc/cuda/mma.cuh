@@ -94,13 +94,6 @@ __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const T* s, int ld, int
   widen2(x, b[0], b[1], s);
 }
 
-__device__ __forceinline__ void frag_b_rna(uint32_t (&b)[2], const float* s, int ld, int col0,
-                                           int k0) {
-  frag_b(b, s, ld, col0, k0);
-  b[0] = __float_as_uint(round_tf32(__uint_as_float(b[0])));
-  b[1] = __float_as_uint(round_tf32(__uint_as_float(b[1])));
-}
-
 // Fragments of the transpose of a 16-bit tile stored [k][i] (i contiguous): ldmatrix.trans
 // yields the paired-k layout directly. A fragment of A(i, k) = X[k][i] for rows i0..i0+15,
 // k0..k0+7; ld in elements (row stride 16 mod 128 bytes: conflict free for ld = 136).
@@ -367,6 +360,11 @@ __device__ __forceinline__ void store_acc_state_smem_h(__half* st, int ld, const
 }
 
 // cp.async: 16 bytes (zero-filled when !valid) and 4 bytes.
+// Brings the 128-byte line holding p into L2 (no register written, nothing to wait for).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   const int n = valid ? 16 : 0;
