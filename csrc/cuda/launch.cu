@@ -319,6 +319,25 @@ int sm_count(int device) {
   return sms;
 }
 
+// What the planner knows of the call's sequences (csrc/planner.h SegmentQuery), without
+// the switches: N, the chunks of all sequences and of each (fixed length), the hint on the
+// longest, H_v, the SM count.
+SegmentQuery sequence_query(const Problem& p) {
+  SegmentQuery q;
+  q.N = p.N;
+  q.total_chunks = p.max_chunks();
+  q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
+  if (p.varlen() && p.N == 1) {
+    // one packed sequence holds every token (plan_kernel checks cu_seqlens = [0, T]): its
+    // length is known exactly, which the wave count of the cost model needs
+    q.fixed_chunks = q.total_chunks = (p.TT + C - 1) / C;
+  }
+  q.Hv = p.Hv;
+  if (p.varlen() && p.max_seqlen > 0) q.longest_hint = (p.max_seqlen + C - 1) / C;
+  q.sms = sm_count(p.device_id);
+  return q;
+}
+
 // The backward's sequential passes in the one-block-per-head kernels (the reverse pass in
 // state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_cols_kernel,
 // with the f16 pass) where backward_cols (planner.h) says they win;
@@ -327,11 +346,11 @@ bool bwd_cols(const Problem& p) {
   const int v = env_int_or("FLASHGDN_BWD_COLS", -1);
   if (v == 0 || v == 1) return v == 1;
   if (fwd_pass() != FwdPass::F16) return false;
-  const int64_t total = p.varlen() && p.N == 1 ? (p.TT + C - 1) / C : p.max_chunks();
-  int64_t longest = total;
-  if (!p.varlen()) longest = (p.T + C - 1) / C;
-  else if (p.max_seqlen > 0) longest = std::min(longest, (p.max_seqlen + C - 1) / C);
-  return backward_cols(p.Hv, total, longest, sm_count(p.device_id));
+  const SegmentQuery q = sequence_query(p);
+  int64_t longest = q.fixed_chunks;  // varlen: all chunks, or the hint where it is smaller
+  if (p.varlen())
+    longest = q.longest_hint > 0 ? std::min(q.total_chunks, q.longest_hint) : q.total_chunks;
+  return backward_cols(q.Hv, q.total_chunks, longest, q.sms);
 }
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
@@ -357,19 +376,8 @@ ForwardCost plan_cost(bool backward) {
 // recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
 // one block per head and segment).
 SegmentPlan plan_forward(const Problem& p, bool backward) {
-  SegmentQuery q;
+  SegmentQuery q = sequence_query(p);
   q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols(p));
-  q.N = p.N;
-  q.total_chunks = p.max_chunks();
-  q.fixed_chunks = p.varlen() ? -1 : (p.T + C - 1) / C;
-  if (p.varlen() && p.N == 1) {
-    // one packed sequence holds every token (plan_kernel checks cu_seqlens = [0, T]): its
-    // length is known exactly, which the wave count of the cost model needs
-    q.fixed_chunks = q.total_chunks = (p.TT + C - 1) / C;
-  }
-  q.Hv = p.Hv;
-  if (p.varlen() && p.max_seqlen > 0) q.longest_hint = (p.max_seqlen + C - 1) / C;
-  q.sms = sm_count(p.device_id);
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
