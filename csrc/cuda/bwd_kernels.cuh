@@ -36,11 +36,15 @@ struct BwdParams : SegParams {
   const float* Tmat;  // [TT, Hv, C]
   const float* Pmat;  // [TT, Hv, C] (Q K^T) . Dec
   const float* U;     // [TT, Hv, D]
-  const float* h;     // [max_chunks, Hv, D, D]
-  float* dh;          // [max_chunks, Hv, D, D]
+  const float* h;     // [max_chunks, Hv, D, D]; fp16 record blocks (mma.cuh) if rec16
+  float* dh;          // [max_chunks, Hv, D, D]; idem
+  const float* h_scale;  // [max_chunks, Hv, 8]: the record blocks' factors (rec16)
+  float* dh_scale;       // idem
+  bool rec16;  // h and dh written by the 128-column passes (launch.cu bwd_cols)
   float* dVt;         // [TT, Hv, D]
   float* dh0;         // [N, Hv, D, D] or null
   void *dq, *dk, *dv, *dg, *dbeta;
+  int debug;  // FwdParams::debug (timing experiments only)
 };
 
 template <int BW>
@@ -610,34 +614,38 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
 //   mma.sync with register fragments read by paired loads (mma.cuh), not per element:
 //   * 64 x 128 results (dO h^T, dVt h^T, U dS^T, dq, dk) are column strips: warp w holds
 //     columns 16 w .. 16 w + 15 of all 64 rows. The state h and dS of the chunk (fp32,
-//     2 x 64 KB per head) arrive in slices of 16 k columns through three cp.async stages
+//     2 x 64 KB per head, or the 128-column passes' fp16 record blocks, 2 x 32 KB, whose
+//     16 columns are a slice) arrive in slices of 16 k columns through three cp.async stages
 //     (in the scratch of the 64 x 64 phase, free until then); <h, dS> falls out of the B
 //     fragments. The next value head's operands are prefetched into L2 meanwhile.
 //   * 64 x 64 products (dVt U^T, dO U^T, K K^T, Q K^T) are 32 x 16 warp tiles.
 //   * dq += M1 K and dk += M1^T Q + (M2 + M2^T) K from M1, M1^T, M2 + M2^T stored once in
 //     shared memory, K and Q read transposed by ldmatrix.
 //   Row sums across warps go through shared scratch in a fixed order: deterministic.
-//   reads  q, k, v, do, beta, G, U, dVt, h, dh    writes dq, dk, dv, dg, dbeta
+//   reads  q, k, v, do, beta, G, U, dVt, h, dh (h_scale, dh_scale)
+//   writes dq, dk, dv, dg, dbeta
 template <typename In>
 struct GradSmem {
   static constexpr size_t kTiles =
       sizeof(In) * 3 * C * LDH + sizeof(float) * (2 * C * LDW + 4 * C * LDA);
-  static constexpr size_t kBytes = kTiles + sizeof(float) * (8 * C + 4 * 8 * C + 8);
+  static constexpr size_t kBytes = kTiles + sizeof(float) * (8 * C + 4 * 8 * C + 8 + 16);
 };
 
-// Brings 64 KB from `src` into L2: two 128-byte lines a thread of the block.
-__device__ __forceinline__ void prefetch_l2_64k(const void* src) {
-  const char* b = static_cast<const char*>(src) + 128 * threadIdx.x;
+// Brings a chunk and head's h or dS record into L2 (64 KB fp32, or 32 KB of fp16 record
+// blocks): 128-byte lines, one or two a thread of the block.
+template <bool kRec16>
+__device__ __forceinline__ void prefetch_l2_record(const float* rec) {
+  const char* b = reinterpret_cast<const char*>(rec) + 128 * threadIdx.x;
   prefetch_l2(b);
-  prefetch_l2(b + 128 * NT);
+  if (!kRec16) prefetch_l2(b + 128 * NT);
 }
 // L2 prefetch of what grad_chunk_tc_kernel reads for value head h of a chunk: h and dS
 // (contiguous) and the chunk's L rows of dO, v, U and dVt.
-template <typename In>
+template <typename In, bool kRec16>
 __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t chunk,
                                                    int64_t tok0, int L, int64_t h) {
-  prefetch_l2_64k(p.h + (chunk * p.Hv + h) * D * D);
-  prefetch_l2_64k(p.dh + (chunk * p.Hv + h) * D * D);
+  prefetch_l2_record<kRec16>(record_at(p.h, chunk * p.Hv + h, kRec16));
+  prefetch_l2_record<kRec16>(record_at(p.dh, chunk * p.Hv + h, kRec16));
   // rows: 2 lines of dO and v, 4 of U and dVt each (one of each tensor a thread)
   const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
   if (r < L) {
@@ -651,10 +659,14 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
   }
 }
 
-template <typename In>
+// kRec16: h and dS are the 128-column passes' fp16 record blocks (BwdParams::rec16), else
+// fp32 [key][value].
+template <typename In, bool kRec16>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
-  // h / dS slices [128][16] with 24-word rows (8 mod 16): paired loads conflict free
+  // h / dS slices [128][16] with 24-word rows (8 mod 16), or of fp16 record blocks with
+  // 24-half rows (12 words): paired loads conflict free
   constexpr int LDK = 24;
+  constexpr int kSliceFloats = kRec16 ? D * LDK / 2 : D * LDK;  // one matrix of a stage
   static_assert(3 * 2 * D * LDK <= 4 * C * LDA, "three h / dS slice stages fit in M1 .. E");
   if (p.seqs.failed()) return;
   const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
@@ -686,6 +698,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   float* part = lastrow + C;    // [4][8][C] per-warp partial row sums
   float* red = part + 4 * 8 * C;  // [8] per-warp partial sums of <h, dS>
   float* vdt = red + 8;           // [C] v . dVt per row (dbeta)
+  float* recsc = vdt + C;         // [16] the record blocks' factors: h, then dS (kRec16)
 
   const int64_t qk_off = (tok0 * p.Hqk + hq) * D;
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
@@ -700,11 +713,11 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     cp_async_tile<C, D, LDW>(Us, p.U + v_off, p.Hv * D, L);
     cp_async_tile<C, D, LDW>(dVs, p.dVt + v_off, p.Hv * D, L);
     cp_async_commit();
-    const float* S0 = p.h + (chunk * p.Hv + h) * D * D;
-    const float* dSL = p.dh + (chunk * p.Hv + h) * D * D;
+    const float* S0 = record_at(p.h, chunk * p.Hv + h, kRec16);
+    const float* dSL = record_at(p.dh, chunk * p.Hv + h, kRec16);
     if (h == hq * group) {  // the first head's h, dS and v into L2 (later heads: below)
-      prefetch_l2_64k(S0);
-      prefetch_l2_64k(dSL);
+      prefetch_l2_record<kRec16>(S0);
+      prefetch_l2_record<kRec16>(dSL);
       const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
       if (r < L && part < 2)
         prefetch_l2(reinterpret_cast<const char*>(static_cast<const In*>(p.v) + v_off +
@@ -713,15 +726,26 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     }
     // h and dS reach the products in slices of 16 columns (k), three stages of cp.async
     // copies in the scratch that M1 .. E use later: stage st holds h then dS, [128][LDK]
-    auto stage = [&](int st) { return M1 + st * 2 * D * LDK; };
+    auto stage = [&](int st) { return M1 + st * 2 * kSliceFloats; };
     auto copy_slice = [&](int sl) {
       float* dst = stage(sl % 3);
+      if constexpr (kRec16) {  // record block sl: [128][16] fp16, contiguous
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int idx = static_cast<int>(threadIdx.x) + NT * j;  // 2 x 128 rows x 4 pieces
-        const int mat = idx >> 9, row = (idx >> 2) & 127, c4 = idx & 3;
-        cp_async16(dst + mat * D * LDK + row * LDK + 4 * c4,
-                   (mat ? dSL : S0) + row * D + 16 * sl + 4 * c4, true);
+        for (int j = 0; j < 2; ++j) {
+          const int idx = static_cast<int>(threadIdx.x) + NT * j;  // 2 x 128 rows x 2 pieces
+          const int mat = idx >> 8, row = (idx >> 1) & 127, c8 = idx & 1;
+          const __half* src = reinterpret_cast<const __half*>(mat ? dSL : S0) + sl * kRecBlockHalves;
+          cp_async16(reinterpret_cast<__half*>(dst + mat * kSliceFloats) + row * LDK + 8 * c8,
+                     src + row * 16 + 8 * c8, true);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int idx = static_cast<int>(threadIdx.x) + NT * j;  // 2 x 128 rows x 4 pieces
+          const int mat = idx >> 9, row = (idx >> 2) & 127, c4 = idx & 3;
+          cp_async16(dst + mat * D * LDK + row * LDK + 4 * c4,
+                     (mat ? dSL : S0) + row * D + 16 * sl + 4 * c4, true);
+        }
       }
     };
     copy_slice(0);
@@ -737,6 +761,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       eL[r] = __expf(Glast - G);
       bs[r] = r < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + r) * p.Hv + h) : 0.f;
       dG[r] = 0.f;
+    }
+    if (kRec16 && threadIdx.x < 16) {
+      const int64_t i = (chunk * p.Hv + h) * 8 + (threadIdx.x & 7);
+      recsc[threadIdx.x] = threadIdx.x < 8 ? p.h_scale[i] : p.dh_scale[i];
     }
     cp_async_wait<1>();
     __syncthreads();
@@ -794,7 +822,12 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
         if (sl + 2 < D / 16) copy_slice(sl + 2);
         cp_async_commit();  // (empty at the end: keeps one group per slice)
         const float* Hs = stage(sl % 3);
-        const float* Ds = Hs + D * LDK;
+        const float* Ds = Hs + kSliceFloats;
+        float sh = 1.f, sd = 1.f;
+        if constexpr (kRec16) {
+          sh = recsc[sl];
+          sd = recsc[8 + sl];
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int k0 = 16 * sl + 8 * half, kl = 8 * half;
@@ -802,12 +835,28 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             const int off = (nw + 8 * nt + g) * LDK + kl + 2 * t;
-            const float2 fs = *reinterpret_cast<const float2*>(Hs + off);
-            const float2 fd = *reinterpret_cast<const float2*>(Ds + off);
-            bS[nt][0] = __float_as_uint(round_tf32(fs.x));
-            bS[nt][1] = __float_as_uint(round_tf32(fs.y));
-            bD[nt][0] = __float_as_uint(round_tf32(fd.x));
-            bD[nt][1] = __float_as_uint(round_tf32(fd.y));
+            float2 fs, fd;
+            if constexpr (kRec16) {  // fp16 times a power of two: exact tf32 values
+              fs = __half22float2(*reinterpret_cast<const __half2*>(
+                  reinterpret_cast<const __half*>(Hs) + off));
+              fd = __half22float2(*reinterpret_cast<const __half2*>(
+                  reinterpret_cast<const __half*>(Ds) + off));
+              fs.x *= sh;
+              fs.y *= sh;
+              fd.x *= sd;
+              fd.y *= sd;
+              bS[nt][0] = __float_as_uint(fs.x);
+              bS[nt][1] = __float_as_uint(fs.y);
+              bD[nt][0] = __float_as_uint(fd.x);
+              bD[nt][1] = __float_as_uint(fd.y);
+            } else {
+              fs = *reinterpret_cast<const float2*>(Hs + off);
+              fd = *reinterpret_cast<const float2*>(Ds + off);
+              bS[nt][0] = __float_as_uint(round_tf32(fs.x));
+              bS[nt][1] = __float_as_uint(round_tf32(fs.y));
+              bD[nt][0] = __float_as_uint(round_tf32(fd.x));
+              bD[nt][1] = __float_as_uint(round_tf32(fd.y));
+            }
             s0ds += fs.x * fd.x + fs.y * fd.y;
           }
 #pragma unroll
@@ -877,7 +926,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 
     // The next head's operands into L2 while this one finishes (its h and dS stream from
     // global memory into fragments a few k steps ahead only).
-    if (h + 1 < (hq + 1) * group) prefetch_grad_head<In>(p, chunk, tok0, L, h + 1);
+    if (h + 1 < (hq + 1) * group) prefetch_grad_head<In, kRec16>(p, chunk, tok0, L, h + 1);
     // ---- 64 x 64: dVt U^T, dO U^T (tf32), K K^T, Q K^T (the inputs' own 16-bit type, exact
     // products) -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
     {

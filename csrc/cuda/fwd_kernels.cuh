@@ -73,9 +73,12 @@ struct FwdParams : SegParams {
   __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
   float2* EG;        // [TT, Hv] (e^G, e^{G_last - G}) per token: the cols pass's (else null)
   // backward recomputation (state_fwd_kernel records them when h is set)
-  float* h;          // [max_chunks, Hv, D, D] or null
+  float* h;          // [max_chunks, Hv, D, D] or null; fp16 records (mma.cuh) when written
+                     // by state_fwd_cols_kernel
+  float* h_scale;    // [max_chunks, Hv, 8]: those records' factors
   float* U;          // [TT, Hv, D] or null
-  int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads
+  int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads,
+                     // 4 no h / dh records, 8 no U / dVt (128-column passes)
   // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether
   // its U left fp16's comfortable range (or its state turned non-finite); the tf32 pass
   // launched right after with redo_pass set recomputes exactly those blocks.

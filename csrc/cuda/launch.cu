@@ -110,7 +110,7 @@ struct FwdBuffers {
 };
 struct BwdBuffers {
   FwdBuffers f;
-  float *Tmat, *U, *dVt, *h, *dh;
+  float *Tmat, *U, *dVt, *h, *dh, *h_scale, *dh_scale;
 };
 
 // `backward`: the recomputation (no outputs: P only in tf32, for the backward's kernels).
@@ -204,6 +204,9 @@ BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   b.dVt = c.take<float>(tokheads * D);
   b.h = c.take<float>(states);
   b.dh = c.take<float>(states);
+  // the factors of the 128-column passes' fp16 record blocks (mma.cuh), 8 per chunk and head
+  b.h_scale = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv) * 8);
+  b.dh_scale = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv) * 8);
   return b;
 }
 
@@ -338,14 +341,21 @@ SegmentQuery sequence_query(const Problem& p) {
   return q;
 }
 
+// FLASHGDN_BWD_SIMT=1: the backward's fp32 SIMT kernels (reference for A/B comparisons).
+bool bwd_simt() { return env_int_or("FLASHGDN_BWD_SIMT", 0) == 1; }
+// The per-chunk gradients on TF32 tensor cores (grad_chunk_tc_kernel); FLASHGDN_GRAD_TC=0
+// keeps the fp32 SIMT kernel for A/B comparisons.
+bool grad_tc() { return !bwd_simt() && env_int_or("FLASHGDN_GRAD_TC", 1) != 0; }
+
 // The backward's sequential passes in the one-block-per-head kernels (the reverse pass in
 // state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_cols_kernel,
 // with the f16 pass) where backward_cols (planner.h) says they win;
-// FLASHGDN_BWD_COLS=0 / 1 overrides.
+// FLASHGDN_BWD_COLS=0 / 1 overrides. Both write fp16 record blocks, which only
+// grad_chunk_tc_kernel reads: not with the SIMT reference kernels.
 bool bwd_cols(const Problem& p) {
+  if (fwd_pass() != FwdPass::F16 || !grad_tc()) return false;
   const int v = env_int_or("FLASHGDN_BWD_COLS", -1);
   if (v == 0 || v == 1) return v == 1;
-  if (fwd_pass() != FwdPass::F16) return false;
   const SegmentQuery q = sequence_query(p);
   int64_t longest = q.fixed_chunks;  // varlen: all chunks, or the hint where it is smaller
   if (p.varlen())
@@ -462,7 +472,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
-    set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kBytes);
+    set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kRecordBytes);
     set_smem(state_fwd_cols_kernel<In, false, true>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
@@ -476,7 +486,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     else if (f.corr && f.phase == 1)  // exact segments' outputs by correction
       state_fwd_cols_kernel<In, false, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
     else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
-      state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
+      state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kRecordBytes, st>>>(fz);
     else
       state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
     check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
@@ -784,14 +794,10 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(grad_chunk_kernel<In>, kGradSmem);
-    set_smem(grad_chunk_tc_kernel<In>, GradSmem<In>::kBytes);
+    set_smem(grad_chunk_tc_kernel<In, false>, GradSmem<In>::kBytes);
+    set_smem(grad_chunk_tc_kernel<In, true>, GradSmem<In>::kBytes);
   });
-  const char* simt_env = std::getenv("FLASHGDN_BWD_SIMT");
-  const bool simt = simt_env != nullptr && std::atoi(simt_env) == 1;
-  // The per-chunk gradients run on TF32 tensor cores (grad_chunk_tc_kernel);
-  // FLASHGDN_GRAD_TC=0 keeps the fp32 SIMT kernel for A/B comparisons.
-  const char* grad_tc_env = std::getenv("FLASHGDN_GRAD_TC");
-  const bool grad_tc = !simt && !(grad_tc_env != nullptr && std::atoi(grad_tc_env) == 0);
+  const bool simt = bwd_simt(), tc = grad_tc();
   const SegmentPlan plan = plan_forward(p, true);
   Carver c{static_cast<char*>(ws)};
   const BwdBuffers b = carve_bwd(p, plan, c);
@@ -799,6 +805,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   FwdParams f = fwd_params(p, s, b.f);
   f.Tmat = b.Tmat;
   f.h = b.h;  // the state pass records the state entering every chunk and U
+  f.h_scale = b.h_scale;
   f.U = b.U;
   run_state_pass<In>(p, plan, b.f, f, st);
 
@@ -819,6 +826,9 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.U = b.U;
   g.h = b.h;
   g.dh = b.dh;
+  g.h_scale = b.h_scale;
+  g.dh_scale = b.dh_scale;
+  g.rec16 = bwd_cols(p);  // both passes in the 128-column kernels, fp16 record blocks
   g.dVt = b.dVt;
   g.dh0 = io.dh0;
   g.dq = io.dq;
@@ -826,6 +836,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dv = io.dv;
   g.dg = io.dg;
   g.dbeta = io.dbeta;
+  g.debug = f.debug;
   if (p.N > 0) {
     // FLASHGDN_BWD_SIMT=1: the fp32 SIMT kernels (reference for A/B comparisons)
     if (simt) {
@@ -839,7 +850,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
-    if (grad_tc) grad_chunk_tc_kernel<In><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
+    if (tc && g.rec16) grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
+    else if (tc) grad_chunk_tc_kernel<In, false><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
     else grad_chunk_kernel<In><<<grid, NT, kGradSmem, st>>>(g);
     check_cuda(cudaGetLastError(), "grad_chunk_kernel launch");
   }

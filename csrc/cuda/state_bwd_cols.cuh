@@ -3,7 +3,7 @@
 // reverse recurrence, on TF32 like state_bwd_tc_kernel).
 //
 // grid (1 [x 2 in phase 1], H_v, segments or slots: for_each_segment_block), 256 threads
-// (8 warps), ~181 KB smem, 1 block/SM.
+// (8 warps), ~216 KB smem, 1 block/SM.
 // One block runs one segment (last chunk to first) of one sequence for all 128 value columns
 // of one head; warp w owns the columns 16 w .. 16 w + 15 of dS^T (16 x 128, fp32
 // accumulators) and never exchanges data with the other warps. Per chunk, going backwards:
@@ -16,7 +16,9 @@
 // registers loaded a chunk ahead: one block barrier per chunk. Segments, warm-ups and phases
 // as state_bwd_tc_kernel (phase 1: summaries of dS, on the identity with dO = 0).
 //   reads  q, k, do, beta, G, T, P, dht, seg_in
-//   writes dh (dS leaving each chunk), dVt, dh0 (phase 0); seg_L, seg_M (phase 1)
+//   writes dh (dS leaving each chunk: fp16 record blocks and dh_scale, mma.cuh, through a
+//          warp's staging and one bulk store a warp), dVt (through the same staging),
+//          dh0 (phase 0); seg_L, seg_M (phase 1)
 #pragma once
 
 #include "bwd_kernels.cuh"
@@ -28,7 +30,8 @@ template <typename In>
 struct StateBwdColsSmem {
   static constexpr size_t kStage =
       sizeof(In) * 3 * C * LDH + sizeof(float) * 2 * C * LDA + sizeof(float4) * C;
-  static constexpr size_t kBytes = 2 * kStage;
+  // and each warp's staging of its records (mma.cuh)
+  static constexpr size_t kBytes = 2 * kStage + (NT / 32) * kRecStageBytes;
 };
 
 // One segment block of state_bwd_cols_kernel (for_each_segment_block).
@@ -50,6 +53,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   auto Fst = [&](int s) { return reinterpret_cast<float4*>(Tst(s) + C * LDA); };
   const int warp = threadIdx.x >> 5, lane = lane_id();
   const int v0 = 16 * warp, tc = 2 * (lane & 3);
+  __half* rec_stage = reinterpret_cast<__half*>(smem_raw + 2 * SM::kStage + warp * kRecStageBytes);
 
   // per-token factors of the chunk issued last (threads < C), stored after a step's work
   float g_pre = 0.f, gl_pre = 0.f, beta_pre = 0.f;
@@ -102,8 +106,11 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci > c_begin) issue(ci - 1, s ^ 1);
-    if (out)  // dh: dS leaving chunk ci
-      store_state_cols(p.dh + ((chunk0 + ci) * p.Hv + h) * D * D, ds, v0);
+    if (out && !(p.debug & 4)) {  // dh: dS leaving chunk ci, an fp16 record block
+      const int64_t rec = (chunk0 + ci) * p.Hv + h;
+      store_record_cols(reinterpret_cast<__half*>(record_at(p.dh, rec, true)) + v0 * D,
+                        p.dh_scale + rec * 8 + warp, ds, rec_stage);
+    }
     const In* Q = Qst(s);
     const In* K = Kst(s);
     const float4* F = Fst(s);
@@ -168,15 +175,9 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
         }
       }
     }
-    if (out) {
-#pragma unroll
-      for (int ns = 0; ns < 8; ++ns)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = 8 * ns + acc_col(e);
-          if (r < L) __stcg(p.dVt + ((tok0 + r) * p.Hv + h) * D + v0 + acc_row(e), dv[ns][e]);
-        }
-    }
+    if (out && !(p.debug & 8))
+      store_rows_cols(p.dVt + (tok0 * p.Hv + h) * D + v0, p.Hv * D, dv, L,
+                      reinterpret_cast<float*>(rec_stage));
     // dS^T <- e^{G_last} dS^T + (scale dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K
     {
       const float egl = F[C - 1].w;
@@ -212,6 +213,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (j == 0 && p.dh0) dst = p.dh0 + (n * p.Hv + h) * D * D;
   if (dst) store_state_cols(dst, ds, v0);
+  if (lane == 0) bulk_wait();  // the records' bulk stores are complete
 }
 
 template <typename In>

@@ -18,10 +18,11 @@
 // the current one computes: one block barrier per chunk. Same segments, warm-ups, phases
 // (phase 1: summaries L and, on the identity with V = 0, M) as the other state passes
 // (fwd_kernels.cuh). The backward's recomputation (p.h set) records the state entering
-// every chunk and U; it runs here only with FLASHGDN_BWD_COLS=1 (launch.cu; opt-in, tested
-// on H100 in session 15), else in state_fwd_f16_kernel.
+// every chunk (fp16 record blocks, mma.cuh: stmatrix into a warp's staging, one bulk store
+// a warp) and U (through the same staging, 16-byte stores); it runs here where launch.cu's
+// bwd_cols says, else in state_fwd_f16_kernel (fp32 records).
 //   reads  Kh, Qh, Tv16, v, P16, EG (wy_kernel), Lb, initial state, seg_in
-//   writes o, final state (phase 0); seg_L, seg_M (phase 1); h, U (recomputation)
+//   writes o, final state (phase 0); seg_L, seg_M (phase 1); h, h_scale, U (recomputation)
 #pragma once
 
 #include "fwd_kernels.cuh"
@@ -35,6 +36,8 @@ struct StateFwdColsSmem {
   static constexpr size_t kTile = sizeof(__half) * C * LDH;  // K, Q, V [64][136]
   static constexpr size_t kStage = 3 * kTile + 2 * sizeof(__half) * C * LDP + sizeof(float2) * C;
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
+  // the recomputation: each warp's staging of its records (mma.cuh) after the above
+  static constexpr size_t kRecordBytes = kBytes + (NT / 32) * kRecStageBytes;
 };
 
 template <typename In>
@@ -150,6 +153,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   auto Est = [&](int s) { return reinterpret_cast<float2*>(Pst(s) + C * LDP); };
   const int warp = threadIdx.x >> 5, lane = lane_id();
   __half* Ost = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage) + warp * C * LDO;
+  __half* rec_stage = reinterpret_cast<__half*>(smem_raw + Sm::kBytes + warp * kRecStageBytes);
 
   const int v0 = 16 * warp;  // the warp's value columns (rows of S^T)
   const bool corr_out = kCorr && corr_outputs(p, b);  // SegParams::corr: O_loc or Q_eff
@@ -190,13 +194,10 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
     const bool out = want_o && ci >= c_begin;
     if (float* dst = sub_record(p, b, ci)) store_state_cols(dst, sacc, v0);
-    if (kRecord && record && ci >= c_begin) {  // the state entering chunk ci, [key][value]
-      float* dst = p.h + ((b.chunk0 + ci) * p.Hv + h) * D * D;
-#pragma unroll
-      for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          __stcg(dst + (8 * jn + acc_col(e)) * D + v0 + acc_row(e), sacc[jn][e]);
+    if (kRecord && record && ci >= c_begin && !(p.debug & 4)) {  // the state entering chunk ci
+      const int64_t rec = (b.chunk0 + ci) * p.Hv + h;
+      store_record_cols(reinterpret_cast<__half*>(record_at(p.h, rec, true)) + v0 * D,
+                        p.h_scale + rec * 8 + warp, sacc, rec_stage);
     }
     const __half* K = Kst(s);
     const float2* E = Est(s);
@@ -250,15 +251,9 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
           mma_f16(u[2 * nt + 1], wa[kt], b1);
         }
     }
-    if (kRecord && record && ci >= c_begin) {  // U (fp32) for the backward
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = 8 * j + acc_col(e);
-          if (r < L) __stcg(p.U + ((tok0 + r) * p.Hv + h) * D + v0 + acc_row(e), u[j][e]);
-        }
-    }
+    if (kRecord && record && ci >= c_begin && !(p.debug & 8))  // U (fp32) for the backward
+      store_rows_cols(p.U + (tok0 * p.Hv + h) * D + v0, p.Hv * D, u, L,
+                      reinterpret_cast<float*>(rec_stage));
     uint32_t ua[4][4], ue[4][4];  // U^T and U^T diag(e^{G_last - G})
     u_frags(ua, ue, u, E);
     // S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K: n8 tiles of keys, k = tokens
@@ -338,6 +333,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 
   // the state leaving the segment: the final state, or this block's summary
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
+  if (kRecord && lane == 0) bulk_wait();  // the records' bulk stores are complete
 }
 
 // kCorr: phase 1 with SegParams::corr (its own instantiation: the fp32 output path costs
@@ -369,6 +365,8 @@ struct StateFwdColsWgSmem {
   static constexpr size_t kV = sizeof(__half) * C * LDH;    // V [64][136]
   static constexpr size_t kStage = 2 * kCoreD + 2 * kCoreC + kV + sizeof(float2) * C;
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
+  // the recomputation: each warp's staging of its records (mma.cuh) after the above
+  static constexpr size_t kRecordBytes = kBytes + (NT / 32) * kRecStageBytes;
 };
 
 // One segment block of state_fwd_cols_wg_kernel (for_each_segment_block).
