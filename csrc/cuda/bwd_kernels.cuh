@@ -35,13 +35,15 @@ struct BwdParams : SegParams {
   const float* G;     // [TT, Hv]
   const float* Tmat;  // [TT, Hv, C]
   const float* Pmat;  // [TT, Hv, C] (Q K^T) . Dec
-  const float* U;     // [TT, Hv, D]
+  const float* U;     // [TT, Hv, D]; fp16 record blocks (mma.cuh) if rec16
   const float* h;     // [max_chunks, Hv, D, D]; fp16 record blocks (mma.cuh) if rec16
   float* dh;          // [max_chunks, Hv, D, D]; idem
   const float* h_scale;  // [max_chunks, Hv, 8]: the record blocks' factors (rec16)
   float* dh_scale;       // idem
+  const float* U_scale;  // idem
+  float* dVt_scale;      // idem
   bool rec16;  // h and dh written by the 128-column passes (launch.cu bwd_cols)
-  float* dVt;         // [TT, Hv, D]
+  float* dVt;         // [TT, Hv, D]; idem
   float* dh0;         // [N, Hv, D, D] or null
   void *dq, *dk, *dv, *dg, *dbeta;
   int debug;  // FwdParams::debug (timing experiments only)
@@ -628,7 +630,7 @@ template <typename In>
 struct GradSmem {
   static constexpr size_t kTiles =
       sizeof(In) * 3 * C * LDH + sizeof(float) * (2 * C * LDW + 4 * C * LDA);
-  static constexpr size_t kBytes = kTiles + sizeof(float) * (8 * C + 4 * 8 * C + 8 + 16);
+  static constexpr size_t kBytes = kTiles + sizeof(float) * (8 * C + 4 * 8 * C + 8 + 32);
 };
 
 // Brings a chunk and head's h or dS record into L2 (64 KB fp32, or 32 KB of fp16 record
@@ -644,14 +646,21 @@ __device__ __forceinline__ void prefetch_l2_record(const float* rec) {
 template <typename In, bool kRec16>
 __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t chunk,
                                                    int64_t tok0, int L, int64_t h) {
-  prefetch_l2_record<kRec16>(record_at(p.h, chunk * p.Hv + h, kRec16));
-  prefetch_l2_record<kRec16>(record_at(p.dh, chunk * p.Hv + h, kRec16));
-  // rows: 2 lines of dO and v, 4 of U and dVt each (one of each tensor a thread)
+  prefetch_l2_record<kRec16>(record_at<D>(p.h, chunk * p.Hv + h, kRec16));
+  prefetch_l2_record<kRec16>(record_at<D>(p.dh, chunk * p.Hv + h, kRec16));
+  // rows: 2 lines of dO and v, 4 of U and dVt each (one of each tensor a thread), or U's
+  // and dVt's record blocks (16 KB each)
   const int r = threadIdx.x >> 2, part = threadIdx.x & 3;
+  if constexpr (kRec16) {
+    const float* blk = record_at<C>(threadIdx.x < 128 ? p.U : p.dVt, chunk * p.Hv + h, true);
+    prefetch_l2(reinterpret_cast<const char*>(blk) + 128 * (threadIdx.x & 127));
+  }
   if (r < L) {
     const int64_t row = ((tok0 + r) * p.Hv + h) * D;
-    prefetch_l2(reinterpret_cast<const char*>(p.U + row) + 128 * part);
-    prefetch_l2(reinterpret_cast<const char*>(p.dVt + row) + 128 * part);
+    if constexpr (!kRec16) {
+      prefetch_l2(reinterpret_cast<const char*>(p.U + row) + 128 * part);
+      prefetch_l2(reinterpret_cast<const char*>(p.dVt + row) + 128 * part);
+    }
     if (part < 2) {
       prefetch_l2(reinterpret_cast<const char*>(static_cast<const In*>(p.d_o) + row) + 128 * part);
       prefetch_l2(reinterpret_cast<const char*>(static_cast<const In*>(p.v) + row) + 128 * part);
@@ -698,7 +707,11 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   float* part = lastrow + C;    // [4][8][C] per-warp partial row sums
   float* red = part + 4 * 8 * C;  // [8] per-warp partial sums of <h, dS>
   float* vdt = red + 8;           // [C] v . dVt per row (dbeta)
-  float* recsc = vdt + C;         // [16] the record blocks' factors: h, then dS (kRec16)
+  float* recsc = vdt + C;         // [32] the record blocks' factors: h, dS, U, dVt (kRec16)
+  // kRec16: the U and dVt record blocks [2][C x D] fp16, in the scratch after the slice stages
+  __half* rec_ud = reinterpret_cast<__half*>(M1 + 3 * 2 * kSliceFloats);
+  static_assert(!kRec16 || (3 * 2 * kSliceFloats) * 4 + 2 * C * D * 2 <= 4 * C * LDA * 4,
+                "the U and dVt record blocks fit beside the slice stages");
 
   const int64_t qk_off = (tok0 * p.Hqk + hq) * D;
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
@@ -710,11 +723,22 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     __syncthreads();  // the previous head's tiles, scalars and scratch are no longer read
     const int64_t v_off = (tok0 * p.Hv + h) * D;
     cp_async_tile<C, D, LDH>(dOs, static_cast<const In*>(p.d_o) + v_off, p.Hv * D, L);
-    cp_async_tile<C, D, LDW>(Us, p.U + v_off, p.Hv * D, L);
-    cp_async_tile<C, D, LDW>(dVs, p.dVt + v_off, p.Hv * D, L);
+    if constexpr (kRec16) {  // two 16 KB record blocks, contiguous
+      const int64_t rec = chunk * p.Hv + h;
+      const __half* us = reinterpret_cast<const __half*>(record_at<C>(p.U, rec, true));
+      const __half* ds = reinterpret_cast<const __half*>(record_at<C>(p.dVt, rec, true));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int idx = static_cast<int>(threadIdx.x) + NT * j, mat = idx >> 10, pc = idx & 1023;
+        cp_async16(rec_ud + mat * C * D + 8 * pc, (mat ? ds : us) + 8 * pc, true);
+      }
+    } else {
+      cp_async_tile<C, D, LDW>(Us, p.U + v_off, p.Hv * D, L);
+      cp_async_tile<C, D, LDW>(dVs, p.dVt + v_off, p.Hv * D, L);
+    }
     cp_async_commit();
-    const float* S0 = record_at(p.h, chunk * p.Hv + h, kRec16);
-    const float* dSL = record_at(p.dh, chunk * p.Hv + h, kRec16);
+    const float* S0 = record_at<D>(p.h, chunk * p.Hv + h, kRec16);
+    const float* dSL = record_at<D>(p.dh, chunk * p.Hv + h, kRec16);
     if (h == hq * group) {  // the first head's h, dS and v into L2 (later heads: below)
       prefetch_l2_record<kRec16>(S0);
       prefetch_l2_record<kRec16>(dSL);
@@ -734,7 +758,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
         for (int j = 0; j < 2; ++j) {
           const int idx = static_cast<int>(threadIdx.x) + NT * j;  // 2 x 128 rows x 2 pieces
           const int mat = idx >> 8, row = (idx >> 1) & 127, c8 = idx & 1;
-          const __half* src = reinterpret_cast<const __half*>(mat ? dSL : S0) + sl * kRecBlockHalves;
+          const __half* src = reinterpret_cast<const __half*>(mat ? dSL : S0) + sl * D * 16;
           cp_async16(reinterpret_cast<__half*>(dst + mat * kSliceFloats) + row * LDK + 8 * c8,
                      src + row * 16 + 8 * c8, true);
         }
@@ -762,20 +786,48 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       bs[r] = r < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + r) * p.Hv + h) : 0.f;
       dG[r] = 0.f;
     }
-    if (kRec16 && threadIdx.x < 16) {
+    if (kRec16 && threadIdx.x < 32) {
       const int64_t i = (chunk * p.Hv + h) * 8 + (threadIdx.x & 7);
-      recsc[threadIdx.x] = threadIdx.x < 8 ? p.h_scale[i] : p.dh_scale[i];
+      const int w = threadIdx.x >> 3;
+      const float* sc = w == 0 ? p.h_scale : w == 1 ? p.dh_scale : w == 2 ? p.U_scale : p.dVt_scale;
+      recsc[threadIdx.x] = sc[i];
     }
     cp_async_wait<1>();
     __syncthreads();
 
-    // ---- per row (four threads each): dv = beta dVt, v . dVt; then U and dVt rounded to
-    // tf32 in place, so that the products below read plain fragments
+    // ---- per row (four threads each): dv = beta dVt, v . dVt; U and dVt as tf32 values in
+    // Us, dVs (rounded in place, or from their record blocks: fp16 times a power of two, exact
+    // in tf32; zero past the chunk), so that the products below read plain fragments
     {
       const int r = threadIdx.x >> 2, qq = threadIdx.x & 3;
       float vd = 0.f;
       float* urow = Us + r * LDW + 32 * qq;
       float* drow = dVs + r * LDW + 32 * qq;
+      if constexpr (kRec16) {  // columns 32 qq .. + 31: blocks 2 qq, 2 qq + 1
+#pragma unroll
+        for (int b2 = 0; b2 < 2; ++b2) {
+          const int vb = 2 * qq + b2;
+          const float su = r < L ? recsc[16 + vb] : 0.f, sd = r < L ? recsc[24 + vb] : 0.f;
+#pragma unroll
+          for (int c8 = 0; c8 < 2; ++c8) {
+            const int o = (vb * C + r) * 16 + 8 * c8;
+            const uint4 uu = *reinterpret_cast<const uint4*>(rec_ud + o);
+            const uint4 dd = *reinterpret_cast<const uint4*>(rec_ud + C * D + o);
+            const __half2* uh = reinterpret_cast<const __half2*>(&uu);
+            const __half2* dh2 = reinterpret_cast<const __half2*>(&dd);
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+              const float2 u0 = __half22float2(uh[e]), u1 = __half22float2(uh[e + 1]);
+              const float2 d0 = __half22float2(dh2[e]), d1 = __half22float2(dh2[e + 1]);
+              const int c = 16 * b2 + 8 * c8 + 2 * e;
+              *reinterpret_cast<float4*>(urow + c) =
+                  make_float4(su * u0.x, su * u0.y, su * u1.x, su * u1.y);
+              *reinterpret_cast<float4*>(drow + c) =
+                  make_float4(sd * d0.x, sd * d0.y, sd * d1.x, sd * d1.y);
+            }
+          }
+        }
+      }
       if (r < L) {
         const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
         const In* vrow = static_cast<const In*>(p.v) + off;
@@ -796,14 +848,16 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
         }
       }
+      if constexpr (!kRec16) {
 #pragma unroll
-      for (int c4 = 0; c4 < 8; ++c4) {
-        float4 u = *reinterpret_cast<float4*>(urow + 4 * c4);
-        float4 d = *reinterpret_cast<float4*>(drow + 4 * c4);
-        u = make_float4(round_tf32(u.x), round_tf32(u.y), round_tf32(u.z), round_tf32(u.w));
-        d = make_float4(round_tf32(d.x), round_tf32(d.y), round_tf32(d.z), round_tf32(d.w));
-        *reinterpret_cast<float4*>(urow + 4 * c4) = u;
-        *reinterpret_cast<float4*>(drow + 4 * c4) = d;
+        for (int c4 = 0; c4 < 8; ++c4) {
+          float4 u = *reinterpret_cast<float4*>(urow + 4 * c4);
+          float4 d = *reinterpret_cast<float4*>(drow + 4 * c4);
+          u = make_float4(round_tf32(u.x), round_tf32(u.y), round_tf32(u.z), round_tf32(u.w));
+          d = make_float4(round_tf32(d.x), round_tf32(d.y), round_tf32(d.z), round_tf32(d.w));
+          *reinterpret_cast<float4*>(urow + 4 * c4) = u;
+          *reinterpret_cast<float4*>(drow + 4 * c4) = d;
+        }
       }
 #pragma unroll
       for (int m = 1; m <= 2; m <<= 1) vd += __shfl_xor_sync(0xffffffffu, vd, m);

@@ -76,7 +76,8 @@ struct FwdParams : SegParams {
   float* h;          // [max_chunks, Hv, D, D] or null; fp16 records (mma.cuh) when written
                      // by state_fwd_cols_kernel
   float* h_scale;    // [max_chunks, Hv, 8]: those records' factors
-  float* U;          // [TT, Hv, D] or null
+  float* U;          // [TT, Hv, D] or null; fp16 record blocks like h
+  float* U_scale;    // [max_chunks, Hv, 8]
   int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads,
                      // 4 no h / dh records, 8 no U / dVt (128-column passes)
   // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether

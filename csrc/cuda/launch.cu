@@ -110,7 +110,7 @@ struct FwdBuffers {
 };
 struct BwdBuffers {
   FwdBuffers f;
-  float *Tmat, *U, *dVt, *h, *dh, *h_scale, *dh_scale;
+  float *Tmat, *U, *dVt, *h, *dh, *h_scale, *dh_scale, *U_scale, *dVt_scale;
 };
 
 // `backward`: the recomputation (no outputs: P only in tf32, for the backward's kernels).
@@ -200,13 +200,19 @@ BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D;
   b.Tmat = c.take<float>(tokheads * C);
-  b.U = c.take<float>(tokheads * D);
-  b.dVt = c.take<float>(tokheads * D);
+  // U and dVt: fp32 rows, or the 128-column passes' fp16 record blocks (mma.cuh), C x D
+  // halves per chunk and head (more than the rows where many sequences are short)
+  const size_t recs = static_cast<size_t>(p.max_chunks() * p.Hv);
+  const size_t per_token = std::max(tokheads * D, recs * C * D / 2);
+  b.U = c.take<float>(per_token);
+  b.dVt = c.take<float>(per_token);
   b.h = c.take<float>(states);
   b.dh = c.take<float>(states);
-  // the factors of the 128-column passes' fp16 record blocks (mma.cuh), 8 per chunk and head
-  b.h_scale = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv) * 8);
-  b.dh_scale = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv) * 8);
+  // the record blocks' factors, 8 per chunk and head
+  b.h_scale = c.take<float>(recs * 8);
+  b.dh_scale = c.take<float>(recs * 8);
+  b.U_scale = c.take<float>(recs * 8);
+  b.dVt_scale = c.take<float>(recs * 8);
   return b;
 }
 
@@ -807,6 +813,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   f.h = b.h;  // the state pass records the state entering every chunk and U
   f.h_scale = b.h_scale;
   f.U = b.U;
+  f.U_scale = b.U_scale;
   run_state_pass<In>(p, plan, b.f, f, st);
 
   BwdParams g{};
@@ -828,6 +835,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dh = b.dh;
   g.h_scale = b.h_scale;
   g.dh_scale = b.dh_scale;
+  g.U_scale = b.U_scale;
+  g.dVt_scale = b.dVt_scale;
   g.rec16 = bwd_cols(p);  // both passes in the 128-column kernels, fp16 record blocks
   g.dVt = b.dVt;
   g.dh0 = io.dh0;

@@ -426,35 +426,39 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-// Records of the 128-column sequential passes, read by grad_chunk_tc_kernel: the state (h)
-// or dS (dh) of a chunk and value head as 8 blocks of 16 value columns, block vb = the
-// values 16 vb .. 16 vb + 15 stored [key][16 values] in fp16 (4 KB, contiguous), each
-// multiplied by a power of two that puts its largest magnitude in [2^14, 2^15) (so fp16
-// keeps 11 significant bits down to 2^-28 of the block's largest value, like the tf32
-// operands that read it); rec_scale[(chunk * H_v + h) * 8 + vb] is the factor back.
-constexpr int kRecBlockHalves = D * 16;
-constexpr int kRecStageBytes = C * 20 * 4;  // a warp's staging: a record block or [C][20] fp32
-// Record rec = chunk * H_v + h in a buffer sized for fp32 records (fp16: its first half).
-template <typename T>
+// Records of the 128-column sequential passes, read by grad_chunk_tc_kernel. Per chunk and
+// value head (rec = chunk * H_v + h) the state h or dS (8 blocks of 16 value columns x 128
+// keys, [key][16 values]) and the per-token U or dVt (8 blocks of 16 value columns x 64
+// tokens, [token][16 values]), in fp16: block vb holds the values 16 vb .. 16 vb + 15,
+// contiguous (4 KB / 2 KB), multiplied by a power of two that puts its largest magnitude in
+// [2^14, 2^15): fp16 keeps 11 significant bits down to 2^-28 of the block's largest value,
+// as the tf32 operands that read them. scale[rec * 8 + vb] is the factor back. Buffers are
+// sized for the fp32 records of the other passes: a state record at half rec x D x D, a
+// token record at half rec x C x D.
+constexpr int kRecStageBytes = D * 16 * 2;  // a warp's staging: one state record block
+template <int ROWS, typename T>
 __device__ __forceinline__ T* record_at(T* base, int64_t rec, bool rec16) {
   using H = std::conditional_t<std::is_const_v<T>, const __half, __half>;
-  return rec16 ? reinterpret_cast<T*>(reinterpret_cast<H*>(base) + rec * D * D) : base + rec * D * D;
+  return rec16 ? reinterpret_cast<T*>(reinterpret_cast<H*>(base) + rec * ROWS * D)
+               : base + rec * ROWS * D;
 }
 
-// The warp's value columns v0 .. v0 + 15 of acc (load_state_cols' layout: values v0 + g
-// (+8), keys 8 jn + 2t (+1)) as record block v0 / 16: scaled, fp16, transposed into the
-// warp's staging by stmatrix, then one bulk store of 4 KB to dst (lane 0, which also
-// writes the factor back to *scale_dst). The warp's earlier bulk stores have read the
-// staging before it is written (lane 0 waits).
+// The warp's value columns v0 .. v0 + 15 of x (NJ m16n8 tiles: values v0 + g (+8), rows 8 j
+// + 2t (+1): keys of a state, tokens of U / dVt) as record block v0 / 16 at dst: scaled,
+// fp16, transposed into the warp's staging by stmatrix, then one bulk store of NJ x 256
+// bytes (lane 0, which also writes the factor back to *scale_dst). The warp's earlier bulk
+// stores have read the staging before it is written (lane 0 waits).
+template <int NJ>
 __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
-                                                  const float (&acc)[16][4], __half* stage) {
+                                                  const float (&x)[NJ][4], __half* stage) {
+  static_assert(NJ % 2 == 0 && NJ * 256 <= kRecStageBytes, "record block shape");
   if (lane_id() == 0) bulk_wait_read();
   __syncwarp();
   float amax = 0.f;
 #pragma unroll
-  for (int jn = 0; jn < 16; ++jn)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(acc[jn][e]));
+    for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(x[j][e]));
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   // biased exponent be: amax in [2^(be-127), 2^(be-126)); scale 2^(141 - be), at most 2^126
@@ -463,44 +467,18 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
   const float sc = __int_as_float(min(253, 268 - be) << 23);
   const int l = lane_id(), m = l >> 3, i = l & 7;
 #pragma unroll
-  for (int jp = 0; jp < 8; ++jp)
+  for (int jp = 0; jp < NJ / 2; ++jp)
     stmatrix_x4_trans(stage + (16 * jp + (m >> 1) * 8 + i) * 16 + (m & 1) * 8,
-                      pack_half2(sc * acc[2 * jp][0], sc * acc[2 * jp][1]),
-                      pack_half2(sc * acc[2 * jp][2], sc * acc[2 * jp][3]),
-                      pack_half2(sc * acc[2 * jp + 1][0], sc * acc[2 * jp + 1][1]),
-                      pack_half2(sc * acc[2 * jp + 1][2], sc * acc[2 * jp + 1][3]));
+                      pack_half2(sc * x[2 * jp][0], sc * x[2 * jp][1]),
+                      pack_half2(sc * x[2 * jp][2], sc * x[2 * jp][3]),
+                      pack_half2(sc * x[2 * jp + 1][0], sc * x[2 * jp + 1][1]),
+                      pack_half2(sc * x[2 * jp + 1][2], sc * x[2 * jp + 1][3]));
   fence_async_smem();
   __syncwarp();
   if (l == 0) {
-    bulk_store(dst, stage, kRecBlockHalves * sizeof(__half));
+    bulk_store(dst, stage, NJ * 256);
     *scale_dst = 1.f / sc;
   }
-}
-
-// A warp's 16 value columns of a per-token fp32 result (U, dVt) held as x[j][e] (values v0
-// + g (+8), tokens 8 j + 2t (+1)) to rows tok0 + r < L of dst [token][ld] at column v0:
-// through the warp's staging [C][20] (conflict-free scalar stores), then 16-byte stores of
-// whole 64-byte row pieces. Lane 0 first waits for the warp's bulk stores to have read the
-// staging.
-__device__ __forceinline__ void store_rows_cols(float* dst, int64_t ld, const float (&x)[8][4],
-                                                int L, float* stage) {
-  constexpr int LDS = 20;
-  const int l = lane_id();
-  if (l == 0) bulk_wait_read();
-  __syncwarp();
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) stage[(8 * j + acc_col(e)) * LDS + acc_row(e)] = x[j][e];
-  __syncwarp();
-#pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int piece = l + 32 * it, r = piece >> 2, q = piece & 3;
-    if (r < L)
-      __stcg(reinterpret_cast<float4*>(dst + r * ld + 4 * q),
-             *reinterpret_cast<const float4*>(stage + r * LDS + 4 * q));
-  }
-  __syncwarp();
 }
 
 }  // namespace cuda

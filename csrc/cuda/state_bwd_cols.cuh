@@ -16,9 +16,9 @@
 // registers loaded a chunk ahead: one block barrier per chunk. Segments, warm-ups and phases
 // as state_bwd_tc_kernel (phase 1: summaries of dS, on the identity with dO = 0).
 //   reads  q, k, do, beta, G, T, P, dht, seg_in
-//   writes dh (dS leaving each chunk: fp16 record blocks and dh_scale, mma.cuh, through a
-//          warp's staging and one bulk store a warp), dVt (through the same staging),
-//          dh0 (phase 0); seg_L, seg_M (phase 1)
+//   writes dh (dS leaving each chunk) and dVt as fp16 record blocks with their factors
+//          (mma.cuh: through a warp's staging, one bulk store a warp), dh0 (phase 0);
+//          seg_L, seg_M (phase 1)
 #pragma once
 
 #include "bwd_kernels.cuh"
@@ -108,7 +108,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     if (ci > c_begin) issue(ci - 1, s ^ 1);
     if (out && !(p.debug & 4)) {  // dh: dS leaving chunk ci, an fp16 record block
       const int64_t rec = (chunk0 + ci) * p.Hv + h;
-      store_record_cols(reinterpret_cast<__half*>(record_at(p.dh, rec, true)) + v0 * D,
+      store_record_cols(reinterpret_cast<__half*>(record_at<D>(p.dh, rec, true)) + v0 * D,
                         p.dh_scale + rec * 8 + warp, ds, rec_stage);
     }
     const In* Q = Qst(s);
@@ -175,9 +175,11 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
         }
       }
     }
-    if (out && !(p.debug & 8))
-      store_rows_cols(p.dVt + (tok0 * p.Hv + h) * D + v0, p.Hv * D, dv, L,
-                      reinterpret_cast<float*>(rec_stage));
+    if (out && !(p.debug & 8)) {  // dVt: a token record block
+      const int64_t rec = (chunk0 + ci) * p.Hv + h;
+      store_record_cols(reinterpret_cast<__half*>(record_at<C>(p.dVt, rec, true)) + v0 * C,
+                        p.dVt_scale + rec * 8 + warp, dv, rec_stage);
+    }
     // dS^T <- e^{G_last} dS^T + (scale dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K
     {
       const float egl = F[C - 1].w;

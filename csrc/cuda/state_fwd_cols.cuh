@@ -18,11 +18,11 @@
 // the current one computes: one block barrier per chunk. Same segments, warm-ups, phases
 // (phase 1: summaries L and, on the identity with V = 0, M) as the other state passes
 // (fwd_kernels.cuh). The backward's recomputation (p.h set) records the state entering
-// every chunk (fp16 record blocks, mma.cuh: stmatrix into a warp's staging, one bulk store
-// a warp) and U (through the same staging, 16-byte stores); it runs here where launch.cu's
-// bwd_cols says, else in state_fwd_f16_kernel (fp32 records).
+// every chunk and U as fp16 record blocks (mma.cuh: stmatrix into a warp's staging, one
+// bulk store a warp); it runs here where launch.cu's bwd_cols says, else in
+// state_fwd_f16_kernel (fp32 records).
 //   reads  Kh, Qh, Tv16, v, P16, EG (wy_kernel), Lb, initial state, seg_in
-//   writes o, final state (phase 0); seg_L, seg_M (phase 1); h, h_scale, U (recomputation)
+//   writes o, final state (phase 0); seg_L, seg_M (phase 1); h, U and their factors (recomputation)
 #pragma once
 
 #include "fwd_kernels.cuh"
@@ -196,7 +196,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     if (float* dst = sub_record(p, b, ci)) store_state_cols(dst, sacc, v0);
     if (kRecord && record && ci >= c_begin && !(p.debug & 4)) {  // the state entering chunk ci
       const int64_t rec = (b.chunk0 + ci) * p.Hv + h;
-      store_record_cols(reinterpret_cast<__half*>(record_at(p.h, rec, true)) + v0 * D,
+      store_record_cols(reinterpret_cast<__half*>(record_at<D>(p.h, rec, true)) + v0 * D,
                         p.h_scale + rec * 8 + warp, sacc, rec_stage);
     }
     const __half* K = Kst(s);
@@ -251,9 +251,11 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
           mma_f16(u[2 * nt + 1], wa[kt], b1);
         }
     }
-    if (kRecord && record && ci >= c_begin && !(p.debug & 8))  // U (fp32) for the backward
-      store_rows_cols(p.U + (tok0 * p.Hv + h) * D + v0, p.Hv * D, u, L,
-                      reinterpret_cast<float*>(rec_stage));
+    if (kRecord && record && ci >= c_begin && !(p.debug & 8)) {  // U: a token record block
+      const int64_t rec = (b.chunk0 + ci) * p.Hv + h;
+      store_record_cols(reinterpret_cast<__half*>(record_at<C>(p.U, rec, true)) + v0 * C,
+                        p.U_scale + rec * 8 + warp, u, rec_stage);
+    }
     uint32_t ua[4][4], ue[4][4];  // U^T and U^T diag(e^{G_last - G})
     u_frags(ua, ue, u, E);
     // S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K: n8 tiles of keys, k = tokens
@@ -365,8 +367,6 @@ struct StateFwdColsWgSmem {
   static constexpr size_t kV = sizeof(__half) * C * LDH;    // V [64][136]
   static constexpr size_t kStage = 2 * kCoreD + 2 * kCoreC + kV + sizeof(float2) * C;
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
-  // the recomputation: each warp's staging of its records (mma.cuh) after the above
-  static constexpr size_t kRecordBytes = kBytes + (NT / 32) * kRecStageBytes;
 };
 
 // One segment block of state_fwd_cols_wg_kernel (for_each_segment_block).
