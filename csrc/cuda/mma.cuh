@@ -454,17 +454,22 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
   static_assert(NJ % 2 == 0 && NJ * 256 <= kRecStageBytes, "record block shape");
   if (lane_id() == 0) bulk_wait_read();
   __syncwarp();
-  float amax = 0.f;
+  // the block's largest magnitude: a tree over the thread's values (a short dependent
+  // chain at the head of the caller's step), then one warp reduction of its bits (as
+  // unsigned integers, non-negative floats order like their magnitudes)
+  float mx[NJ];
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
+    mx[j] = fmaxf(fmaxf(fabsf(x[j][0]), fabsf(x[j][1])), fmaxf(fabsf(x[j][2]), fabsf(x[j][3])));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(x[j][e]));
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  for (int j = NJ - 1; j >= 1; --j)  // a heap's tree: node i takes its children 2i + 1, 2i + 2
+    mx[(j - 1) / 2] = fmaxf(mx[(j - 1) / 2], mx[j]);
+  const unsigned bits = __reduce_max_sync(0xffffffffu, __float_as_uint(mx[0]));
   // biased exponent be: amax in [2^(be-127), 2^(be-126)); scale 2^(141 - be), at most 2^126
   // (zero, subnormal or tiny blocks) so that its inverse stays a normal float
-  const int be = (__float_as_int(amax) >> 23) & 0xff;
-  const float sc = __int_as_float(min(253, 268 - be) << 23);
+  const int be = static_cast<int>(bits >> 23) & 0xff;
+  const int se = min(253, 268 - be);  // biased exponents of the scale and its inverse
+  const float sc = __int_as_float(se << 23), inv = __int_as_float((254 - se) << 23);
   const int l = lane_id(), m = l >> 3, i = l & 7;
 #pragma unroll
   for (int jp = 0; jp < NJ / 2; ++jp)
@@ -477,7 +482,7 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
   __syncwarp();
   if (l == 0) {
     bulk_store(dst, stage, NJ * 256);
-    *scale_dst = 1.f / sc;
+    *scale_dst = inv;
   }
 }
 
