@@ -167,9 +167,15 @@ inline int unsplit_col_block(int64_t N, int64_t Hv, int sms) {
 // and lose on short work, e.g. 4 heads x 8192 0.68 -> 1.04, 8 heads x 4 x 4096 1.27 ->
 // 1.73. Of the measured rows the rule misses two: 8 heads x 12288 (1.44 at 32 columns, 1.34
 // at 128) and 32 heads x 8192 in 4 sequences (2.50 against 2.54).
+// Since the 128-column passes write their records in 16 bits by bulk stores (session 24,
+// the 32 rows of docs/benchmarks.md "Session 24" both ways) they also win on long packed
+// batches of few heads: 4 heads x 8 sequences of 32768 tokens in all (the longest 164
+// chunks) 2.15 -> 1.37 ms, so a third condition: 480 chunks or more in all. Misses on those
+// 32 rows: 16 heads x 8192 tokens in 1 and in 8 sequences (1.42 / 1.34 ms at 16 / 32
+// columns, 1.40 / 1.23 at 128).
 // longest: chunks of the longest sequence (or a bound on it).
 inline bool backward_cols(int64_t Hv, int64_t total_chunks, int64_t longest, int sms) {
-  return Hv * total_chunks * 132 >= int64_t{2560} * sms || longest >= 320;
+  return Hv * total_chunks * 132 >= int64_t{2560} * sms || longest >= 320 || total_chunks >= 480;
 }
 
 // What the cost model needs of the sequences: the longest one's chunks, all chunks, and

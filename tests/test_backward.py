@@ -14,14 +14,14 @@ GRAD_TOL = 8e-3
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
 
 
-def run_grads(case: Case, device: str, seed: int = 0):
+def run_grads(case: Case, device: str, seed: int = 0, do_scale: float = 1.0):
     inp = make_inputs(case, device, seed)
     leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None) for n in NAMES}
     o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
                                             output_final_state=True)
     gen = torch.Generator().manual_seed(seed + 100)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(device)
-    dht = torch.randn(ht.shape, generator=gen).to(device)
+    do = (do_scale * torch.randn(o.shape, generator=gen)).to(o.dtype).to(device)
+    dht = (do_scale * torch.randn(ht.shape, generator=gen)).to(device)
     wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
     ours = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
 
@@ -203,6 +203,26 @@ def test_reverse_pass_cols_kernel(monkeypatch, cp: str, dtype: torch.dtype):
                                   agree=2e-3)
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("do_scale", [1e-8, 1e6])
+def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
+    """The 128-column passes hand h, dS, U and dVt to the per-chunk gradients as fp16 blocks,
+    each with a power-of-two factor (csrc/cuda/mma.cuh): with the loss scaled by 1e-8 or
+    1e6 (dS and dVt far below or above fp16's range unscaled) every gradient is as accurate
+    against the float64 reference as with the 16/32-column passes' fp32 records, and within
+    rounding of them. g == 0 and very negative gates, odd lengths, h0."""
+    case = Case("rec_range", [700, 1300, 64], 2, 8, gate="mixed")
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "0")
+    names, narrow, refs, _ = run_grads(case, "cuda", seed=47, do_scale=do_scale)
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    _, cols, _, _ = run_grads(case, "cuda", seed=47, do_scale=do_scale)
+    assert_as_accurate_as_default(f"cols (dO x {do_scale:g})", names, cols, narrow, refs,
+                                  agree=2e-3)
+    for n, a in zip(names, cols):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
 
 
 @pytest.mark.gpu

@@ -520,12 +520,16 @@ TEST(Planner, BackwardColumnBlockRule) {
   // H100 (2026-11-24) where 128 columns won ...
   const int64_t win[][3] = {{32, 512, 512}, {4, 512, 512},  {4, 516, 428},  {32, 260, 64},
                             {32, 256, 256}, {16, 192, 192}, {8, 384, 384},  {2 * 2, 384, 384},
-                            {8, 322, 256},  {16, 322, 256}, {32, 128, 128}, {16, 260, 64}};
+                            {8, 322, 256},  {16, 322, 256}, {32, 128, 128}, {16, 260, 64},
+                            // session 24 (16-bit records): long packed batches of few heads
+                            {4, 517, 164},  {8, 517, 164}};
   for (const auto& r : win) EXPECT_TRUE(backward_cols(r[0], r[1], r[2], 132)) << r[0] << " " << r[1];
   // ... and where 16 / 32 columns did
   const int64_t lose[][3] = {{4, 128, 128}, {16, 128, 128}, {8, 128, 128}, {8, 260, 64},
                              {4, 260, 64},  {4, 256, 256},  {8, 256, 256}, {4, 322, 256},
-                             {4, 192, 192}, {16, 132, 71}};
+                             {4, 192, 192}, {16, 132, 71},
+                             // session 24: 16 heads x 8192 tokens in 2 and 4 sequences
+                             {16, 129, 68}, {16, 131, 68}};
   for (const auto& r : lose) EXPECT_FALSE(backward_cols(r[0], r[1], r[2], 132)) << r[0] << " " << r[1];
   // fewer SMs: the same work fills them sooner
   EXPECT_FALSE(backward_cols(8, 256, 256, 132));
