@@ -419,8 +419,9 @@ __device__ __forceinline__ void bulk_store(void* gdst, const void* ssrc, uint32_
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 // The issuing thread's bulk stores have read their shared source (.read) / are complete.
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+template <int N = 0>
+__device__ __forceinline__ void bulk_wait_read() {  // at most N newest groups still reading
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -435,7 +436,11 @@ __device__ __forceinline__ void bulk_wait() {
 // as the tf32 operands that read them. scale[rec * 8 + vb] is the factor back. Buffers are
 // sized for the fp32 records of the other passes: a state record at half rec x D x D, a
 // token record at half rec x C x D.
-constexpr int kRecStageBytes = D * 16 * 2;  // a warp's staging: one state record block
+// A warp's staging: a state record block, then a token record block (the per-token record
+// of a step goes out while the state's is still read; each waits only for the bulk store
+// that left its half a step earlier).
+constexpr int kRecStageBytes = (D + C) * 16 * 2;
+constexpr int kRecStageTokens = D * 16;  // halves: where the token record block's half starts
 template <int ROWS, typename T>
 __device__ __forceinline__ T* record_at(T* base, int64_t rec, bool rec16) {
   using H = std::conditional_t<std::is_const_v<T>, const __half, __half>;
@@ -445,14 +450,16 @@ __device__ __forceinline__ T* record_at(T* base, int64_t rec, bool rec16) {
 
 // The warp's value columns v0 .. v0 + 15 of x (NJ m16n8 tiles: values v0 + g (+8), rows 8 j
 // + 2t (+1): keys of a state, tokens of U / dVt) as record block v0 / 16 at dst: scaled,
-// fp16, transposed into the warp's staging by stmatrix, then one bulk store of NJ x 256
-// bytes (lane 0, which also writes the factor back to *scale_dst). The warp's earlier bulk
-// stores have read the staging before it is written (lane 0 waits).
+// fp16, transposed into the warp's staging (stage: its half for NJ, kRecStageBytes) by
+// stmatrix, then one bulk store of NJ x 256 bytes (lane 0, which also writes the factor
+// back to *scale_dst). The warp's bulk store from the same half (all but its newest one,
+// which left from the other half) has read it before it is written (lane 0 waits).
 template <int NJ>
 __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
                                                   const float (&x)[NJ][4], __half* stage) {
-  static_assert(NJ % 2 == 0 && NJ * 256 <= kRecStageBytes, "record block shape");
-  if (lane_id() == 0) bulk_wait_read();
+  static_assert(NJ == D / 8 || NJ == C / 8, "record block shape");
+  if (NJ == C / 8) stage += kRecStageTokens;
+  if (lane_id() == 0) bulk_wait_read<1>();
   __syncwarp();
   // the block's largest magnitude: a tree over the thread's values (a short dependent
   // chain at the head of the caller's step), then one warp reduction of its bits (as
