@@ -35,15 +35,17 @@ struct BwdParams : SegParams {
   const float* G;     // [TT, Hv]
   const float* Tmat;  // [TT, Hv, C]
   const float* Pmat;  // [TT, Hv, C] (Q K^T) . Dec
-  const float* U;     // [TT, Hv, D]; fp16 record blocks (mma.cuh) if rec16
-  const float* h;     // [max_chunks, Hv, D, D]; fp16 record blocks (mma.cuh) if rec16
-  float* dh;          // [max_chunks, Hv, D, D]; idem
-  const float* h_scale;  // [max_chunks, Hv, 8]: the record blocks' factors (rec16)
-  float* dh_scale;       // idem
-  const float* U_scale;  // idem
-  float* dVt_scale;      // idem
-  bool rec16;  // h and dh written by the 128-column passes (launch.cu bwd_cols)
-  float* dVt;         // [TT, Hv, D]; idem
+  // The records of the sequential passes: fp32, or (rec16: both passes in the 128-column
+  // kernels, launch.cu bwd_cols) fp16 record blocks with a factor each (mma.cuh).
+  const float* U;     // [TT, Hv, D]
+  const float* h;     // [max_chunks, Hv, D, D]
+  float* dh;          // [max_chunks, Hv, D, D]
+  float* dVt;         // [TT, Hv, D]
+  const float* h_scale;  // [max_chunks, Hv, 8] each: the record blocks' factors (rec16)
+  float* dh_scale;
+  const float* U_scale;
+  float* dVt_scale;
+  bool rec16;
   float* dh0;         // [N, Hv, D, D] or null
   void *dq, *dk, *dv, *dg, *dbeta;
   int debug;  // FwdParams::debug (timing experiments only)
@@ -624,7 +626,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
 //   * dq += M1 K and dk += M1^T Q + (M2 + M2^T) K from M1, M1^T, M2 + M2^T stored once in
 //     shared memory, K and Q read transposed by ldmatrix.
 //   Row sums across warps go through shared scratch in a fixed order: deterministic.
-//   reads  q, k, v, do, beta, G, U, dVt, h, dh (h_scale, dh_scale)
+//   reads  q, k, v, do, beta, G, U, dVt, h, dh (and their factors, kRec16)
 //   writes dq, dk, dv, dg, dbeta
 template <typename In>
 struct GradSmem {
@@ -668,8 +670,8 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
   }
 }
 
-// kRec16: h and dS are the 128-column passes' fp16 record blocks (BwdParams::rec16), else
-// fp32 [key][value].
+// kRec16: h, dS, U and dVt are the 128-column passes' fp16 record blocks (BwdParams::rec16),
+// else fp32 ([key][value], [token][value]).
 template <typename In, bool kRec16>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   // h / dS slices [128][16] with 24-word rows (8 mod 16), or of fp16 record blocks with
@@ -978,8 +980,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       lastrow[r] = eL[r] * kr;
     }
 
-    // The next head's operands into L2 while this one finishes (its h and dS stream from
-    // global memory into fragments a few k steps ahead only).
+    // The next head's operands into L2 while this one finishes (its h and dS slices are
+    // copied only a slice or two ahead of their products).
     if (h + 1 < (hq + 1) * group) prefetch_grad_head<In, kRec16>(p, chunk, tok0, L, h + 1);
     // ---- 64 x 64: dVt U^T, dO U^T (tf32), K K^T, Q K^T (the inputs' own 16-bit type, exact
     // products) -> M1, M1^T, M2 + M2^T, E, row sums for dbeta

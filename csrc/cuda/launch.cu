@@ -357,7 +357,8 @@ bool grad_tc() { return !bwd_simt() && env_int_or("FLASHGDN_GRAD_TC", 1) != 0; }
 // state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_cols_kernel,
 // with the f16 pass) where backward_cols (planner.h) says they win;
 // FLASHGDN_BWD_COLS=0 / 1 overrides. Both write fp16 record blocks, which only
-// grad_chunk_tc_kernel reads: not with the SIMT reference kernels.
+// grad_chunk_tc_kernel reads: not with the SIMT reference kernels, and only with the
+// default f16 forward pass (whose kernel records them).
 bool bwd_cols(const Problem& p) {
   if (fwd_pass() != FwdPass::F16 || !grad_tc()) return false;
   const int v = env_int_or("FLASHGDN_BWD_COLS", -1);
@@ -491,7 +492,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
       state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(fz);
     else if (f.corr && f.phase == 1)  // exact segments' outputs by correction
       state_fwd_cols_kernel<In, false, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
-    else if (f.h != nullptr)  // the backward's recomputation (FLASHGDN_BWD_COLS=1)
+    else if (f.h != nullptr)  // the backward's recomputation (launch.cu bwd_cols)
       state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kRecordBytes, st>>>(fz);
     else
       state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
