@@ -39,6 +39,14 @@ def rnd(x: torch.Tensor, fmt: str) -> torch.Tensor:
         b = x.float().view(torch.int32)
         b = (b + 0x0FFF + ((b >> 13) & 1)) & ~0x1FFF
         return b.view(torch.float32).double()
+    if fmt == "f16blk":  # a matrix as the backward's 128-column passes record it
+        # (csrc/cuda/mma.cuh): fp16 blocks of 16 columns x all rows, each multiplied by the
+        # power of two that puts its largest magnitude in [2^14, 2^15) (at most 2^126)
+        rows, n = x.shape
+        xb = x.reshape(rows, n // 16, 16)
+        amax = xb.abs().amax(dim=(0, 2), keepdim=True).clamp_min(2.0 ** -126)
+        sc = torch.exp2(torch.clamp(14 - torch.floor(torch.log2(amax)), max=126))
+        return ((xb * sc).half().double() / sc).reshape(rows, n)
     raise ValueError(fmt)
 
 

@@ -162,6 +162,8 @@ def main() -> None:
         ("tf32 operands, h and dS records in bf16", "f16", "tf32", False, "bf16"),
         ("tf32 operands, h and dS records in fp16", "f16", "tf32", False, "f16"),
         ("tf32 operands, h records in fp16, dS in bf16", "f16", "tf32", False, "f16/bf16"),
+        ("tf32 operands, h and dS as scaled fp16 blocks (128-column passes)", "f16", "tf32",
+         False, "f16blk"),
     ]
     print(f"{args.tokens} tokens, {args.heads} heads, bench gates (every 4th head g == 0), "
           "l2-normalised q/k; relative error of each gradient against float64\n")
