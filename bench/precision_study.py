@@ -39,6 +39,11 @@ def rnd(x: torch.Tensor, fmt: str) -> torch.Tensor:
         b = x.float().view(torch.int32)
         b = (b + 0x0FFF + ((b >> 13) & 1)) & ~0x1FFF
         return b.view(torch.float32).double()
+    if fmt == "f16mat":  # fp16 after one power of two for the whole matrix (largest
+        # magnitude into [2^14, 2^15)): a 16-bit operand with its own exponent, no range limit
+        amax = x.abs().amax().clamp_min(2.0 ** -126)
+        sc = torch.exp2(torch.clamp(14 - torch.floor(torch.log2(amax)), max=126))
+        return (x * sc).half().double() / sc
     if fmt == "f16blk":  # a matrix as the backward's 128-column passes record it
         # (csrc/cuda/mma.cuh): fp16 blocks of 16 columns x all rows, each multiplied by the
         # power of two that puts its largest magnitude in [2^14, 2^15) (at most 2^126)

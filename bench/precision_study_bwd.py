@@ -159,6 +159,7 @@ def main() -> None:
         ("bf16 backward operands (FLA-like)", "f16", "bf16", False, None),
         ("fp16 backward operands", "f16", "f16", False, None),
         ("fp16 backward operands, dO scaled by 2^e", "f16", "f16", True, None),
+        ("fp16 backward operands, each matrix scaled by 2^e", "f16", "f16mat", False, None),
         ("tf32 operands, h and dS records in bf16", "f16", "tf32", False, "bf16"),
         ("tf32 operands, h and dS records in fp16", "f16", "tf32", False, "f16"),
         ("tf32 operands, h records in fp16, dS in bf16", "f16", "tf32", False, "f16/bf16"),
