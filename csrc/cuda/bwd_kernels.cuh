@@ -980,10 +980,9 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
               mma_f16(R[mt][nt], aU, bD[nt]);
             }
           }
-          continue;
         }
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int half = 0; half < (kF16 ? 0 : 2); ++half) {  // two k8 steps of tf32
           const int k0 = 16 * sl + 8 * half, kl = 8 * half;
           uint32_t bS[2][2], bD[2][2];
 #pragma unroll

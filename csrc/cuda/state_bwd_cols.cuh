@@ -100,7 +100,6 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
 
   for (int64_t ci = c_last; ci >= c_begin; --ci) {
     const int s = static_cast<int>((c_last - ci) & 1);
-    const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
     const bool out = outputs && ci < c_end;  // not a warm-up chunk
     cp_async_wait<0>();
