@@ -25,6 +25,13 @@ C = 64
 F64 = torch.float64
 
 
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two that puts amax in [2^14, 2^15), at most 2^126 (csrc/cuda/mma.cuh
+    pow2_scale): fp16 then keeps 11 significant bits down to 2^-28 of amax."""
+    amax = amax.clamp_min(2.0 ** -126)
+    return torch.exp2(torch.clamp(14 - torch.floor(torch.log2(amax)), max=126))
+
+
 def rnd(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x rounded to fmt (round to nearest even), returned as float64."""
     if fmt == "f64":
@@ -41,16 +48,14 @@ def rnd(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return b.view(torch.float32).double()
     if fmt == "f16mat":  # fp16 after one power of two for the whole matrix (largest
         # magnitude into [2^14, 2^15)): a 16-bit operand with its own exponent, no range limit
-        amax = x.abs().amax().clamp_min(2.0 ** -126)
-        sc = torch.exp2(torch.clamp(14 - torch.floor(torch.log2(amax)), max=126))
+        sc = _pow2_scale(x.abs().amax())
         return (x * sc).half().double() / sc
     if fmt == "f16blk":  # a matrix as the backward's 128-column passes record it
         # (csrc/cuda/mma.cuh): fp16 blocks of 16 columns x all rows, each multiplied by the
         # power of two that puts its largest magnitude in [2^14, 2^15) (at most 2^126)
         rows, n = x.shape
         xb = x.reshape(rows, n // 16, 16)
-        amax = xb.abs().amax(dim=(0, 2), keepdim=True).clamp_min(2.0 ** -126)
-        sc = torch.exp2(torch.clamp(14 - torch.floor(torch.log2(amax)), max=126))
+        sc = _pow2_scale(xb.abs().amax(dim=(0, 2), keepdim=True))
         return ((xb * sc).half().double() / sc).reshape(rows, n)
     raise ValueError(fmt)
 

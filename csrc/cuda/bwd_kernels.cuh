@@ -859,11 +859,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           mu = fmaxf(mu, __shfl_xor_sync(0xffffffffu, mu, m));
           md = fmaxf(md, __shfl_xor_sync(0xffffffffu, md, m));
         }
-        auto pow2_scale = [](float amax, float& inv) {  // as store_record_cols (mma.cuh)
-          const int se = min(253, 268 - ((__float_as_int(amax) >> 23) & 0xff));
-          inv = __int_as_float((254 - se) << 23);
-          return __int_as_float(se << 23);
-        };
         float io, iu, id;
         const float so = pow2_scale(mo, io), su = pow2_scale(mu, iu), sd = pow2_scale(md, id);
         if (qq == 0) {

@@ -439,6 +439,14 @@ __device__ __forceinline__ void bulk_wait() {
 // A warp's staging: a state record block, then a token record block (the per-token record
 // of a step goes out while the state's is still read; each waits only for the bulk store
 // that left its half a step earlier).
+// The power of two that puts amax (>= 0) in [2^14, 2^15), at most 2^126 (zero, subnormal or
+// tiny amax) so that its inverse, written to inv, stays a normal float.
+__device__ __forceinline__ float pow2_scale(float amax, float& inv) {
+  // biased exponent be: amax in [2^(be-127), 2^(be-126)); scale 2^(141 - be)
+  const int se = min(253, 268 - ((__float_as_int(amax) >> 23) & 0xff));
+  inv = __int_as_float((254 - se) << 23);
+  return __int_as_float(se << 23);
+}
 constexpr int kRecStageBytes = (D + C) * 16 * 2;
 constexpr int kRecStageTokens = D * 16;  // halves: where the token record block's half starts
 template <int ROWS, typename T>
@@ -472,11 +480,8 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
   for (int j = NJ - 1; j >= 1; --j)  // a heap's tree: node i takes its children 2i + 1, 2i + 2
     mx[(j - 1) / 2] = fmaxf(mx[(j - 1) / 2], mx[j]);
   const unsigned bits = __reduce_max_sync(0xffffffffu, __float_as_uint(mx[0]));
-  // biased exponent be: amax in [2^(be-127), 2^(be-126)); scale 2^(141 - be), at most 2^126
-  // (zero, subnormal or tiny blocks) so that its inverse stays a normal float
-  const int be = static_cast<int>(bits >> 23) & 0xff;
-  const int se = min(253, 268 - be);  // biased exponents of the scale and its inverse
-  const float sc = __int_as_float(se << 23), inv = __int_as_float((254 - se) << 23);
+  float inv;
+  const float sc = pow2_scale(__uint_as_float(bits), inv);
   const int l = lane_id(), m = l >> 3, i = l & 7;
 #pragma unroll
   for (int jp = 0; jp < NJ / 2; ++jp)
