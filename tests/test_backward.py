@@ -227,26 +227,6 @@ def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("do_scale", [1.0, 1e-8, 1e6])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_grad_f16_products(monkeypatch, do_scale: float, dtype: torch.dtype):
-    """FLASHGDN_GRAD_F16=1 (opt-in): the per-chunk gradients' dO h^T, dVt h^T and U dS^T on
-    fp16 mma, dO / U / dVt with a power of two per row and the record blocks brought to one
-    factor per product: every gradient as accurate against the float64 reference as the
-    TF32 products', at any loss scale, and within rounding of them. Odd lengths, grouped
-    heads, g == 0 and very negative gates, h0, both input dtypes."""
-    case = Case("grad_f16", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
-    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
-    names, tf32, refs, _ = run_grads(case, "cuda", seed=53, do_scale=do_scale)
-    monkeypatch.setenv("FLASHGDN_GRAD_F16", "1")
-    _, f16, _, _ = run_grads(case, "cuda", seed=53, do_scale=do_scale)
-    assert_as_accurate_as_default(f"grad f16 (dO x {do_scale:g}, {dtype})", names, f16, tf32,
-                                  refs, agree=2e-3)
-    assert any(not torch.equal(a, b) for a, b in zip(f16, tf32))  # another kernel ran
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_backward_auto_takes_cols_kernels_on_wide_work(monkeypatch):
     """Without FLASHGDN_BWD_COLS, a backward whose work is large (32 value heads x 80 chunks:
     planner.h backward_cols) runs its sequential passes in the 128-column kernels: as

@@ -30,6 +30,7 @@ namespace cuda {
 struct BwdParams : SegParams {
   float scale;
   const void *q, *k, *v, *beta, *d_o;
+  const __half *Kh, *Qh;  // fp16 k and q (the inputs, or wy_kernel's copies): the reverse pass
   int g_dtype, beta_dtype;
   const float* dht;   // [N, Hv, D, D] or null
   const float* G;     // [TT, Hv]
@@ -633,8 +634,6 @@ struct GradSmem {
   static constexpr size_t kTiles =
       sizeof(In) * 3 * C * LDH + sizeof(float) * (2 * C * LDW + 4 * C * LDA);
   static constexpr size_t kBytes = kTiles + sizeof(float) * (8 * C + 4 * 8 * C + 8 + 32);
-  // kF16: an fp16 copy of dO [C][LDH] and the per-row factors of dO, U, dVt [3][C]
-  static constexpr size_t kBytesF16 = kBytes + sizeof(__half) * C * LDH + sizeof(float) * 3 * C;
 };
 
 // Brings a chunk and head's h or dS record into L2 (64 KB fp32, or 32 KB of fp16 record
@@ -674,14 +673,8 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
 
 // kRec16: h, dS, U and dVt are the 128-column passes' fp16 record blocks (BwdParams::rec16),
 // else fp32 ([key][value], [token][value]).
-// kF16 (with kRec16; opt-in FLASHGDN_GRAD_F16=1, not yet run on a GPU): Y, Z and R on fp16
-// m16n8k16 mma. Their A operands (dO, dVt, U) as fp16 copies with a power of two per row
-// (undone on the results' rows); their B operands the record blocks as stored, each k16
-// step (one block) multiplied by inv_vb / max inv (<= 1, a power of two) so that all steps
-// of a product share one factor, max inv, applied to the result (perf-notes plan item 5).
-template <typename In, bool kRec16, bool kF16 = false>
+template <typename In, bool kRec16>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
-  static_assert(!kF16 || kRec16, "the fp16 products read the record blocks");
   // h / dS slices [128][16] with 24-word rows (8 mod 16), or of fp16 record blocks with
   // 24-half rows (12 words): paired loads conflict free
   constexpr int LDK = 24;
@@ -720,9 +713,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   float* recsc = vdt + C;         // [32] the record blocks' factors: h, dS, U, dVt (kRec16)
   // kRec16: the U and dVt record blocks [2][C x D] fp16, in the scratch after the slice stages
   __half* rec_ud = reinterpret_cast<__half*>(M1 + 3 * 2 * kSliceFloats);
-  // kF16: dO as fp16 [C][LDH] and the rows' factors back (dO, U, dVt), past GradSmem::kBytes
-  __half* dO16 = reinterpret_cast<__half*>(smem_raw + GradSmem<In>::kBytes);
-  float* rowf = reinterpret_cast<float*>(dO16 + C * LDH);
   static_assert(!kRec16 || (3 * 2 * kSliceFloats) * 4 + 2 * C * D * 2 <= 4 * C * LDA * 4,
                 "the U and dVt record blocks fit beside the slice stages");
 
@@ -841,41 +831,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           }
         }
       }
-      if constexpr (kF16) {
-        // fp16 copies of the row's dO, U, dVt, each times the power of two that puts the
-        // row's largest magnitude in [2^14, 2^15) (rows past the chunk: zeros): U and dVt
-        // in place of their record blocks, dO into dO16; the factors back into rowf
-        const In* orow = dOs + r * LDH + 32 * qq;
-        float mo = 0.f, mu = 0.f, md = 0.f;
-#pragma unroll
-        for (int c = 0; c < 32; ++c) {
-          mo = fmaxf(mo, fabsf(to_f(orow[c])));
-          mu = fmaxf(mu, fabsf(urow[c]));
-          md = fmaxf(md, fabsf(drow[c]));
-        }
-#pragma unroll
-        for (int m = 1; m <= 2; m <<= 1) {
-          mo = fmaxf(mo, __shfl_xor_sync(0xffffffffu, mo, m));
-          mu = fmaxf(mu, __shfl_xor_sync(0xffffffffu, mu, m));
-          md = fmaxf(md, __shfl_xor_sync(0xffffffffu, md, m));
-        }
-        float io, iu, id;
-        const float so = pow2_scale(mo, io), su = pow2_scale(mu, iu), sd = pow2_scale(md, id);
-        if (qq == 0) {
-          rowf[r] = io;
-          rowf[C + r] = iu;
-          rowf[2 * C + r] = id;
-        }
-#pragma unroll
-        for (int c = 0; c < 32; c += 2) {
-          const int vb = 2 * qq + c / 16, o = (vb * C + r) * 16 + (c & 15);
-          *reinterpret_cast<uint32_t*>(dO16 + r * LDH + 32 * qq + c) =
-              pack_half2(so * to_f(orow[c]), so * to_f(orow[c + 1]));
-          *reinterpret_cast<uint32_t*>(rec_ud + o) = pack_half2(su * urow[c], su * urow[c + 1]);
-          *reinterpret_cast<uint32_t*>(rec_ud + C * D + o) =
-              pack_half2(sd * drow[c], sd * drow[c + 1]);
-        }
-      }
       if (r < L) {
         const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
         const In* vrow = static_cast<const In*>(p.v) + off;
@@ -917,14 +872,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     {
       float Y[4][2][4] = {}, Z[4][2][4] = {}, R[4][2][4] = {};
       float s0ds = 0.f;
-      float maxh = 0.f, maxd = 0.f;  // kF16: the largest factors back of the h, dS blocks
-      if constexpr (kF16) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          maxh = fmaxf(maxh, recsc[i]);
-          maxd = fmaxf(maxd, recsc[8 + i]);
-        }
-      }
 #pragma unroll 1
       for (int sl = 0; sl < D / 16; ++sl) {
         cp_async_wait<1>();  // slice sl has landed (only slice sl + 1 may be in flight)
@@ -938,46 +885,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           sh = recsc[sl];
           sd = recsc[8 + sl];
         }
-        if constexpr (kF16) {  // one k16 step: block sl of h, dS, U, dVt
-          const __half* Hh = reinterpret_cast<const __half*>(Hs);
-          const __half* Dh = reinterpret_cast<const __half*>(Ds);
-          const __half2 fh = __float2half2_rn(sh / maxh), fd = __float2half2_rn(sd / maxd);
-          uint32_t bS[2][2], bD[2][2];
-          float part_hd = 0.f;
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const int off = (nw + 8 * nt + g) * LDK + 2 * t;  // key row, values 2t (+8)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              __half2 hv = *reinterpret_cast<const __half2*>(Hh + off + 8 * j);
-              __half2 dv = *reinterpret_cast<const __half2*>(Dh + off + 8 * j);
-              const float2 fs = __half22float2(hv), fdv = __half22float2(dv);
-              part_hd += fs.x * fdv.x + fs.y * fdv.y;
-              hv = __hmul2(hv, fh);
-              dv = __hmul2(dv, fd);
-              bS[nt][j] = *reinterpret_cast<const uint32_t*>(&hv);
-              bD[nt][j] = *reinterpret_cast<const uint32_t*>(&dv);
-            }
-          }
-          s0ds += part_hd * (sh * sd);
-          const __half* Ub = rec_ud + sl * C * 16;  // [C][16] blocks, rows 32 bytes apart
-          const __half* Vb = rec_ud + C * D + sl * C * 16;
-#pragma unroll
-          for (int mt = 0; mt < 4; ++mt) {
-            uint32_t aO[4], aV[4], aU[4];
-            frag_a16(aO, dO16, LDH, 16 * mt, 16 * sl);
-            frag_a16(aV, Vb, 16, 16 * mt, 0);
-            frag_a16(aU, Ub, 16, 16 * mt, 0);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              mma_f16(Y[mt][nt], aO, bS[nt]);
-              mma_f16(Z[mt][nt], aV, bS[nt]);
-              mma_f16(R[mt][nt], aU, bD[nt]);
-            }
-          }
-        }
-#pragma unroll
-        for (int half = 0; half < (kF16 ? 0 : 2); ++half) {  // two k8 steps of tf32
+        for (int half = 0; half < 2; ++half) {  // two k8 steps of tf32
           const int k0 = 16 * sl + 8 * half, kl = 8 * half;
           uint32_t bS[2][2], bD[2][2];
 #pragma unroll
@@ -1030,17 +939,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           const int r = 16 * mt + g + 8 * hf;
           const float sg = p.scale * gam[r], bg = bs[r] * gam[r], el = eL[r];
           float qy = 0.f, kz = 0.f, kr = 0.f;
-          if constexpr (kF16) {  // the rows' and the blocks' factors back
-            const float fy = rowf[r] * maxh, fz = rowf[2 * C + r] * maxh, fr = rowf[C + r] * maxd;
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-              for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
-                Y[mt][nt][e] *= fy;
-                Z[mt][nt][e] *= fz;
-                R[mt][nt][e] *= fr;
-              }
-          }
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt)
 #pragma unroll

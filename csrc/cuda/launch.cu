@@ -803,7 +803,6 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
     set_smem(grad_chunk_kernel<In>, kGradSmem);
     set_smem(grad_chunk_tc_kernel<In, false>, GradSmem<In>::kBytes);
     set_smem(grad_chunk_tc_kernel<In, true>, GradSmem<In>::kBytes);
-    set_smem(grad_chunk_tc_kernel<In, true, true>, GradSmem<In>::kBytesF16);
   });
   const bool simt = bwd_simt(), tc = grad_tc();
   const SegmentPlan plan = plan_forward(p, true);
@@ -823,6 +822,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.scale = p.scale;
   g.q = p.q;
   g.k = p.k;
+  g.Kh = f.Kh;  // null unless the forward pass is the fp16 one (bwd_cols requires it)
+  g.Qh = f.Qh;
   g.v = p.v;
   g.beta = p.beta;
   g.d_o = io.d_o;
@@ -861,12 +862,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
-    // FLASHGDN_GRAD_F16=1 (opt-in, not yet run on a GPU): dO h^T, dVt h^T, U dS^T on fp16
-    const bool f16 = g.rec16 && env_int_or("FLASHGDN_GRAD_F16", 0) == 1;
-    if (tc && f16)
-      grad_chunk_tc_kernel<In, true, true><<<grid, NT, GradSmem<In>::kBytesF16, st>>>(g);
-    else if (tc && g.rec16)
-      grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
+    if (tc && g.rec16) grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
     else if (tc) grad_chunk_tc_kernel<In, false><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
     else grad_chunk_kernel<In><<<grid, NT, kGradSmem, st>>>(g);
     check_cuda(cudaGetLastError(), "grad_chunk_kernel launch");

@@ -259,6 +259,16 @@ __device__ __forceinline__ void frag_b_kn_f32(uint32_t (&b)[2], const float* x, 
   b[1] = __float_as_uint(kRound ? round_tf32(x1) : x1);
 }
 
+// fp16 B fragment (m16n8k16) of B(k, n) = X[k][n] from an fp32 tile stored [k][n], columns
+// n0..n0+7, k0..k0+15 (rounded to nearest).
+__device__ __forceinline__ void frag_b16_kn_f32(uint32_t (&b)[2], const float* x, int ld, int n0,
+                                                int k0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3;
+  const float* p0 = x + (k0 + 2 * t) * ld + n0 + g;
+  b[0] = pack_half2(p0[0], p0[ld]);
+  b[1] = pack_half2(p0[8 * ld], p0[9 * ld]);
+}
+
 // The cols kernels' transposed state block: warp w holds S^T (or dS^T), value columns
 // v0 + (g, g + 8) (v0 = 16 w) as rows, keys 8 jn + (2t, 2t + 1) as columns, of a 128 x 128 state stored
 // [key][value]. Loaded from src (null: zero) or, with `identity`, the identity; stored to dst.
@@ -456,22 +466,11 @@ __device__ __forceinline__ T* record_at(T* base, int64_t rec, bool rec16) {
                : base + rec * ROWS * D;
 }
 
-// The warp's value columns v0 .. v0 + 15 of x (NJ m16n8 tiles: values v0 + g (+8), rows 8 j
-// + 2t (+1): keys of a state, tokens of U / dVt) as record block v0 / 16 at dst: scaled,
-// fp16, transposed into the warp's staging (stage: its half for NJ, kRecStageBytes) by
-// stmatrix, then one bulk store of NJ x 256 bytes (lane 0, which also writes the factor
-// back to *scale_dst). The warp's bulk store from the same half (all but its newest one,
-// which left from the other half) has read it before it is written (lane 0 waits).
+// The largest magnitude over a warp's NJ m16n8 fp32 tiles, as its bits: a tree over the
+// thread's values (a short dependent chain), then one warp reduction of the bits (as unsigned
+// integers, non-negative floats order like their magnitudes).
 template <int NJ>
-__device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
-                                                  const float (&x)[NJ][4], __half* stage) {
-  static_assert(NJ == D / 8 || NJ == C / 8, "record block shape");
-  if (NJ == C / 8) stage += kRecStageTokens;
-  if (lane_id() == 0) bulk_wait_read<1>();
-  __syncwarp();
-  // the block's largest magnitude: a tree over the thread's values (a short dependent
-  // chain at the head of the caller's step), then one warp reduction of its bits (as
-  // unsigned integers, non-negative floats order like their magnitudes)
+__device__ __forceinline__ unsigned warp_amax_bits(const float (&x)[NJ][4]) {
   float mx[NJ];
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
@@ -479,9 +478,27 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
 #pragma unroll
   for (int j = NJ - 1; j >= 1; --j)  // a heap's tree: node i takes its children 2i + 1, 2i + 2
     mx[(j - 1) / 2] = fmaxf(mx[(j - 1) / 2], mx[j]);
-  const unsigned bits = __reduce_max_sync(0xffffffffu, __float_as_uint(mx[0]));
+  return __reduce_max_sync(0xffffffffu, __float_as_uint(mx[0]));
+}
+
+// The warp's value columns v0 .. v0 + 15 of x (NJ m16n8 tiles: values v0 + g (+8), rows 8 j
+// + 2t (+1): keys of a state, tokens of U / dVt) as record block v0 / 16 at dst: scaled by
+// the power of two of its largest magnitude (amax_bits: warp_amax_bits(x)), fp16, transposed
+// into the warp's staging (stage: its half for NJ, kRecStageBytes) by stmatrix, then one
+// bulk store of NJ x 256 bytes (lane 0, which also writes the factor back, times `back`, to
+// *scale_dst: x holds the values times 1 / back). The warp's bulk store from the same half
+// (all but its newest one, which left from the other half) has read it before it is written
+// (lane 0 waits).
+template <int NJ>
+__device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
+                                                  const float (&x)[NJ][4], __half* stage,
+                                                  unsigned amax_bits, float back = 1.f) {
+  static_assert(NJ == D / 8 || NJ == C / 8, "record block shape");
+  if (NJ == C / 8) stage += kRecStageTokens;
+  if (lane_id() == 0) bulk_wait_read<1>();
+  __syncwarp();
   float inv;
-  const float sc = pow2_scale(__uint_as_float(bits), inv);
+  const float sc = pow2_scale(__uint_as_float(amax_bits), inv);
   const int l = lane_id(), m = l >> 3, i = l & 7;
 #pragma unroll
   for (int jp = 0; jp < NJ / 2; ++jp)
@@ -494,8 +511,13 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
   __syncwarp();
   if (l == 0) {
     bulk_store(dst, stage, NJ * 256);
-    *scale_dst = inv;
+    *scale_dst = inv * back;
   }
+}
+template <int NJ>
+__device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
+                                                  const float (&x)[NJ][4], __half* stage) {
+  store_record_cols(dst, scale_dst, x, stage, warp_amax_bits(x));
 }
 
 }  // namespace cuda

@@ -1,21 +1,28 @@
 // state_bwd_cols_kernel: the backward's reverse pass with the value columns as the rows of
-// the tensor-core products (opt-in: FLASHGDN_BWD_COLS=1; state_fwd_cols.cuh's shape for the
-// reverse recurrence, on TF32 like state_bwd_tc_kernel).
+// the tensor-core products (state_fwd_cols.cuh's shape for the reverse recurrence), on fp16
+// m16n8k16 mma with fp32 accumulators.
 //
 // grid (1 [x 2 in phase 1], H_v, segments or slots: for_each_segment_block), 256 threads
-// (8 warps), ~216 KB smem, 1 block/SM.
+// (8 warps), ~224 KB smem, 1 block/SM.
 // One block runs one segment (last chunk to first) of one sequence for all 128 value columns
 // of one head; warp w owns the columns 16 w .. 16 w + 15 of dS^T (16 x 128, fp32
 // accumulators) and never exchanges data with the other warps. Per chunk, going backwards:
 //   KdS^T = dS^T K^T,  dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}),  dVt^T = dU^T T,
 //   dS^T <- e^{G_last} dS^T + (scale dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K,
 // the same algebra as state_bwd_tc_kernel (bwd_kernels.cuh), each accumulator feeding the
-// next product as a paired-k tf32 A fragment from registers (mma.cuh). The next chunk's Q,
-// K, dO (16-bit) and P, T (fp32) are copied by cp.async while the current one computes, and
-// its per-token factors (scale e^G, -beta e^G, e^{G_last - G}, e^{G_last}) are formed from
-// registers loaded a chunk ahead: one block barrier per chunk. Segments, warm-ups and phases
-// as state_bwd_tc_kernel (phase 1: summaries of dS, on the identity with dO = 0).
-//   reads  q, k, do, beta, G, T, P, dht, seg_in
+// next product as an fp16 A fragment from registers. Every row of these products is one
+// value column and the recurrence is linear in (dS, dO), so a warp keeps dS^T times a power
+// of two 2^e of its own (dS_sc = 2^e dS^T) and re-chooses e each chunk from the largest
+// magnitudes of dS_sc and of the chunk's dO, putting the larger in [2^5, 2^6): every fp16
+// operand then keeps fp16's 11 bits (as TF32) down to 2^-19 of it, with 2^10 of headroom
+// below 65504 for the sums in dU and dVt, for any scale of the loss. The new factor costs nothing in the state update (e^{G_last} 2^d
+// in one multiply). B operands: K, Q fp16 (the inputs, or wy_kernel's fp16 copies of bf16
+// ones) by ldmatrix; P, T (fp32 in shared memory) packed to fp16 per fragment. The next
+// chunk's tiles are copied by cp.async while the current one computes, and its per-token
+// factors (scale e^G, -beta e^G, e^{G_last - G}, e^{G_last}) are formed from registers
+// loaded a chunk ahead: one block barrier per chunk. Segments, warm-ups and phases as
+// state_bwd_tc_kernel (phase 1: summaries of dS, on the identity with dO = 0).
+//   reads  Kh, Qh, do, beta, G, T, P, dht, seg_in
 //   writes dh (dS leaving each chunk) and dVt as fp16 record blocks with their factors
 //          (mma.cuh: through a warp's staging, one bulk store a warp), dh0 (phase 0);
 //          seg_L, seg_M (phase 1)
@@ -29,10 +36,39 @@ namespace cuda {
 template <typename In>
 struct StateBwdColsSmem {
   static constexpr size_t kStage =
-      sizeof(In) * 3 * C * LDH + sizeof(float) * 2 * C * LDA + sizeof(float4) * C;
+      sizeof(__half) * 3 * C * LDH + sizeof(float) * 2 * C * LDA + sizeof(float4) * C;
   // and each warp's staging of its records (mma.cuh)
   static constexpr size_t kBytes = 2 * kStage + (NT / 32) * kRecStageBytes;
 };
+
+// The largest magnitude of a warp's 16-bit fragments x (bf16 or fp16 bits), as a float.
+template <typename In, int N>
+__device__ __forceinline__ float warp_amax16(const uint32_t (&x)[N][4]) {
+  uint32_t m = 0u;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = __vmaxu2(m, x[j][i] & 0x7fff7fffu);
+  const uint32_t top = max(m >> 16, m & 0xffffu);
+  float f;
+  if constexpr (std::is_same_v<In, __nv_bfloat16>) f = __uint_as_float(top << 16);
+  else f = __half2float(__ushort_as_half(static_cast<unsigned short>(top)));
+  return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(f)));
+}
+
+// 2^k as a float, k in [-126, 127].
+__device__ __forceinline__ float exp2i(int k) { return __int_as_float((127 + k) << 23); }
+
+// The change d of the warp's exponent e (dS_sc = 2^e dS^T) that puts the larger of dS_sc's
+// largest magnitude (ms, scaled) and the chunk's dO's (mo, unscaled) in [2^5, 2^6); 0 when
+// both are zero (or subnormal). e + d stays in [-120, 120].
+__device__ __forceinline__ int bwd_scale_shift(float ms, float mo, int e) {
+  const int bs = (__float_as_int(ms) >> 23) & 0xff;  // biased exponents: 0 for zero
+  const int bo = (__float_as_int(mo) >> 23) & 0xff;
+  const int b = max(bs, bo == 0 ? 0 : bo + e);
+  if (b == 0) return 0;
+  return min(max(132 - b, -120 - e), 120 - e);  // biased 132: [2^5, 2^6)
+}
 
 // One segment block of state_bwd_cols_kernel (for_each_segment_block).
 template <typename In>
@@ -45,9 +81,9 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   const bool outputs = p.phase == 0;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto Qst = [&](int s) { return reinterpret_cast<In*>(smem_raw + s * SM::kStage); };
+  auto Qst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * SM::kStage); };
   auto Kst = [&](int s) { return Qst(s) + C * LDH; };
-  auto dOst = [&](int s) { return Kst(s) + C * LDH; };
+  auto dOst = [&](int s) { return reinterpret_cast<In*>(Kst(s) + C * LDH); };
   auto Pst = [&](int s) { return reinterpret_cast<float*>(dOst(s) + C * LDH); };
   auto Tst = [&](int s) { return Pst(s) + C * LDA; };
   auto Fst = [&](int s) { return reinterpret_cast<float4*>(Tst(s) + C * LDA); };
@@ -60,10 +96,8 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   auto issue = [&](int64_t ci, int s) {
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
-    cp_async_tile<C, D, LDH>(Qst(s), static_cast<const In*>(p.q) + (tok0 * p.Hqk + hq) * D,
-                             p.Hqk * D, L);
-    cp_async_tile<C, D, LDH>(Kst(s), static_cast<const In*>(p.k) + (tok0 * p.Hqk + hq) * D,
-                             p.Hqk * D, L);
+    cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (!identity)  // the transition: dO = 0
       cp_async_tile<C, D, LDH>(dOst(s), static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D,
                                p.Hv * D, L);
@@ -85,8 +119,10 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     }
   };
 
-  // dS^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); dS is stored [key][value]
+  // dS_sc = 2^e dS^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); dS is stored
+  // [key][value]
   float ds[16][4];
+  int e = 0;
   {
     const float* src = nullptr;
     if (b.ss.src == SegSource::H0 && p.dht) src = p.dht + (n * p.Hv + h) * D * D;
@@ -100,55 +136,72 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
 
   for (int64_t ci = c_last; ci >= c_begin; --ci) {
     const int s = static_cast<int>((c_last - ci) & 1);
-    const int L = chunk_rows(len, ci);
     const bool out = outputs && ci < c_end;  // not a warm-up chunk
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci > c_begin) issue(ci - 1, s ^ 1);
+    const __half* Q = Qst(s);
+    const __half* K = Kst(s);
+    const float4* F = Fst(s);
+
+    // dO^T as raw 16-bit A fragments (k = tokens 16 kt ..); zero for the transition
+    uint32_t dor[4][4];
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      if (identity) {
+        dor[kt][0] = dor[kt][1] = dor[kt][2] = dor[kt][3] = 0u;
+      } else {
+        frag_a16_trans(dor[kt], reinterpret_cast<const __half*>(dOst(s)), LDH, v0, 16 * kt);
+      }
+    }
+    // the warp's new exponent: 2^d rescales dS_sc (folded into its uses below)
+    const unsigned ms_bits = warp_amax_bits(ds);
+    const int d = bwd_scale_shift(__uint_as_float(ms_bits), warp_amax16<In>(dor), e);
+    const float r = exp2i(d), back_old = exp2i(-e);
+    e += d;
+    const float sig = exp2i(e), back = exp2i(-e);
     if (out && !(p.debug & 4)) {  // dh: dS leaving chunk ci, an fp16 record block
       const int64_t rec = (chunk0 + ci) * p.Hv + h;
       store_record_cols(reinterpret_cast<__half*>(record_at<D>(p.dh, rec, true)) + v0 * D,
-                        p.dh_scale + rec * 8 + warp, ds, rec_stage);
+                        p.dh_scale + rec * 8 + warp, ds, rec_stage, ms_bits, back_old);
     }
-    const In* Q = Qst(s);
-    const In* K = Kst(s);
-    const float4* F = Fst(s);
 
-    // KdS^T = dS^T K^T: 16 x 64 (token tiles nt), k = 128 keys
+    // KdS^T = dS^T K^T: 16 x 64 (token tiles nt), k = 128 keys, A = dS_sc 2^d
     float kd[8][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < 16; ++kk) {
+    for (int kk = 0; kk < 8; ++kk) {
       uint32_t a[4];
-      acc_to_a_tf32(a, ds[kk], 1.f, 1.f);
+      a[0] = pack_half2(r * ds[2 * kk][0], r * ds[2 * kk][1]);
+      a[1] = pack_half2(r * ds[2 * kk][2], r * ds[2 * kk][3]);
+      a[2] = pack_half2(r * ds[2 * kk + 1][0], r * ds[2 * kk + 1][1]);
+      a[3] = pack_half2(r * ds[2 * kk + 1][2], r * ds[2 * kk + 1][3]);
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        uint32_t bk[2];
-        frag_b(bk, K, LDH, 8 * nt, 8 * kk);  // B(key, token) = K[token][key]
-        mma_tf32(kd[nt], a, bk);
+      for (int np = 0; np < 4; ++np) {
+        uint32_t b0[2], b1[2];
+        frag_b16_pair(b0, b1, K, LDH, 16 * np, 16 * kk);  // B(key, token) = K[token][key]
+        mma_f16(kd[2 * np], a, b0);
+        mma_f16(kd[2 * np + 1], a, b1);
       }
     }
-    // dO^T as A fragments (k = tokens); zero for the transition
-    uint32_t doa[8][4];
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      if (identity) {
-        doa[ks][0] = doa[ks][1] = doa[ks][2] = doa[ks][3] = 0u;
-      } else {
-        frag_a_trans(doa[ks], dOst(s), LDH, v0, 8 * ks);
-      }
-    }
-    // dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}); P[r][s'] = 0 for s' > r
+    // dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}) (times 2^e); P[r][s'] = 0 for s' > r
     float du[8][4] = {};
-    {
+    if (!identity) {
       const float* P = Pst(s);
 #pragma unroll
-      for (int ns = 0; ns < 8; ++ns)
+      for (int kt = 0; kt < 4; ++kt) {
+        uint32_t a[4];
 #pragma unroll
-        for (int kr = ns; kr < 8; ++kr) {
-          uint32_t bp[2];
-          frag_b_kn_f32<false>(bp, P, LDA, 8 * ns, 8 * kr);  // P is tf32 already
-          mma_tf32(du[ns], doa[kr], bp);
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = pair_to_float2(dor[kt][i], static_cast<const In*>(nullptr));
+          a[i] = pack_half2(sig * f.x, sig * f.y);
         }
+#pragma unroll
+        for (int ns = 0; ns < 2 * kt + 2; ++ns) {
+          uint32_t bp[2];
+          frag_b16_kn_f32(bp, P, LDA, 8 * ns, 16 * kt);
+          mma_f16(du[ns], a, bp);
+        }
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -158,51 +211,65 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
       du[nt][2] = p.scale * du[nt][2] + l0 * kd[nt][2];
       du[nt][3] = p.scale * du[nt][3] + l1 * kd[nt][3];
     }
-    // dVt^T = dU^T T; T[r][s] = 0 for s > r
+    // dVt^T = dU^T T (times 2^e); T[r][s] = 0 for s > r
     float dv[8][4] = {};
     {
       const float* T = Tst(s);
 #pragma unroll
-      for (int kr = 0; kr < 8; ++kr) {
+      for (int kt = 0; kt < 4; ++kt) {
         uint32_t a[4];
-        acc_to_a_tf32(a, du[kr], 1.f, 1.f);
+        acc_to_a16(a, du[2 * kt], du[2 * kt + 1]);
 #pragma unroll
-        for (int ns = 0; ns <= kr; ++ns) {
+        for (int ns = 0; ns < 2 * kt + 2; ++ns) {
           uint32_t bt[2];
-          frag_b_kn_f32<true>(bt, T, LDA, 8 * ns, 8 * kr);
-          mma_tf32(dv[ns], a, bt);
+          frag_b16_kn_f32(bt, T, LDA, 8 * ns, 16 * kt);
+          mma_f16(dv[ns], a, bt);
         }
       }
     }
     if (out && !(p.debug & 8)) {  // dVt: a token record block
       const int64_t rec = (chunk0 + ci) * p.Hv + h;
       store_record_cols(reinterpret_cast<__half*>(record_at<C>(p.dVt, rec, true)) + v0 * C,
-                        p.dVt_scale + rec * 8 + warp, dv, rec_stage);
+                        p.dVt_scale + rec * 8 + warp, dv, rec_stage, warp_amax_bits(dv), back);
     }
-    // dS^T <- e^{G_last} dS^T + (scale dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K
+    // dS_sc <- e^{G_last} 2^d dS_sc + (scale 2^e dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K
     {
-      const float egl = F[C - 1].w;
+      const float egl = F[C - 1].w * r;
 #pragma unroll
       for (int jn = 0; jn < 16; ++jn)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ds[jn][e] *= egl;
+        for (int q = 0; q < 4; ++q) ds[jn][q] *= egl;
 #pragma unroll
-      for (int kr = 0; kr < 8; ++kr) {
-        const float4 f0 = F[8 * kr + tc], f1 = F[8 * kr + tc + 1];
-        uint32_t ax[4], ay[4];
-        // doa holds exact tf32 values of dO (paired k: slots 0, 1 token 2t; 2, 3 token 2t + 1)
-        ax[0] = __float_as_uint(round_tf32(__uint_as_float(doa[kr][0]) * f0.x));
-        ax[1] = __float_as_uint(round_tf32(__uint_as_float(doa[kr][1]) * f0.x));
-        ax[2] = __float_as_uint(round_tf32(__uint_as_float(doa[kr][2]) * f1.x));
-        ax[3] = __float_as_uint(round_tf32(__uint_as_float(doa[kr][3]) * f1.x));
-        acc_to_a_tf32(ay, dv[kr], f0.y, f1.y);
+      for (int kt = 0; kt < 4; ++kt) {
+        // tokens 16 kt + tc (+1) for a0 / a1, + 8 for a2 / a3
+        const float4 f0 = F[16 * kt + tc], f1 = F[16 * kt + tc + 1];
+        const float4 f8 = F[16 * kt + tc + 8], f9 = F[16 * kt + tc + 9];
+        uint32_t ay[4];
+        ay[0] = pack_half2(f0.y * dv[2 * kt][0], f1.y * dv[2 * kt][1]);
+        ay[1] = pack_half2(f0.y * dv[2 * kt][2], f1.y * dv[2 * kt][3]);
+        ay[2] = pack_half2(f8.y * dv[2 * kt + 1][0], f9.y * dv[2 * kt + 1][1]);
+        ay[3] = pack_half2(f8.y * dv[2 * kt + 1][2], f9.y * dv[2 * kt + 1][3]);
+        uint32_t ax[4];
+        if (!identity) {
 #pragma unroll
-        for (int jn = 0; jn < 16; ++jn) {
-          uint32_t bq[2], bk[2];
-          frag_b_trans(bq, Q, LDH, 8 * jn, 8 * kr);  // B(token, key) = Q[token][key]
-          frag_b_trans(bk, K, LDH, 8 * jn, 8 * kr);
-          mma_tf32(ds[jn], ax, bq);
-          mma_tf32(ds[jn], ay, bk);
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = pair_to_float2(dor[kt][i], static_cast<const In*>(nullptr));
+            const float x0 = i < 2 ? f0.x : f8.x, x1 = i < 2 ? f1.x : f9.x;
+            ax[i] = pack_half2(sig * x0 * f.x, sig * x1 * f.y);
+          }
+        }
+#pragma unroll
+        for (int jp = 0; jp < 8; ++jp) {
+          uint32_t bk0[2], bk1[2];
+          frag_b16_trans2(bk0, bk1, K, LDH, 16 * jp, 16 * kt);  // B(token, key) = K[token][key]
+          mma_f16(ds[2 * jp], ay, bk0);
+          mma_f16(ds[2 * jp + 1], ay, bk1);
+          if (!identity) {
+            uint32_t bq0[2], bq1[2];
+            frag_b16_trans2(bq0, bq1, Q, LDH, 16 * jp, 16 * kt);
+            mma_f16(ds[2 * jp], ax, bq0);
+            mma_f16(ds[2 * jp + 1], ax, bq1);
+          }
         }
       }
     }
@@ -213,7 +280,14 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   float* dst = nullptr;
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (j == 0 && p.dh0) dst = p.dh0 + (n * p.Hv + h) * D * D;
-  if (dst) store_state_cols(dst, ds, v0);
+  if (dst) {
+    const float back = exp2i(-e);
+#pragma unroll
+    for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) ds[jn][q] *= back;
+    store_state_cols(dst, ds, v0);
+  }
   if (lane == 0) bulk_wait();  // the records' bulk stores are complete
 }
 
