@@ -36,6 +36,8 @@ struct BwdParams : SegParams {
   const float* G;     // [TT, Hv]
   const float* Tmat;  // [TT, Hv, C]
   const float* Pmat;  // [TT, Hv, C] (Q K^T) . Dec
+  // rec16: T and P in fp16 instead (the same tf32-rounded values), for state_bwd_cols_kernel
+  const __half *T16, *P16;
   // The records of the sequential passes: fp32, or (rec16: both passes in the 128-column
   // kernels, launch.cu bwd_cols) fp16 record blocks with a factor each (mma.cuh).
   const float* U;     // [TT, Hv, D]

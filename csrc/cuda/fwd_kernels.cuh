@@ -66,6 +66,7 @@ struct FwdParams : SegParams {
   float* U0;         // [TT, Hv, D] tf32-rounded fp32: U0 scales with v, so it keeps fp32's
                      //   range (the tf32 pass takes any v; bench/precision_study.py)
   float* Tmat;       // [TT, Hv, C] or null
+  __half* T16;       // [TT, Hv, C] or null: fp16 T (the backward's 128-column reverse pass)
   float* Pmat;       // [TT, Hv, C] or null: tf32 P for the tf32 passes and the backward
   __half* P16;       // [TT, Hv, C] or null: fp16 P for the fp16 pass
   const __half *Kh, *Qh;  // [TT, Hqk, D] fp16 k and q of the fp16 pass (the inputs, or wy's copies)
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
     }
   }
   if constexpr (kFree) {
-    // Tv16 <- T diag(beta) in fp16 (and T itself for the backward): a warp writes one row,
+    // Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward): a warp writes one row,
     // two columns a thread; T's blocks above the diagonal are zero (not formed in Ts)
     const int s = 2 * (threadIdx.x % 32);
     const float fb0 = bs[s], fb1 = bs[s + 1];
@@ -415,6 +416,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
       const int64_t idx = (row_off + r * p.Hv) * C + s;
       *reinterpret_cast<__half2*>(p.Tv16 + idx) = __floats2half2_rn(t.x * fb0, t.y * fb1);
       if (p.Tmat) *reinterpret_cast<float2*>(p.Tmat + idx) = t;
+      if (p.T16) *reinterpret_cast<__half2*>(p.T16 + idx) = __floats2half2_rn(t.x, t.y);
     }
   } else {  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
     // each thread keeps one column s, so its factors are computed once

@@ -810,7 +810,15 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   const BwdBuffers b = carve_bwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b.f);
   FwdParams f = fwd_params(p, s, b.f);
-  f.Tmat = b.Tmat;
+  // the 128-column reverse pass reads T and P as fp16 (in the fp32 buffers' space)
+  const bool rec16 = bwd_cols(p);
+  if (rec16) {
+    f.T16 = reinterpret_cast<__half*>(b.Tmat);
+    f.P16 = reinterpret_cast<__half*>(b.f.P);
+    f.Pmat = nullptr;
+  } else {
+    f.Tmat = b.Tmat;
+  }
   f.h = b.h;  // the state pass records the state entering every chunk and U
   f.h_scale = b.h_scale;
   f.U = b.U;
@@ -831,8 +839,10 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.beta_dtype = p.beta_dtype;
   g.dht = io.d_final_state;
   g.G = b.f.G;
-  g.Tmat = b.Tmat;
-  g.Pmat = b.f.P;
+  g.Tmat = f.Tmat;
+  g.Pmat = f.Pmat;
+  g.T16 = f.T16;
+  g.P16 = f.P16;
   g.U = b.U;
   g.h = b.h;
   g.dh = b.dh;
@@ -840,7 +850,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dh_scale = b.dh_scale;
   g.U_scale = b.U_scale;
   g.dVt_scale = b.dVt_scale;
-  g.rec16 = bwd_cols(p);  // both passes in the 128-column kernels, fp16 record blocks
+  g.rec16 = rec16;  // both passes in the 128-column kernels, fp16 record blocks
   g.dVt = b.dVt;
   g.dh0 = io.dh0;
   g.dq = io.dq;

@@ -259,16 +259,6 @@ __device__ __forceinline__ void frag_b_kn_f32(uint32_t (&b)[2], const float* x, 
   b[1] = __float_as_uint(kRound ? round_tf32(x1) : x1);
 }
 
-// fp16 B fragment (m16n8k16) of B(k, n) = X[k][n] from an fp32 tile stored [k][n], columns
-// n0..n0+7, k0..k0+15 (rounded to nearest).
-__device__ __forceinline__ void frag_b16_kn_f32(uint32_t (&b)[2], const float* x, int ld, int n0,
-                                                int k0) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-  const float* p0 = x + (k0 + 2 * t) * ld + n0 + g;
-  b[0] = pack_half2(p0[0], p0[ld]);
-  b[1] = pack_half2(p0[8 * ld], p0[9 * ld]);
-}
-
 // The cols kernels' transposed state block: warp w holds S^T (or dS^T), value columns
 // v0 + (g, g + 8) (v0 = 16 w) as rows, keys 8 jn + (2t, 2t + 1) as columns, of a 128 x 128 state stored
 // [key][value]. Loaded from src (null: zero) or, with `identity`, the identity; stored to dst.

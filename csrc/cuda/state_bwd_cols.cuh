@@ -3,7 +3,7 @@
 // m16n8k16 mma with fp32 accumulators.
 //
 // grid (1 [x 2 in phase 1], H_v, segments or slots: for_each_segment_block), 256 threads
-// (8 warps), ~224 KB smem, 1 block/SM.
+// (8 warps), ~188 KB smem, 1 block/SM.
 // One block runs one segment (last chunk to first) of one sequence for all 128 value columns
 // of one head; warp w owns the columns 16 w .. 16 w + 15 of dS^T (16 x 128, fp32
 // accumulators) and never exchanges data with the other warps. Per chunk, going backwards:
@@ -16,13 +16,13 @@
 // magnitudes of dS_sc and of the chunk's dO, putting the larger in [2^5, 2^6): every fp16
 // operand then keeps fp16's 11 bits (as TF32) down to 2^-19 of it, with 2^10 of headroom
 // below 65504 for the sums in dU and dVt, for any scale of the loss. The new factor costs nothing in the state update (e^{G_last} 2^d
-// in one multiply). B operands: K, Q fp16 (the inputs, or wy_kernel's fp16 copies of bf16
-// ones) by ldmatrix; P, T (fp32 in shared memory) packed to fp16 per fragment. The next
+// in one multiply). B operands by ldmatrix: K, Q fp16 (the inputs, or wy_kernel's fp16
+// copies of bf16 ones), P and T (wy_kernel's fp16 copies, BwdParams::P16, T16). The next
 // chunk's tiles are copied by cp.async while the current one computes, and its per-token
 // factors (scale e^G, -beta e^G, e^{G_last - G}, e^{G_last}) are formed from registers
 // loaded a chunk ahead: one block barrier per chunk. Segments, warm-ups and phases as
 // state_bwd_tc_kernel (phase 1: summaries of dS, on the identity with dO = 0).
-//   reads  Kh, Qh, do, beta, G, T, P, dht, seg_in
+//   reads  Kh, Qh, do, beta, G, T16, P16, dht, seg_in
 //   writes dh (dS leaving each chunk) and dVt as fp16 record blocks with their factors
 //          (mma.cuh: through a warp's staging, one bulk store a warp), dh0 (phase 0);
 //          seg_L, seg_M (phase 1)
@@ -35,8 +35,9 @@ namespace cuda {
 
 template <typename In>
 struct StateBwdColsSmem {
+  static constexpr int LDP = C + 8;  // [C][LDP] T, P (fp16): rows 144 B apart
   static constexpr size_t kStage =
-      sizeof(__half) * 3 * C * LDH + sizeof(float) * 2 * C * LDA + sizeof(float4) * C;
+      sizeof(__half) * (3 * C * LDH + 2 * C * LDP) + sizeof(float4) * C;
   // and each warp's staging of its records (mma.cuh)
   static constexpr size_t kBytes = 2 * kStage + (NT / 32) * kRecStageBytes;
 };
@@ -84,9 +85,9 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   auto Qst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * SM::kStage); };
   auto Kst = [&](int s) { return Qst(s) + C * LDH; };
   auto dOst = [&](int s) { return reinterpret_cast<In*>(Kst(s) + C * LDH); };
-  auto Pst = [&](int s) { return reinterpret_cast<float*>(dOst(s) + C * LDH); };
-  auto Tst = [&](int s) { return Pst(s) + C * LDA; };
-  auto Fst = [&](int s) { return reinterpret_cast<float4*>(Tst(s) + C * LDA); };
+  auto Pst = [&](int s) { return reinterpret_cast<__half*>(dOst(s) + C * LDH); };
+  auto Tst = [&](int s) { return Pst(s) + C * SM::LDP; };
+  auto Fst = [&](int s) { return reinterpret_cast<float4*>(Tst(s) + C * SM::LDP); };
   const int warp = threadIdx.x >> 5, lane = lane_id();
   const int v0 = 16 * warp, tc = 2 * (lane & 3);
   __half* rec_stage = reinterpret_cast<__half*>(smem_raw + 2 * SM::kStage + warp * kRecStageBytes);
@@ -101,8 +102,8 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     if (!identity)  // the transition: dO = 0
       cp_async_tile<C, D, LDH>(dOst(s), static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D,
                                p.Hv * D, L);
-    cp_async_tile<C, C, LDA>(Pst(s), p.Pmat + (tok0 * p.Hv + h) * C, p.Hv * C, L);
-    cp_async_tile<C, C, LDA>(Tst(s), p.Tmat + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    cp_async_tile<C, C, SM::LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    cp_async_tile<C, C, SM::LDP>(Tst(s), p.T16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
     cp_async_commit();
     if (threadIdx.x < C) {  // rows past the chunk's end: G_last, beta 0
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
@@ -186,7 +187,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     // dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}) (times 2^e); P[r][s'] = 0 for s' > r
     float du[8][4] = {};
     if (!identity) {
-      const float* P = Pst(s);
+      const __half* P = Pst(s);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) {
         uint32_t a[4];
@@ -196,10 +197,11 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
           a[i] = pack_half2(sig * f.x, sig * f.y);
         }
 #pragma unroll
-        for (int ns = 0; ns < 2 * kt + 2; ++ns) {
-          uint32_t bp[2];
-          frag_b16_kn_f32(bp, P, LDA, 8 * ns, 16 * kt);
-          mma_f16(du[ns], a, bp);
+        for (int np = 0; np <= kt; ++np) {
+          uint32_t b0[2], b1[2];
+          frag_b16_trans2(b0, b1, P, SM::LDP, 16 * np, 16 * kt);  // B(r, s) = P[r][s]
+          mma_f16(du[2 * np], a, b0);
+          mma_f16(du[2 * np + 1], a, b1);
         }
       }
     }
@@ -214,16 +216,17 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     // dVt^T = dU^T T (times 2^e); T[r][s] = 0 for s > r
     float dv[8][4] = {};
     {
-      const float* T = Tst(s);
+      const __half* T = Tst(s);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) {
         uint32_t a[4];
         acc_to_a16(a, du[2 * kt], du[2 * kt + 1]);
 #pragma unroll
-        for (int ns = 0; ns < 2 * kt + 2; ++ns) {
-          uint32_t bt[2];
-          frag_b16_kn_f32(bt, T, LDA, 8 * ns, 16 * kt);
-          mma_f16(dv[ns], a, bt);
+        for (int np = 0; np <= kt; ++np) {
+          uint32_t b0[2], b1[2];
+          frag_b16_trans2(b0, b1, T, SM::LDP, 16 * np, 16 * kt);  // B(r, s) = T[r][s]
+          mma_f16(dv[2 * np], a, b0);
+          mma_f16(dv[2 * np + 1], a, b1);
         }
       }
     }
