@@ -173,9 +173,20 @@ inline int unsplit_col_block(int64_t N, int64_t Hv, int sms) {
 // chunks) 2.15 -> 1.37 ms, so a third condition: 480 chunks or more in all. Misses on those
 // 32 rows: 16 heads x 8192 tokens in 1 and in 8 sequences (1.42 / 1.34 ms at 16 / 32
 // columns, 1.40 / 1.23 at 128).
+// Since the reverse pass runs on fp16 operands (session 25, 31 rows of 8192 to 16384 tokens
+// both ways, docs/benchmarks.md "Session 25") 128 columns win on less work: at 16 heads x
+// 8192 tokens (1 sequence 1.45 -> 1.20 ms, 8 sequences 1.34 -> 1.06; 2 and 4 sequences tie
+// within 1.3 %), 16 heads x 16384 (2.88 -> 1.84), and with one sequence of >= 128 chunks
+// from 8 heads x 8192 (0.99 -> 0.91) or 4 heads x 12288 (0.90 -> 0.81) on; not at 4 heads
+// x 8192 (0.67 -> 0.74) nor at 4 heads x 4 x 4096 (0.79 -> 0.96). So the work threshold
+// moves from 2560 to 2048, and a sequence of >= 128 chunks takes 128 columns from a work of
+// 768 (heads x chunks, for 132 SMs). Ties left to either side: 4 heads x 16384 (1.020 /
+// 1.021), 8 heads x 4 x 4096 (1.22 / 1.23), 8 heads x 8 packed sequences of 8192 tokens.
 // longest: chunks of the longest sequence (or a bound on it).
 inline bool backward_cols(int64_t Hv, int64_t total_chunks, int64_t longest, int sms) {
-  return Hv * total_chunks * 132 >= int64_t{2560} * sms || longest >= 320 || total_chunks >= 480;
+  const int64_t work = Hv * total_chunks * 132;  // for 132 SMs
+  return work >= int64_t{2048} * sms || (longest >= 128 && work >= int64_t{768} * sms) ||
+         longest >= 320 || total_chunks >= 480;
 }
 
 // What the cost model needs of the sequences: the longest one's chunks, all chunks, and
