@@ -24,7 +24,8 @@ STATE_TOL = 3.7e-3
 
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
-            "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR")
+            "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
+            "FLASHGDN_BWD_COLS")
 
 
 @contextmanager
@@ -505,9 +506,12 @@ def test_device_picks_column_block_for_packed_sequences():
     """Eight packed 1024-token sequences at 16/16 heads: the host, which cannot see the
     lengths, leaves the column block to the device (csrc/planner.h, device_col_block); with
     16 chunks per sequence it must pick 128 columns for the forward (state_fwd_cols_kernel:
-    128 blocks fill the SMs) and 32 for the backward's recomputation and reverse pass (128 is
-    forward only), so the forward is bit-equal to a forced 128-column unsplit run and the
-    gradients to a forced 32-column one."""
+    128 blocks fill the SMs) and, where the backward runs its passes at 16 / 32 columns
+    (FLASHGDN_BWD_COLS=0), 32 for the recomputation and the reverse pass (FLASHGDN_FWD_BW
+    is the forward's only), so the forward is bit-equal to a forced 128-column unsplit run
+    and the gradients to a forced 32-column one. Without the override the backward of this
+    input (16 heads x ~130 chunks: planner.h backward_cols since session 25) runs the
+    128-column passes: gradients within rounding of the 32-column ones, not bit-equal."""
     from test_backward import NAMES
     case = Case("packed_short", [1024] * 8, 16, 16, gate="mixed")
     inp = make_inputs(case, "cuda", seed=34)
@@ -523,10 +527,12 @@ def test_device_picks_column_block_for_packed_sequences():
             grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), list(leaves.values()))
             return [o.detach(), ht.detach(), *grads]
 
-    auto = run({"FLASHGDN_CP": "auto"})
-    bw128 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128"})
-    bw32 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "32"})
-    bw16 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "16"})
+    narrow = {"FLASHGDN_BWD_COLS": "0"}
+    auto = run({"FLASHGDN_CP": "auto", **narrow})
+    bw128 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128", **narrow})
+    bw32 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "32", **narrow})
+    bw16 = run({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "16", **narrow})
+    rule = run({"FLASHGDN_CP": "auto"})
     names = ["o", "ht"] + [f"d{n}" for n in NAMES]
     for i, (name, a, w, b, c) in enumerate(zip(names, auto, bw128, bw32, bw16)):
         if i < 2:
@@ -536,5 +542,9 @@ def test_device_picks_column_block_for_packed_sequences():
             assert torch.equal(a, b), f"{name}: auto's backward is not the 32-column one"
             assert torch.equal(w, b), f"{name}: FLASHGDN_FWD_BW=128 reached the backward"
         assert rel_err(c, b) < 2e-3, f"{name}: 16 and 32 columns differ by {rel_err(c, b):.3e}"
+    for name, r, b in zip(names[2:], rule[2:], bw32[2:]):
+        assert rel_err(r, b) < 2e-3, f"{name}: 128-column backward differs by {rel_err(r, b):.3e}"
+    assert any(not torch.equal(r, b) for r, b in zip(rule[2:], bw32[2:])), \
+        "the backward did not take the 128-column passes"
     ro, rh = reference(inp)
     assert rel_err(auto[0], ro) < O_TOL and rel_err(auto[1], rh) < STATE_TOL

@@ -1,6 +1,7 @@
 // state_bwd_cols_kernel: the backward's reverse pass with the value columns as the rows of
 // the tensor-core products (state_fwd_cols.cuh's shape for the reverse recurrence), on fp16
-// m16n8k16 mma with fp32 accumulators.
+// m16n8k16 mma with fp32 accumulators; where launch.cu's bwd_cols says (planner.h
+// backward_cols, FLASHGDN_BWD_COLS), else state_bwd_tc_kernel at 16 / 32 columns (TF32).
 //
 // grid (1 [x 2 in phase 1], H_v, segments or slots: for_each_segment_block), 256 threads
 // (8 warps), ~188 KB smem, 1 block/SM.
@@ -15,8 +16,8 @@
 // of two 2^e of its own (dS_sc = 2^e dS^T) and re-chooses e each chunk from the largest
 // magnitudes of dS_sc and of the chunk's dO, putting the larger in [2^5, 2^6): every fp16
 // operand then keeps fp16's 11 bits (as TF32) down to 2^-19 of it, with 2^10 of headroom
-// below 65504 for the sums in dU and dVt, for any scale of the loss. The new factor costs nothing in the state update (e^{G_last} 2^d
-// in one multiply). B operands by ldmatrix: K, Q fp16 (the inputs, or wy_kernel's fp16
+// below 65504 for the sums in dU and dVt, for any scale of the loss. The new factor costs
+// nothing in the state update (e^{G_last} 2^d in one multiply). B operands by ldmatrix: K, Q fp16 (the inputs, or wy_kernel's fp16
 // copies of bf16 ones), P and T (wy_kernel's fp16 copies, BwdParams::P16, T16). The next
 // chunk's tiles are copied by cp.async while the current one computes, and its per-token
 // factors (scale e^G, -beta e^G, e^{G_last - G}, e^{G_last}) are formed from registers
