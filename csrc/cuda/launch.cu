@@ -114,6 +114,9 @@ struct BwdBuffers {
 };
 
 // `backward`: the recomputation (no outputs: P only in tf32, for the backward's kernels).
+// Whether the backward runs its passes in the 128-column kernels (defined below); they
+// hand T, P and the records over in 16 bits, so those buffers take half the fp32 size.
+bool bwd_cols(const Problem& p);
 FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   FwdBuffers b{};
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
@@ -128,7 +131,8 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
     b.W = c.take<__half>(tokheads * D);
     b.U0 = c.take<float>(tokheads * D);
   }
-  if (backward || !uses_f16(pass)) b.P = c.take<float>(tokheads * C);
+  if (backward || !uses_f16(pass))  // the backward's 128-column passes: P in fp16
+    b.P = c.take<float>(backward && bwd_cols(p) ? tokheads * C / 2 : tokheads * C);
   if (!backward && uses_f16(pass)) b.P16 = c.take<__half>(tokheads * C);
   if (uses_f16(pass) && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {
     b.Kh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
@@ -198,12 +202,15 @@ BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   BwdBuffers b;
   b.f = carve_fwd(p, plan, c, true);  // the recomputation runs the forward's state pass
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
-  const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D;
-  b.Tmat = c.take<float>(tokheads * C);
-  // U and dVt: fp32 rows, or the 128-column passes' fp16 record blocks (mma.cuh), C x D
-  // halves per chunk and head (more than the rows where many sequences are short)
+  // the 128-column passes (bwd_cols): T in fp16, the records as fp16 blocks (mma.cuh);
+  // sized in floats, half of their fp32 counterparts
+  const bool rec16 = bwd_cols(p);
+  const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D / (rec16 ? 2 : 1);
+  b.Tmat = c.take<float>(rec16 ? tokheads * C / 2 : tokheads * C);
+  // U and dVt: fp32 rows, or the fp16 record blocks, C x D halves per chunk and head (more
+  // than the rows where many sequences are short)
   const size_t recs = static_cast<size_t>(p.max_chunks() * p.Hv);
-  const size_t per_token = std::max(tokheads * D, recs * C * D / 2);
+  const size_t per_token = rec16 ? recs * C * D / 2 : tokheads * D;
   b.U = c.take<float>(per_token);
   b.dVt = c.take<float>(per_token);
   b.h = c.take<float>(states);
