@@ -227,6 +227,40 @@ def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_cols_workspace_holds_fp16_buffers(monkeypatch):
+    """Where the 128-column passes run, T, P, the h / dS records and U / dVt are fp16 and
+    the backward's workspace carves them at half their fp32 sizes (launch.cu carve_bwd):
+    the workspace asked for is smaller than the 16/32-column passes' by at least half the
+    fp32 state records (chunks x heads x 128 x 128 x 4 bytes, h and dS together), and the
+    gradients in it still meet the float64 reference. CP off, so that both plans carve no
+    segment buffers."""
+    import flashgdn.ops as ops
+    asked = []
+    real = ops._workspace
+
+    def spy(nbytes, like):
+        asked.append(nbytes)
+        return real(nbytes, like)
+
+    monkeypatch.setattr(ops, "_workspace", spy)
+    monkeypatch.setenv("FLASHGDN_CP", "off")
+    case = Case("ws_cols", [1000, 300], 2, 8, gate="mixed")
+    got = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("FLASHGDN_BWD_COLS", v)
+        asked.clear()
+        names, ours, refs, _ = run_grads(case, "cuda", seed=5)
+        got[v] = asked[-1]  # the backward's (the forward's comes first)
+        for n, a, r in zip(names, ours, refs):
+            assert rel_err(a, r) < GRAD_TOL, f"BWD_COLS={v} d{n}: {rel_err(a, r):.3e}"
+    chunks = 16 + 5
+    records = chunks * 8 * 128 * 128 * 4  # one fp32 state record buffer
+    print(f"  backward workspace: 16/32 columns {got['0']} B, 128 columns {got['1']} B")
+    assert got["0"] - got["1"] >= records, (got["0"], got["1"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_backward_auto_takes_cols_kernels_on_wide_work(monkeypatch):
     """Without FLASHGDN_BWD_COLS, a backward whose work is large (32 value heads x 80 chunks:
     planner.h backward_cols) runs its sequential passes in the 128-column kernels: as
