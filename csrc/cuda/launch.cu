@@ -111,12 +111,15 @@ struct FwdBuffers {
 struct BwdBuffers {
   FwdBuffers f;
   float *Tmat, *U, *dVt, *h, *dh, *h_scale, *dh_scale, *U_scale, *dVt_scale;
+  // bwd_cols: both passes in the 128-column kernels; T, P and the records are fp16 views
+  bool rec16 = false;
 };
 
-// `backward`: the recomputation (no outputs: P only in tf32, for the backward's kernels).
 // Whether the backward runs its passes in the 128-column kernels (defined below); they
 // hand T, P and the records over in 16 bits, so those buffers take half the fp32 size.
 bool bwd_cols(const Problem& p);
+// `backward`: the recomputation (no outputs: P only for the backward's kernels, tf32 in
+// fp32, or fp16 where bwd_cols).
 FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
   FwdBuffers b{};
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
@@ -204,7 +207,7 @@ BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   // the 128-column passes (bwd_cols): T in fp16, the records as fp16 blocks (mma.cuh);
   // sized in floats, half of their fp32 counterparts
-  const bool rec16 = bwd_cols(p);
+  const bool rec16 = b.rec16 = bwd_cols(p);
   const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D / (rec16 ? 2 : 1);
   b.Tmat = c.take<float>(rec16 ? tokheads * C / 2 : tokheads * C);
   // U and dVt: fp32 rows, or the fp16 record blocks, C x D halves per chunk and head (more
@@ -817,8 +820,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   const BwdBuffers b = carve_bwd(p, plan, c);
   const SeqLayout s = seq_layout(p, b.f);
   FwdParams f = fwd_params(p, s, b.f);
-  // the 128-column reverse pass reads T and P as fp16 (in the fp32 buffers' space)
-  const bool rec16 = bwd_cols(p);
+  // the 128-column reverse pass reads T and P as fp16
+  const bool rec16 = b.rec16;
   if (rec16) {
     f.T16 = reinterpret_cast<__half*>(b.Tmat);
     f.P16 = reinterpret_cast<__half*>(b.f.P);
