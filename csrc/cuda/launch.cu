@@ -89,6 +89,7 @@ FwdPass fwd_pass() {
 
 struct FwdBuffers {
   FwdPass pass;  // the state pass these buffers were carved for
+  bool p16;      // the backward's 128-column passes (BwdBuffers::rec16): P in fp16
   int64_t* chunk_offsets;
   int64_t* seg_offsets;  // varlen with context parallelism
   int64_t* split_seqs;   // varlen split plans: the sequences of more than one segment
@@ -115,15 +116,13 @@ struct BwdBuffers {
   bool rec16 = false;
 };
 
-// Whether the backward runs its passes in the 128-column kernels (defined below); they
-// hand T, P and the records over in 16 bits, so those buffers take half the fp32 size.
-bool bwd_cols(const Problem& p);
 // `backward`: the recomputation (no outputs: P only for the backward's kernels, tf32 in
-// fp32, or fp16 where bwd_cols).
-FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
+// fp32, or, with `p16` (the 128-column passes: BwdBuffers::rec16), fp16 in half the space).
+FwdBuffers carve_common(const Problem& p, bool backward, bool p16, Carver& c) {
   FwdBuffers b{};
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const FwdPass pass = b.pass = fwd_pass();
+  b.p16 = p16;
   b.chunk_offsets = c.take<int64_t>(p.N + 1);
   b.error = c.take<int>(1);
   b.G = c.take<float>(tokheads);
@@ -135,7 +134,7 @@ FwdBuffers carve_common(const Problem& p, bool backward, Carver& c) {
     b.U0 = c.take<float>(tokheads * D);
   }
   if (backward || !uses_f16(pass))  // the backward's 128-column passes: P in fp16
-    b.P = c.take<float>(backward && bwd_cols(p) ? tokheads * C / 2 : tokheads * C);
+    b.P = c.take<float>(p16 ? tokheads * C / 2 : tokheads * C);
   if (!backward && uses_f16(pass)) b.P16 = c.take<__half>(tokheads * C);
   if (uses_f16(pass) && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {
     b.Kh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
@@ -171,8 +170,8 @@ bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward) {
 }
 
 FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
-                     bool backward = false) {
-  FwdBuffers b = carve_common(p, backward, c);
+                     bool backward = false, bool p16 = false) {
+  FwdBuffers b = carve_common(p, backward, p16, c);
   b.Lb = c.take<float>(static_cast<size_t>(p.max_chunks() * p.Hv));
   b.seg_offsets = p.varlen() ? c.take<int64_t>(p.N + 1) : nullptr;
   if (plan.split) {
@@ -201,13 +200,15 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
   return b;
 }
 
+// Whether the backward runs its passes in the 128-column kernels (defined below).
+bool bwd_cols(const Problem& p);
 BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
   BwdBuffers b;
-  b.f = carve_fwd(p, plan, c, true);  // the recomputation runs the forward's state pass
-  const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
-  // the 128-column passes (bwd_cols): T in fp16, the records as fp16 blocks (mma.cuh);
-  // sized in floats, half of their fp32 counterparts
+  // the 128-column passes (bwd_cols): T and P in fp16, the records as fp16 blocks
+  // (mma.cuh); sized in floats, half of their fp32 counterparts
   const bool rec16 = b.rec16 = bwd_cols(p);
+  b.f = carve_fwd(p, plan, c, true, rec16);  // the recomputation runs the forward's state pass
+  const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D / (rec16 ? 2 : 1);
   b.Tmat = c.take<float>(rec16 ? tokheads * C / 2 : tokheads * C);
   // U and dVt: fp32 rows, or the fp16 record blocks, C x D halves per chunk and head (more
@@ -691,9 +692,8 @@ void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st
 // their chaining first when a segment starts exactly from its successor.
 template <typename In>
 void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
-  const bool cols = bwd_cols(p);
   auto launch = [&](cudaStream_t s) {
-    if (cols) {
+    if (g.rec16) {
       launch_state_bwd_cols<In>(plan, p, g, s);
       return;
     }
@@ -764,7 +764,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   launch_wy<In>(p, f, st);
   // bwd_cols: the backward's recomputation in state_fwd_cols_kernel too, on the backward's
   // segments (whatever column block the plan or the device picked for them)
-  const bool recompute_cols = f.h != nullptr && b.pass == FwdPass::F16 && bwd_cols(p);
+  const bool recompute_cols = f.h != nullptr && b.p16;
   auto launch = [&](cudaStream_t s) {
     if (f.corr && f.phase == 0 && f.starts == 2) return;  // exact segments: seg_correct_kernel
     if (recompute_cols) {
