@@ -16,6 +16,7 @@ an exponent: loss scaling inside the op), which the `fp16, dO scaled` rows emula
 
     python bench/precision_study_bwd.py                  # 512 tokens, 4 heads, ~20 s
     python bench/precision_study_bwd.py --do-scales 1,1e-6
+    python bench/precision_study_bwd.py --reverse-pass --do-scales 1,1e-8,1e6
 """
 from __future__ import annotations
 
@@ -119,6 +120,87 @@ def chunked_forward_ad(q, k, v, g, beta, scale: float, fw: str, bw: str,
     return torch.cat(out), S
 
 
+def _scaled_f16(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x (rows = value columns) rounded to fp16 after each row's power of two 2^e, which puts
+    the row's `amax` (a [rows, 1] bound, shared as the caller groups rows) in [2^5, 2^6),
+    then divided back: state_bwd_cols_kernel's operands."""
+    e = 5 - torch.floor(torch.log2(amax.clamp_min(1e-300)))
+    e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp(-120, 120)
+    f = torch.pow(2.0, e)
+    return (x * f).half().double() / f
+
+
+def reverse_pass(q, k, g, beta, do, dst, scale: float, mode: str):
+    """The backward's reverse pass of one head of one sequence in the kernels' chunk form
+    (state_bwd_cols.cuh), from the last chunk: per chunk, going backwards,
+        KdS^T = dS^T K^T,  dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}),  dVt^T = dU^T T,
+        dS^T <- e^{G_last} dS^T + (scale dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K,
+    the elementwise work in float64 and every product's operands rounded per `mode`:
+    "f64" exact; "tf32" the TF32 kernels (state_bwd_tc_kernel; the 128-column one before
+    session 25); "f16warp" state_bwd_cols_kernel: fp16 operands, the A operands (rows =
+    value columns) times a power of two per 16 value columns and chunk that puts the larger
+    of max |dS| and max |dO| of those columns in [2^5, 2^6), K, Q, P, T in fp16; "f16row"
+    the same with a power of two per value column. Returns the records dh (the dS leaving
+    each chunk, [chunks, V, K] as dS^T) and dVt ([T, V])."""
+    T_ = q.shape[0]
+    V = do.shape[1]
+    dS = dst.T.clone()  # dS^T [V, K]
+    dh, dvt = [], torch.zeros(T_, V, dtype=F64)
+    if mode == "tf32":
+        ra = lambda x, amax: fwd.rnd(x, "tf32")  # noqa: E731
+        rb = lambda x: fwd.rnd(x, "tf32")  # noqa: E731
+    elif mode in ("f16warp", "f16row"):
+        ra = _scaled_f16
+        rb = lambda x: fwd.rnd(fwd.rnd(x, "tf32"), "f16")  # noqa: E731
+    else:
+        ra = lambda x, amax: x  # noqa: E731
+        rb = lambda x: x  # noqa: E731
+    starts = list(range(0, T_, C))
+    for c0 in reversed(starts):
+        Q, K, O = q[c0:c0 + C], k[c0:c0 + C], do[c0:c0 + C]
+        G = torch.cumsum(g[c0:c0 + C], 0)
+        b = beta[c0:c0 + C]
+        n = K.shape[0]
+        dec = torch.tril(torch.exp(G[:, None] - G[None, :]))
+        A = torch.tril(b[:, None] * dec * (K @ K.T), -1)
+        Tm = torch.linalg.inv(torch.eye(n, dtype=F64) + A)
+        P = (Q @ K.T) * dec
+        el, egl, eg = torch.exp(G[-1] - G), torch.exp(G[-1]), torch.exp(G)
+        dh.append(dS.clone())
+        # the operands' common bound per row: the rows' own, or their block of 16's
+        amax = torch.maximum(dS.abs().amax(1, keepdim=True), O.T.abs().amax(1, keepdim=True))
+        if mode == "f16warp":
+            amax = amax.reshape(V // 16, 16).amax(1, keepdim=True).expand(V // 16, 16)
+            amax = amax.reshape(V, 1)
+        kd = ra(dS, amax) @ rb(K).T
+        du = scale * (ra(O.T, amax) @ rb(P)) + kd * el[None, :]
+        dv = ra(du, amax) @ rb(Tm)
+        dvt[c0:c0 + n] = dv.T
+        dS = (egl * dS + ra(scale * O.T * eg[None, :], amax) @ rb(Q)
+              - ra(dv * (b * eg)[None, :], amax) @ rb(K))
+    return torch.stack(dh[::-1]), dvt
+
+
+def reverse_pass_errors(x: Dict[str, torch.Tensor], do: torch.Tensor, dst: torch.Tensor,
+                        mode: str, cols: Optional[torch.Tensor] = None) -> Tuple[float, float]:
+    """Relative errors of the reverse pass's records (dh, dVt) in `mode` against float64 over
+    all heads, on the value columns `cols` (default all)."""
+    scale = 128 ** -0.5
+    num = [0.0, 0.0]
+    den = [0.0, 0.0]
+    for h in range(x["q"].shape[1]):
+        args = [x[n][:, h] for n in ("q", "k", "g", "beta")] + [do[:, h], dst[h], scale]
+        ref = reverse_pass(*args, "f64")
+        got = reverse_pass(*args, mode)
+        for i, dim in enumerate((1, 1)):
+            r, a = ref[i], got[i]
+            if cols is not None:
+                r, a = r.index_select(dim, cols), a.index_select(dim, cols)
+            num[i] += float((a - r).pow(2).sum())
+            den[i] += float(r.pow(2).sum())
+    return tuple(math.sqrt(n / d) for n, d in zip(num, den))
+
+
 NAMES = ("q", "k", "v", "g", "beta")
 
 
@@ -148,12 +230,32 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--do-scales", default="1,1e-4,1e-8",
                     help="magnitudes of the output gradients dO and dS_T (times randn)")
+    ap.add_argument("--reverse-pass", action="store_true",
+                    help="only the reverse pass's operand formats (reverse_pass): uniform "
+                         "gradient scales, then half of each 16 value columns made smaller")
     args = ap.parse_args()
     scale = 128 ** -0.5
     x = fwd.make_inputs(args.tokens, args.heads, "bench", 0, True)
     gen = torch.Generator().manual_seed(1)
     base_do = torch.randn(args.tokens, args.heads, 128, generator=gen, dtype=F64)
     base_dst = torch.randn(args.heads, 128, 128, generator=gen, dtype=F64) / 8
+    if args.reverse_pass:
+        modes = ("tf32", "f16warp", "f16row")
+        print("reverse pass records against float64 (dh | dVt), all value columns:\n")
+        print("| dO scale | " + " | ".join(modes) + " |\n|---|---|---|---|")
+        for sc in (float(v) for v in args.do_scales.split(",")):
+            errs = [reverse_pass_errors(x, base_do * sc, base_dst * sc, m) for m in modes]
+            print(f"| {sc:g} | " + " | ".join(f"{a:.2e} / {b:.2e}" for a, b in errs) + " |")
+        small = torch.tensor([c for c in range(128) if c % 16 >= 8])
+        print("\nthe value columns 8..15 of every 16 made `ratio` times smaller (dO and dS_T), "
+              "errors on those columns:\n")
+        print("| ratio | " + " | ".join(modes) + " |\n|---|---|---|---|")
+        for ratio in (1e-3, 1e-4, 1e-5, 1e-6):
+            f = torch.ones(128, dtype=F64)
+            f[small] = ratio
+            errs = [reverse_pass_errors(x, base_do * f, base_dst * f, m, small) for m in modes]
+            print(f"| {ratio:g} | " + " | ".join(f"{a:.2e} / {b:.2e}" for a, b in errs) + " |")
+        return
     designs: List[Tuple[str, str, str, bool, Optional[str]]] = [
         ("tf32 backward operands (today), fp16 forward", "f16", "tf32", False, None),
         ("bf16 backward operands (FLA-like)", "f16", "bf16", False, None),

@@ -91,3 +91,35 @@ def test_record_formats(do_scale: float):
         assert ds_f16[ik] > 0.5  # dS underflows in fp16
     else:
         assert max(a / b for a, b in zip(ds_f16, tf32)) < 1.05
+
+
+@pytest.mark.parametrize("do_scale", [1.0, 1e-8, 1e6])
+def test_reverse_pass_fp16_scaled_is_tf32(do_scale: float):
+    """state_bwd_cols_kernel's operands (fp16 after a power of two per 16 value columns and
+    chunk, from the larger of max |dS| and max |dO|) give the TF32 kernels' records at any
+    gradient scale: fp16 of x 2^e is tf32 of x while x 2^e stays a normal fp16."""
+    x, do, dst, _ = _setup(do_scale)
+    tf32 = study.reverse_pass_errors(x, do, dst, "tf32")
+    warp = study.reverse_pass_errors(x, do, dst, "f16warp")
+    assert max(tf32) < 1e-3
+    assert max(w / t for w, t in zip(warp, tf32)) < 1.01
+
+
+def test_reverse_pass_shared_factor_limit():
+    """The factor is shared by 16 value columns: columns 1e4 times smaller than their
+    neighbours keep TF32's accuracy within 25 %, at 1e6 they lose it (fp16 subnormals); a
+    factor per value column ("f16row") keeps it at any ratio."""
+    x, do, dst, _ = _setup(1.0)
+    small = torch.tensor([c for c in range(128) if c % 16 >= 8])
+    for ratio, worst in ((1e-4, 1.25), (1e-6, None)):
+        f = torch.ones(128, dtype=torch.float64)
+        f[small] = ratio
+        d2, s2 = do * f, dst * f
+        tf32 = study.reverse_pass_errors(x, d2, s2, "tf32", small)
+        warp = study.reverse_pass_errors(x, d2, s2, "f16warp", small)
+        row = study.reverse_pass_errors(x, d2, s2, "f16row", small)
+        assert max(r / t for r, t in zip(row, tf32)) < 1.01
+        if worst is not None:
+            assert max(w / t for w, t in zip(warp, tf32)) < worst
+        else:
+            assert min(w / t for w, t in zip(warp, tf32)) > 10
