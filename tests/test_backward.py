@@ -227,6 +227,47 @@ def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_cols_row_scale_keeps_small_columns(monkeypatch):
+    """FLASHGDN_BWD_ROWSCALE=1 (opt-in; NOT YET RUN ON A GPU when written): the 128-column
+    reverse pass scales each value column by its own power of two, so value columns whose
+    dO and dS_T are 1e-6 times their 15 neighbours' (half of every 16) keep the accuracy of
+    the 16/32-column TF32 passes in their gradient dv (the default's shared per-warp factor
+    loses bits there: bench/precision_study_bwd.py --reverse-pass)."""
+    case = Case("row_scale", [700, 1300, 64], 2, 8, gate="mixed")
+    inp = make_inputs(case, "cuda", 53)
+    small = torch.tensor([c for c in range(128) if c % 16 >= 8], device="cuda")
+    f = torch.ones(128, device="cuda")
+    f[small] = 1e-6
+
+    def grads():
+        leaves = {n: inp[n].clone().requires_grad_() for n in NAMES}
+        o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                output_final_state=True)
+        gen = torch.Generator().manual_seed(54)
+        do = (torch.randn(o.shape, generator=gen).cuda() * f).to(o.dtype)
+        dht = torch.randn(ht.shape, generator=gen).cuda() * f
+        dv = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves["v"])[0]
+        return dv, do, dht
+
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "0")
+    dv_tf32, do, dht = grads()
+    ref_leaves = {n: inp[n].double().clone().requires_grad_() for n in NAMES}
+    ro, rh = reference({**ref_leaves, "cu_seqlens": inp["cu_seqlens"]})
+    ref = torch.autograd.grad((ro * do.double()).sum() + (rh * dht.double()).sum(),
+                              ref_leaves["v"])[0]
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    dv_warp, _, _ = grads()
+    monkeypatch.setenv("FLASHGDN_BWD_ROWSCALE", "1")
+    dv_row, _, _ = grads()
+    e = {k: rel_err(x.index_select(-1, small), ref.index_select(-1, small))
+         for k, x in (("tf32", dv_tf32), ("warp", dv_warp), ("row", dv_row))}
+    print("  dv of the small columns: " + ", ".join(f"{k} {v:.2e}" for k, v in e.items()))
+    assert e["row"] < 1.25 * e["tf32"] + 1e-5, e
+    assert rel_err(dv_row, ref) < GRAD_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_cols_workspace_holds_fp16_buffers(monkeypatch):
     """Where the 128-column passes run, T, P, the h / dS records and U / dVt are fp16 and
     the backward's workspace carves them at half their fp32 sizes (launch.cu carve_bwd):

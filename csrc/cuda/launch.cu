@@ -579,17 +579,24 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
   });
 }
 
+// FLASHGDN_BWD_ROWSCALE=1 (opt-in, not yet run on a GPU): the reverse pass's power of two
+// per value column instead of per warp (state_bwd_cols.cuh, kRow).
 template <typename In>
 void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdParams& g,
                            cudaStream_t st) {
   constexpr size_t smem = StateBwdColsSmem<In>::kBytes;
   static std::once_flag once;
-  std::call_once(once, [] { set_smem(state_bwd_cols_kernel<In>, smem); });
+  std::call_once(once, [] {
+    set_smem(state_bwd_cols_kernel<In, false>, smem);
+    set_smem(state_bwd_cols_kernel<In, true>, smem);
+  });
+  const bool rows = env_int_or("FLASHGDN_BWD_ROWSCALE", 0) == 1;
   const int64_t blocks_x = g.phase == 1 ? 2 : 1;
   for_each_z_slice(g, plan.max_segments, blocks_x * p.Hv, sm_count(p.device_id),
                    [&](const BwdParams& gz, unsigned z) {
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
-    state_bwd_cols_kernel<In><<<grid, NT, smem, st>>>(gz);
+    if (rows) state_bwd_cols_kernel<In, true><<<grid, NT, smem, st>>>(gz);
+    else state_bwd_cols_kernel<In, false><<<grid, NT, smem, st>>>(gz);
     check_cuda(cudaGetLastError(), "state_bwd_cols_kernel launch");
   });
 }

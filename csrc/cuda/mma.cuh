@@ -476,27 +476,31 @@ __device__ __forceinline__ unsigned warp_amax_bits(const float (&x)[NJ][4]) {
 // the power of two of its largest magnitude (amax_bits: warp_amax_bits(x)), fp16, transposed
 // into the warp's staging (stage: its half for NJ, kRecStageBytes) by stmatrix, then one
 // bulk store of NJ x 256 bytes (lane 0, which also writes the factor back, times `back`, to
-// *scale_dst: x holds the values times 1 / back). The warp's bulk store from the same half
-// (all but its newest one, which left from the other half) has read it before it is written
-// (lane 0 waits).
+// *scale_dst: x holds the values times 1 / back). With per-row factors (`rows`: x's rows g
+// and g + 8 hold their values times 1 / rows[0], 1 / rows[1]), amax_bits is the largest
+// magnitude of the values themselves and each row is multiplied by its own factor too. The
+// warp's bulk store from the same half (all but its newest one, which left from the other
+// half) has read it before it is written (lane 0 waits).
 template <int NJ>
 __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
                                                   const float (&x)[NJ][4], __half* stage,
-                                                  unsigned amax_bits, float back = 1.f) {
+                                                  unsigned amax_bits, float back = 1.f,
+                                                  const float* rows = nullptr) {
   static_assert(NJ == D / 8 || NJ == C / 8, "record block shape");
   if (NJ == C / 8) stage += kRecStageTokens;
   if (lane_id() == 0) bulk_wait_read<1>();
   __syncwarp();
   float inv;
   const float sc = pow2_scale(__uint_as_float(amax_bits), inv);
+  const float lo = rows ? sc * rows[0] : sc, hi = rows ? sc * rows[1] : sc;
   const int l = lane_id(), m = l >> 3, i = l & 7;
 #pragma unroll
   for (int jp = 0; jp < NJ / 2; ++jp)
     stmatrix_x4_trans(stage + (16 * jp + (m >> 1) * 8 + i) * 16 + (m & 1) * 8,
-                      pack_half2(sc * x[2 * jp][0], sc * x[2 * jp][1]),
-                      pack_half2(sc * x[2 * jp][2], sc * x[2 * jp][3]),
-                      pack_half2(sc * x[2 * jp + 1][0], sc * x[2 * jp + 1][1]),
-                      pack_half2(sc * x[2 * jp + 1][2], sc * x[2 * jp + 1][3]));
+                      pack_half2(lo * x[2 * jp][0], lo * x[2 * jp][1]),
+                      pack_half2(hi * x[2 * jp][2], hi * x[2 * jp][3]),
+                      pack_half2(lo * x[2 * jp + 1][0], lo * x[2 * jp + 1][1]),
+                      pack_half2(hi * x[2 * jp + 1][2], hi * x[2 * jp + 1][3]));
   fence_async_smem();
   __syncwarp();
   if (l == 0) {

@@ -43,6 +43,14 @@ struct StateBwdColsSmem {
   static constexpr size_t kBytes = 2 * kStage + (NT / 32) * kRecStageBytes;
 };
 
+// The larger magnitude of the two 16-bit values (bf16 or fp16 bits, sign bits cleared) of m,
+// as a float.
+template <typename In>
+__device__ __forceinline__ float abs16_pair_max(uint32_t m) {
+  const uint32_t top = max(m >> 16, m & 0xffffu);
+  if constexpr (std::is_same_v<In, __nv_bfloat16>) return __uint_as_float(top << 16);
+  else return __half2float(__ushort_as_half(static_cast<unsigned short>(top)));
+}
 // The largest magnitude of a warp's 16-bit fragments x (bf16 or fp16 bits), as a float.
 template <typename In, int N>
 __device__ __forceinline__ float warp_amax16(const uint32_t (&x)[N][4]) {
@@ -51,11 +59,44 @@ __device__ __forceinline__ float warp_amax16(const uint32_t (&x)[N][4]) {
   for (int j = 0; j < N; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) m = __vmaxu2(m, x[j][i] & 0x7fff7fffu);
-  const uint32_t top = max(m >> 16, m & 0xffffu);
-  float f;
-  if constexpr (std::is_same_v<In, __nv_bfloat16>) f = __uint_as_float(top << 16);
-  else f = __half2float(__ushort_as_half(static_cast<unsigned short>(top)));
+  const float f = abs16_pair_max<In>(m);
   return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(f)));
+}
+// kRow: the largest magnitudes of rows g (m[0]) and g + 8 (m[1]) of a warp's m16 A
+// fragments of 16-bit values (a0, a2: row g; a1, a3: row g + 8), and of its m16n8 fp32
+// accumulator tiles (elements 0, 1: row g; 2, 3: row g + 8); a row lies in a quad's 4 lanes.
+__device__ __forceinline__ void quad_max(float (&m)[2]) {
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    m[0] = fmaxf(m[0], __shfl_xor_sync(0xffffffffu, m[0], o));
+    m[1] = fmaxf(m[1], __shfl_xor_sync(0xffffffffu, m[1], o));
+  }
+}
+template <typename In, int N>
+__device__ __forceinline__ void row_amax16(const uint32_t (&x)[N][4], float (&m)[2]) {
+  uint32_t a = 0u, b = 0u;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    a = __vmaxu2(a, __vmaxu2(x[j][0] & 0x7fff7fffu, x[j][2] & 0x7fff7fffu));
+    b = __vmaxu2(b, __vmaxu2(x[j][1] & 0x7fff7fffu, x[j][3] & 0x7fff7fffu));
+  }
+  m[0] = abs16_pair_max<In>(a);
+  m[1] = abs16_pair_max<In>(b);
+  quad_max(m);
+}
+template <int NJ>
+__device__ __forceinline__ void row_amax(const float (&x)[NJ][4], float (&m)[2]) {
+  m[0] = m[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    m[0] = fmaxf(m[0], fmaxf(fabsf(x[j][0]), fabsf(x[j][1])));
+    m[1] = fmaxf(m[1], fmaxf(fabsf(x[j][2]), fabsf(x[j][3])));
+  }
+  quad_max(m);
+}
+// kRow: the largest magnitude over the warp of rows whose values are x times back[row].
+__device__ __forceinline__ unsigned warp_amax_rows(const float (&m)[2], const float (&back)[2]) {
+  return __reduce_max_sync(0xffffffffu, __float_as_uint(fmaxf(m[0] * back[0], m[1] * back[1])));
 }
 
 // 2^k as a float, k in [-126, 127].
@@ -72,8 +113,12 @@ __device__ __forceinline__ int bwd_scale_shift(float ms, float mo, int e) {
   return min(max(132 - b, -120 - e), 120 - e);  // biased 132: [2^5, 2^6)
 }
 
-// One segment block of state_bwd_cols_kernel (for_each_segment_block).
-template <typename In>
+// One segment block of state_bwd_cols_kernel (for_each_segment_block). kRow (opt-in,
+// FLASHGDN_BWD_ROWSCALE=1, not yet run on a GPU): a power of two per value column (rows g
+// and g + 8 of a thread each their own) instead of one per warp, so that a column far
+// smaller than its 15 neighbours keeps its bits (bench/precision_study_bwd.py
+// --reverse-pass, "f16row").
+template <typename In, bool kRow>
 __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const SegmentBlock& b) {
   using SM = StateBwdColsSmem<In>;
   const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
@@ -124,7 +169,8 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   // dS_sc = 2^e dS^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); dS is stored
   // [key][value]
   float ds[16][4];
-  int e = 0;
+  constexpr int R1 = kRow ? 1 : 0;  // row g + 8's exponent: its own (kRow) or the warp's
+  int e[2] = {0, 0};
   {
     const float* src = nullptr;
     if (b.ss.src == SegSource::H0 && p.dht) src = p.dht + (n * p.Hv + h) * D * D;
@@ -156,16 +202,36 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
         frag_a16_trans(dor[kt], reinterpret_cast<const __half*>(dOst(s)), LDH, v0, 16 * kt);
       }
     }
-    // the warp's new exponent: 2^d rescales dS_sc (folded into its uses below)
-    const unsigned ms_bits = warp_amax_bits(ds);
-    const int d = bwd_scale_shift(__uint_as_float(ms_bits), warp_amax16<In>(dor), e);
-    const float r = exp2i(d), back_old = exp2i(-e);
-    e += d;
-    const float sig = exp2i(e), back = exp2i(-e);
+    // the new exponents (the warp's, or rows g and g + 8's): 2^d rescales dS_sc (folded
+    // into its uses below)
+    float ms[2], mo[2];
+    unsigned ms_bits = 0u;
+    if constexpr (kRow) {
+      row_amax(ds, ms);
+      row_amax16<In>(dor, mo);
+    } else {
+      ms_bits = warp_amax_bits(ds);
+      ms[0] = __uint_as_float(ms_bits);
+      mo[0] = warp_amax16<In>(dor);
+    }
+    float r[2], back_old[2], sig[2], back[2];
+#pragma unroll
+    for (int q = 0; q <= R1; ++q) {
+      const int d = bwd_scale_shift(ms[q], mo[q], e[q]);
+      r[q] = exp2i(d);
+      back_old[q] = exp2i(-e[q]);
+      e[q] += d;
+      sig[q] = exp2i(e[q]);
+      back[q] = exp2i(-e[q]);
+    }
     if (out && !(p.debug & 4)) {  // dh: dS leaving chunk ci, an fp16 record block
       const int64_t rec = (chunk0 + ci) * p.Hv + h;
-      store_record_cols(reinterpret_cast<__half*>(record_at<D>(p.dh, rec, true)) + v0 * D,
-                        p.dh_scale + rec * 8 + warp, ds, rec_stage, ms_bits, back_old);
+      __half* dst = reinterpret_cast<__half*>(record_at<D>(p.dh, rec, true)) + v0 * D;
+      if constexpr (kRow)
+        store_record_cols(dst, p.dh_scale + rec * 8 + warp, ds, rec_stage,
+                          warp_amax_rows(ms, back_old), 1.f, back_old);
+      else
+        store_record_cols(dst, p.dh_scale + rec * 8 + warp, ds, rec_stage, ms_bits, back_old[0]);
     }
 
     // KdS^T = dS^T K^T: 16 x 64 (token tiles nt), k = 128 keys, A = dS_sc 2^d
@@ -173,10 +239,10 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       uint32_t a[4];
-      a[0] = pack_half2(r * ds[2 * kk][0], r * ds[2 * kk][1]);
-      a[1] = pack_half2(r * ds[2 * kk][2], r * ds[2 * kk][3]);
-      a[2] = pack_half2(r * ds[2 * kk + 1][0], r * ds[2 * kk + 1][1]);
-      a[3] = pack_half2(r * ds[2 * kk + 1][2], r * ds[2 * kk + 1][3]);
+      a[0] = pack_half2(r[0] * ds[2 * kk][0], r[0] * ds[2 * kk][1]);
+      a[1] = pack_half2(r[R1] * ds[2 * kk][2], r[R1] * ds[2 * kk][3]);
+      a[2] = pack_half2(r[0] * ds[2 * kk + 1][0], r[0] * ds[2 * kk + 1][1]);
+      a[3] = pack_half2(r[R1] * ds[2 * kk + 1][2], r[R1] * ds[2 * kk + 1][3]);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t b0[2], b1[2];
@@ -195,7 +261,8 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float2 f = pair_to_float2(dor[kt][i], static_cast<const In*>(nullptr));
-          a[i] = pack_half2(sig * f.x, sig * f.y);
+          const float sg = sig[(i & 1) ? R1 : 0];  // a1, a3: row g + 8
+          a[i] = pack_half2(sg * f.x, sg * f.y);
         }
 #pragma unroll
         for (int np = 0; np <= kt; ++np) {
@@ -233,16 +300,24 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     }
     if (out && !(p.debug & 8)) {  // dVt: a token record block
       const int64_t rec = (chunk0 + ci) * p.Hv + h;
-      store_record_cols(reinterpret_cast<__half*>(record_at<C>(p.dVt, rec, true)) + v0 * C,
-                        p.dVt_scale + rec * 8 + warp, dv, rec_stage, warp_amax_bits(dv), back);
+      __half* dst = reinterpret_cast<__half*>(record_at<C>(p.dVt, rec, true)) + v0 * C;
+      if constexpr (kRow) {
+        float mv[2];
+        row_amax(dv, mv);
+        store_record_cols(dst, p.dVt_scale + rec * 8 + warp, dv, rec_stage,
+                          warp_amax_rows(mv, back), 1.f, back);
+      } else {
+        store_record_cols(dst, p.dVt_scale + rec * 8 + warp, dv, rec_stage, warp_amax_bits(dv),
+                          back[0]);
+      }
     }
     // dS_sc <- e^{G_last} 2^d dS_sc + (scale 2^e dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K
     {
-      const float egl = F[C - 1].w * r;
+      const float egl[2] = {F[C - 1].w * r[0], F[C - 1].w * r[R1]};
 #pragma unroll
       for (int jn = 0; jn < 16; ++jn)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) ds[jn][q] *= egl;
+        for (int q = 0; q < 4; ++q) ds[jn][q] *= egl[q < 2 ? 0 : 1];
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) {
         // tokens 16 kt + tc (+1) for a0 / a1, + 8 for a2 / a3
@@ -259,7 +334,8 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
           for (int i = 0; i < 4; ++i) {
             const float2 f = pair_to_float2(dor[kt][i], static_cast<const In*>(nullptr));
             const float x0 = i < 2 ? f0.x : f8.x, x1 = i < 2 ? f1.x : f9.x;
-            ax[i] = pack_half2(sig * x0 * f.x, sig * x1 * f.y);
+            const float sg = sig[(i & 1) ? R1 : 0];
+            ax[i] = pack_half2(sg * x0 * f.x, sg * x1 * f.y);
           }
         }
 #pragma unroll
@@ -285,21 +361,21 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   if (p.phase == 1) dst = (identity ? p.seg_M : p.seg_L) + (z * p.Hv + h) * D * D;
   else if (j == 0 && p.dh0) dst = p.dh0 + (n * p.Hv + h) * D * D;
   if (dst) {
-    const float back = exp2i(-e);
+    const float back[2] = {exp2i(-e[0]), exp2i(-e[R1])};
 #pragma unroll
     for (int jn = 0; jn < 16; ++jn)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) ds[jn][q] *= back;
+      for (int q = 0; q < 4; ++q) ds[jn][q] *= back[q < 2 ? 0 : 1];
     store_state_cols(dst, ds, v0);
   }
   if (lane == 0) bulk_wait();  // the records' bulk stores are complete
 }
 
-template <typename In>
+template <typename In, bool kRow = false>
 __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
   if (p.seqs.failed()) return;
   for_each_segment_block<D>(p, true, [&](const SegmentBlock& b) {
-    state_bwd_cols_segment<In>(p, b);
+    state_bwd_cols_segment<In, kRow>(p, b);
   });
 }
 
