@@ -492,7 +492,9 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
   __syncwarp();
   float inv;
   const float sc = pow2_scale(__uint_as_float(amax_bits), inv);
-  const float lo = rows ? sc * rows[0] : sc, hi = rows ? sc * rows[1] : sc;
+  // (a row's product can overflow only where its values are zero or tiny: bounded, not inf)
+  const float lo = rows ? fminf(sc * rows[0], 0x1p126f) : sc;
+  const float hi = rows ? fminf(sc * rows[1], 0x1p126f) : sc;
   const int l = lane_id(), m = l >> 3, i = l & 7;
 #pragma unroll
   for (int jp = 0; jp < NJ / 2; ++jp)
