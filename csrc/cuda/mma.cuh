@@ -247,18 +247,6 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
 
-// B fragment (paired k) of B(k, n) = X[k][n] from an fp32 tile stored [k][n], columns
-// n0..n0+7, k step k0; rounded to tf32 when kRound.
-template <bool kRound>
-__device__ __forceinline__ void frag_b_kn_f32(uint32_t (&b)[2], const float* x, int ld, int n0,
-                                              int k0) {
-  const int g = lane_id() >> 2, t = lane_id() & 3;
-  const float* p0 = x + (k0 + 2 * t) * ld + n0 + g;
-  const float x0 = p0[0], x1 = p0[ld];
-  b[0] = __float_as_uint(kRound ? round_tf32(x0) : x0);
-  b[1] = __float_as_uint(kRound ? round_tf32(x1) : x1);
-}
-
 // The cols kernels' transposed state block: warp w holds S^T (or dS^T), value columns
 // v0 + (g, g + 8) (v0 = 16 w) as rows, keys 8 jn + (2t, 2t + 1) as columns, of a 128 x 128 state stored
 // [key][value]. Loaded from src (null: zero) or, with `identity`, the identity; stored to dst.
@@ -278,17 +266,6 @@ __device__ __forceinline__ void store_state_cols(float* dst, const float (&acc)[
 #pragma unroll
     for (int e = 0; e < 4; ++e) __stcg(dst + (8 * jn + acc_col(e)) * 128 + v0 + acc_row(e), acc[jn][e]);
 }
-
-// The paired-k tf32 A fragment of one m16n8 fp32 accumulator tile (its 8 columns are the k
-// step), each column pair scaled by f0 (column 2t) and f1 (column 2t + 1).
-__device__ __forceinline__ void acc_to_a_tf32(uint32_t (&a)[4], const float (&c)[4], float f0,
-                                              float f1) {
-  a[0] = __float_as_uint(round_tf32(c[0] * f0));
-  a[1] = __float_as_uint(round_tf32(c[2] * f0));
-  a[2] = __float_as_uint(round_tf32(c[1] * f1));
-  a[3] = __float_as_uint(round_tf32(c[3] * f1));
-}
-
 
 // a += b over a warp's m16n8 accumulator tiles (the halves of a product whose k steps were
 // split between two accumulator sets to shorten the dependent mma chains).
