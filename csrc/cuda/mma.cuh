@@ -225,13 +225,15 @@ __device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 
 __device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
 
 // fp16 A fragment (m16 k16) of two adjacent m16n8 fp32 accumulator tiles (columns k0..k0+7
-// and k0+8..k0+15): an accumulator becomes the next product's A operand in registers.
+// and k0+8..k0+15): an accumulator becomes the next product's A operand in registers; rows
+// g and g + 8 multiplied by fg and fg8 on the way.
 __device__ __forceinline__ void acc_to_a16(uint32_t (&a)[4], const float (&lo)[4],
-                                           const float (&hi)[4]) {
-  a[0] = pack_half2(lo[0], lo[1]);
-  a[1] = pack_half2(lo[2], lo[3]);
-  a[2] = pack_half2(hi[0], hi[1]);
-  a[3] = pack_half2(hi[2], hi[3]);
+                                           const float (&hi)[4], float fg = 1.f,
+                                           float fg8 = 1.f) {
+  a[0] = pack_half2(fg * lo[0], fg * lo[1]);
+  a[1] = pack_half2(fg8 * lo[2], fg8 * lo[3]);
+  a[2] = pack_half2(fg * hi[0], fg * hi[1]);
+  a[3] = pack_half2(fg8 * hi[2], fg8 * hi[3]);
 }
 
 // Four 8 x 8 16-bit matrices from registers into shared memory, transposed (sm_90).

@@ -239,10 +239,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       uint32_t a[4];
-      a[0] = pack_half2(r[0] * ds[2 * kk][0], r[0] * ds[2 * kk][1]);
-      a[1] = pack_half2(r[R1] * ds[2 * kk][2], r[R1] * ds[2 * kk][3]);
-      a[2] = pack_half2(r[0] * ds[2 * kk + 1][0], r[0] * ds[2 * kk + 1][1]);
-      a[3] = pack_half2(r[R1] * ds[2 * kk + 1][2], r[R1] * ds[2 * kk + 1][3]);
+      acc_to_a16(a, ds[2 * kk], ds[2 * kk + 1], r[0], r[R1]);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t b0[2], b1[2];
