@@ -10,7 +10,8 @@ call's kernel time. This is where docs/perf-notes.md's per-kernel figures come f
 `--trace` instead captures the call in a CUDA graph (as the benchmarks time it), prints
 the replay's median time and the timeline of one replay: each kernel's start (us from the
 first kernel) and duration, which shows the gaps between kernels and what runs beside
-what. `--cu-seqlens-cpu` hands flashgdn the host copy of cu_seqlens, as bench_gdn.py does.
+what. `--cu-seqlens-cpu` hands flashgdn the host copy of cu_seqlens, as bench_gdn.py does;
+`--keep-for-backward` times fwd + bwd with the forward keeping its records.
 """
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="timeline of one CUDA-graph replay")
     ap.add_argument("--cu-seqlens-cpu", action="store_true",
                     help="hand flashgdn the host copy of cu_seqlens")
+    ap.add_argument("--keep-for-backward", action="store_true",
+                    help="bwd: the forward keeps its records for the backward")
     args = ap.parse_args()
 
     import torch
@@ -87,6 +90,8 @@ def main() -> None:
         kw = dict(initial_state=x["h0"], output_final_state=True, cu_seqlens=x["cu64"])
         if args.cu_seqlens_cpu:
             kw["cu_seqlens_cpu"] = x["cu_cpu"]
+        if args.keep_for_backward:
+            kw["keep_for_backward"] = True
         if args.mode == "fwd":
             fn = lambda: flashgdn.chunk_gated_delta_rule(  # noqa: E731
                 x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)

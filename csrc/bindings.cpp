@@ -133,6 +133,14 @@ void set_workspace(Args& a, const OptArray& ws, uintptr_t stream) {
   a.stream = reinterpret_cast<void*>(stream);
 }
 
+// A keep_for_backward forward's workspace for the backward (flashgdn_bwd_args::kept_workspace).
+void set_kept(flashgdn_bwd_args& a, const OptArray& kept) {
+  if (kept && kept->nbytes() > 0) {
+    a.kept_workspace = kept->data();
+    a.kept_workspace_bytes = kept->nbytes();
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -153,38 +161,46 @@ NB_MODULE(_C, m) {
   m.def(
       "fwd_workspace_size",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
-         float scale, OptArray o, OptArray ht, int32_t state_layout, int64_t max_seqlen) {
+         float scale, OptArray o, OptArray ht, int32_t state_layout, int64_t max_seqlen,
+         bool keep_for_backward) {
         auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout, max_seqlen);
+        a.keep_for_backward = keep_for_backward ? 1 : 0;
         size_t bytes = 0;
         check(flashgdn_fwd_workspace_size(&a, &bytes));
         return bytes;
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"),
-      nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
+      nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0, nb::arg("keep_for_backward") = false,
       "Bytes of workspace the forward needs (0 on the CPU). Validates the arguments.");
 
   m.def(
       "fwd",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray o, OptArray ht, OptArray ws, uintptr_t stream,
-         int32_t state_layout, int64_t max_seqlen) {
+         int32_t state_layout, int64_t max_seqlen, bool keep_for_backward) {
         auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout, max_seqlen);
+        a.keep_for_backward = keep_for_backward ? 1 : 0;
         set_workspace(a, ws, stream);
         check(flashgdn_fwd(&a));
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"), none("workspace"),
       nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
-      "Chunked GDN forward into preallocated o (and final_state); asynchronous on CUDA.");
+      nb::arg("keep_for_backward") = false,
+      "Chunked GDN forward into preallocated o (and final_state); asynchronous on CUDA.\n"
+      "keep_for_backward: leave the backward's recomputation in the workspace (bwd's\n"
+      "kept_workspace).");
 
   m.def(
       "bwd_workspace_size",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
-         OptArray dg, OptArray dbeta, OptArray dh0, int32_t state_layout, int64_t max_seqlen) {
+         OptArray dg, OptArray dbeta, OptArray dh0, int32_t state_layout, int64_t max_seqlen,
+         OptArray kept) {
         auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
                           state_layout, max_seqlen);
+        set_kept(a, kept);
         size_t bytes = 0;
         check(flashgdn_bwd_workspace_size(&a, &bytes));
         return bytes;
@@ -192,17 +208,19 @@ NB_MODULE(_C, m) {
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), nb::arg("state_layout") = 0,
-      nb::arg("max_seqlen") = 0,
-      "Bytes of workspace the backward needs (0 on the CPU). Validates the arguments.");
+      nb::arg("max_seqlen") = 0, none("kept_workspace") = nb::none(),
+      "Bytes of workspace the backward needs (0 on the CPU); with kept_workspace, its own\n"
+      "part next to a keep_for_backward forward's workspace. Validates the arguments.");
 
   m.def(
       "bwd",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
          OptArray dg, OptArray dbeta, OptArray dh0, OptArray ws, uintptr_t stream,
-         int32_t state_layout, int64_t max_seqlen) {
+         int32_t state_layout, int64_t max_seqlen, OptArray kept) {
         auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
                           state_layout, max_seqlen);
+        set_kept(a, kept);
         set_workspace(a, ws, stream);
         check(flashgdn_bwd(&a));
       },
@@ -210,7 +228,10 @@ NB_MODULE(_C, m) {
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), none("workspace"),
       nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
-      "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.");
+      none("kept_workspace") = nb::none(),
+      "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.\n"
+      "kept_workspace: the workspace of a keep_for_backward forward of the same inputs\n"
+      "(read only); workspace then needs bwd_workspace_size(..., kept_workspace=...) bytes.");
 
   m.def(
       "decode",

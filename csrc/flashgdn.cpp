@@ -82,6 +82,11 @@ int flashgdn_bwd(const flashgdn_bwd_args* args) {
 #ifdef FLASHGDN_WITH_CUDA
     check_workspace(flashgdn::cuda_bwd_total_workspace_bytes(p, io), args->workspace_bytes,
                     args->workspace);
+    if (io.kept != nullptr && io.kept_bytes < flashgdn::cuda_kept_workspace_bytes(p))
+      throw flashgdn::Error("kept_workspace must be at least " +
+                            std::to_string(flashgdn::cuda_kept_workspace_bytes(p)) +
+                            " bytes (the workspace of a keep_for_backward forward of these "
+                            "inputs), got " + std::to_string(io.kept_bytes));
     flashgdn::cuda_bwd_states(p, io, args->workspace, args->stream);
 #endif
   });

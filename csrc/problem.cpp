@@ -282,6 +282,7 @@ Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out) {
   set_max_seqlen(p, a.max_seqlen);
   check_like(a.o, "o", a.v, "v", p);
   out->o = a.o.data;
+  p.keep_for_backward = a.keep_for_backward != 0;
   if (present(a.final_state)) {
     out->final_state_io = check_state(a.final_state, "final_state", p);
     if (out->final_state_io.native()) out->final_state = static_cast<float*>(a.final_state.data);
@@ -296,6 +297,8 @@ Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
   check_like(a.d_o, "do", a.v, "v (do is the gradient of o)", p);
   check_aligned(a.d_o, "do", p);
   io->d_o = a.d_o.data;
+  io->kept = a.kept_workspace;
+  io->kept_bytes = a.kept_workspace_bytes;
   if (present(a.d_final_state)) {
     io->d_final_state_io = check_state(a.d_final_state, "dht", p);
     if (io->d_final_state_io.native())

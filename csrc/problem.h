@@ -52,6 +52,7 @@ struct Problem {
   flashgdn_state_layout state_layout = FLASHGDN_STATE_LAYOUT_KV;
   const void* cu_seqlens = nullptr;  // optional (varlen)
   int64_t max_seqlen = 0;            // varlen planning hint: the longest sequence (0: unknown)
+  bool keep_for_backward = false;    // forward: run the backward's recomputation, keep it
 
   bool varlen() const { return cu_seqlens != nullptr; }
   int64_t group() const { return Hv / Hqk; }
@@ -74,6 +75,8 @@ struct BwdIO {
   void *dq = nullptr, *dk = nullptr, *dv = nullptr, *dg = nullptr, *dbeta = nullptr;
   float* dh0 = nullptr;  // optional: fp32 [K, V] (only when native)
   StateBuf dh0_io;       // dh0 as given
+  const void* kept = nullptr;  // a keep_for_backward forward's workspace (read only), or null
+  size_t kept_bytes = 0;
 };
 
 // Decode (flashgdn_decode): B sequences of T tokens each, states in a slot pool.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -114,6 +115,12 @@ struct BwdBuffers {
   float *Tmat, *U, *dVt, *h, *dh, *h_scale, *dh_scale, *U_scale, *dVt_scale;
   // bwd_cols: both passes in the 128-column kernels; T, P and the records are fp16 views
   bool rec16 = false;
+  // the problem tag of a forward that kept its records here (workspace_tag_kernel)
+  unsigned long long* tag = nullptr;
+  // a backward on a kept forward's workspace (read only): the reverse pass's own segment
+  // buffers (SegParams::seg_L, seg_M, seg_in) and error flag, in the backward's workspace
+  float *rseg_L = nullptr, *rseg_M = nullptr, *rseg_in = nullptr;
+  int* error = nullptr;
 };
 
 // `backward`: the recomputation (no outputs: P only for the backward's kernels, tf32 in
@@ -202,39 +209,70 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
 
 // Whether the backward runs its passes in the 128-column kernels (defined below).
 bool bwd_cols(const Problem& p);
-BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
+// What the backward's recomputation writes and its later kernels read: the forward's
+// buffers, T, P, U and the state records. A forward that keeps its records for the backward
+// (Problem::keep_for_backward) fills exactly this, and with `outputs` (that forward, and the
+// backward reading its workspace) an fp16 P for o where the recomputation's P is fp32.
+BwdBuffers carve_kept(const Problem& p, const SegmentPlan& plan, Carver& c, bool outputs) {
   BwdBuffers b;
   // the 128-column passes (bwd_cols): T and P in fp16, the records as fp16 blocks
   // (mma.cuh); sized in floats, half of their fp32 counterparts
   const bool rec16 = b.rec16 = bwd_cols(p);
   b.f = carve_fwd(p, plan, c, true, rec16);  // the recomputation runs the forward's state pass
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
-  const size_t states = static_cast<size_t>(p.max_chunks() * p.Hv) * D * D / (rec16 ? 2 : 1);
-  b.Tmat = c.take<float>(rec16 ? tokheads * C / 2 : tokheads * C);
-  // U and dVt: fp32 rows, or the fp16 record blocks, C x D halves per chunk and head (more
-  // than the rows where many sequences are short)
   const size_t recs = static_cast<size_t>(p.max_chunks() * p.Hv);
-  const size_t per_token = rec16 ? recs * C * D / 2 : tokheads * D;
-  b.U = c.take<float>(per_token);
-  b.dVt = c.take<float>(per_token);
-  b.h = c.take<float>(states);
-  b.dh = c.take<float>(states);
+  b.Tmat = c.take<float>(rec16 ? tokheads * C / 2 : tokheads * C);
+  // U (and dVt, carve_bwd_own): fp32 rows, or the fp16 record blocks, C x D halves per chunk
+  // and head (more than the rows where many sequences are short)
+  b.U = c.take<float>(rec16 ? recs * C * D / 2 : tokheads * D);
+  b.h = c.take<float>(recs * D * D / (rec16 ? 2 : 1));
   // the record blocks' factors, 8 per chunk and head
   b.h_scale = c.take<float>(recs * 8);
-  b.dh_scale = c.take<float>(recs * 8);
   b.U_scale = c.take<float>(recs * 8);
-  b.dVt_scale = c.take<float>(recs * 8);
+  b.tag = c.take<unsigned long long>(1);
+  // the narrow passes' outputs read P16 (the 128-column kernel's P16 is P itself)
+  if (outputs && !rec16 && uses_f16(b.f.pass)) b.f.P16 = c.take<__half>(tokheads * C);
   return b;
 }
 
-SeqLayout seq_layout(const Problem& p, const FwdBuffers& b) {
+// What only the backward writes: the reverse pass's records (dS, dVt) and their factors;
+// with a kept forward's workspace (`kept`, read only) also the reverse pass's segment
+// buffers and an error flag, which otherwise share the forward's.
+void carve_bwd_own(const Problem& p, const SegmentPlan& plan, Carver& c, BwdBuffers& b,
+                   bool kept) {
+  const bool rec16 = bwd_cols(p);
+  const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
+  const size_t recs = static_cast<size_t>(p.max_chunks() * p.Hv);
+  b.dVt = c.take<float>(rec16 ? recs * C * D / 2 : tokheads * D);
+  b.dh = c.take<float>(recs * D * D / (rec16 ? 2 : 1));
+  b.dh_scale = c.take<float>(recs * 8);
+  b.dVt_scale = c.take<float>(recs * 8);
+  if (!kept) return;
+  b.error = c.take<int>(1);
+  if (plan.split) {
+    const size_t segheads = static_cast<size_t>(plan.max_segments * p.Hv);
+    b.rseg_L = c.take<float>(segheads * D * D);
+    b.rseg_M = c.take<float>(segheads * D * D);
+    b.rseg_in = c.take<float>(segheads * D * D);
+  }
+}
+
+BwdBuffers carve_bwd(const Problem& p, const SegmentPlan& plan, Carver& c) {
+  BwdBuffers b = carve_kept(p, plan, c, false);
+  carve_bwd_own(p, plan, c, b, false);
+  return b;
+}
+
+// `error`: the backward's own flag on a kept forward's workspace (BwdBuffers::error), set
+// also when the workspace's tag does not match (so the kernels skip their work).
+SeqLayout seq_layout(const Problem& p, const FwdBuffers& b, const int* error = nullptr) {
   SeqLayout s;
   s.cu_seqlens = p.cu_seqlens;
   s.cu_is64 = p.cu_dtype == FLASHGDN_DTYPE_I64;
   s.T = p.T;
   s.N = p.N;
   s.chunk_offsets = p.varlen() ? b.chunk_offsets : nullptr;
-  s.error = p.varlen() ? b.error : nullptr;
+  s.error = error != nullptr ? error : p.varlen() ? b.error : nullptr;
   return s;
 }
 
@@ -720,11 +758,11 @@ void launch_state_bwd(const Problem& p, const BwdParams& g, cudaStream_t st) {
   check_cuda(cudaGetLastError(), "state_bwd_kernel launch");
 }
 
-// The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
-// for the forward (f.o, f.ht set) and the backward's recomputation (f.h, f.U set).
-template <typename In>
-void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
-                    cudaStream_t st) {
+// The state pass's parameters that follow from the plan and the workspace (f's segments,
+// the device's choices, the correction buffers), and the device planner's brief. Host work
+// only: the backward on a kept forward's workspace needs f exactly as the forward had it.
+DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b,
+                                  FwdParams& f) {
   DeviceSegChoice choice{};
   const bool dev_schedule = device_schedule(plan);
   if (plan.device_choice || plan.device_col_block) {
@@ -743,7 +781,6 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     choice.min_seg = plan.seg_chunks;
     choice.chosen = b.seg_chunks;
   }
-  run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);
   f.seg_chunks = plan.seg_chunks;
   const int64_t nch = (p.T + C - 1) / C;
   f.segs_per_seq = p.varlen() ? 0 : std::max<int64_t>(1, (nch + f.seg_chunks - 1) / f.seg_chunks);
@@ -768,6 +805,17 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   f.q_eff = b.q_eff;
   f.corr_ld = p.TT;
   f.corr_ht = f.corr ? f.ht : nullptr;
+  return choice;
+}
+
+// The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
+// for the forward (f.o, f.ht set), the backward's recomputation (f.h, f.U set) or both (a
+// forward that keeps its records for the backward).
+template <typename In>
+void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
+                    cudaStream_t st) {
+  const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
+  run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);
   launch_wy<In>(p, f, st);
   // bwd_cols: the backward's recomputation in state_fwd_cols_kernel too, on the backward's
   // segments (whatever column block the plan or the device picked for them)
@@ -795,8 +843,76 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
              });
 }
 
+// The recomputation's parameters on a backward workspace: the forward's pass that also
+// records the state entering every chunk and U (fp16 blocks, and T, P in fp16, when both
+// passes run in the 128-column kernels: rec16).
+FwdParams recompute_params(const Problem& p, const SeqLayout& s, const BwdBuffers& b) {
+  FwdParams f = fwd_params(p, s, b.f);
+  if (b.rec16) {  // the 128-column reverse pass reads T and P as fp16
+    f.T16 = reinterpret_cast<__half*>(b.Tmat);
+    f.P16 = reinterpret_cast<__half*>(b.f.P);
+    f.Pmat = nullptr;
+  } else {
+    f.Tmat = b.Tmat;
+  }
+  f.h = b.h;  // the state pass records the state entering every chunk and U
+  f.h_scale = b.h_scale;
+  f.U = b.U;
+  f.U_scale = b.U_scale;
+  return f;
+}
+
+// What a kept forward's records depend on, hashed (FNV-1a) into the workspace's tag: the
+// shapes, dtypes, scale, planning hint and the inputs' addresses. Never 0.
+unsigned long long problem_tag(const Problem& p) {
+  unsigned long long h = 1469598103934665603ull;
+  auto mix = [&](unsigned long long x) {
+    for (int i = 0; i < 8; ++i, x >>= 8) h = (h ^ (x & 0xff)) * 1099511628211ull;
+  };
+  for (int64_t x : {p.B, p.T, p.TT, p.Hqk, p.Hv, p.N, p.max_seqlen}) mix(static_cast<uint64_t>(x));
+  for (int x : {static_cast<int>(p.qkv_dtype), static_cast<int>(p.g_dtype),
+                static_cast<int>(p.beta_dtype), static_cast<int>(p.cu_dtype),
+                static_cast<int>(p.h0_io.present())})
+    mix(static_cast<uint64_t>(x));
+  uint32_t sc;
+  std::memcpy(&sc, &p.scale, sizeof sc);
+  mix(sc);
+  for (const void* ptr : {p.q, p.k, p.v, p.g, p.beta, p.cu_seqlens})
+    mix(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)));
+  return h | 1ull;
+}
+
+void launch_workspace_tag(const Problem& p, const BwdBuffers& b, bool check, cudaStream_t st) {
+  workspace_tag_kernel<<<1, 32, 0, st>>>(b.tag, problem_tag(p), b.f.error, b.error,
+                                         check ? 1 : 0, p.varlen() ? 1 : 0);
+  check_cuda(cudaGetLastError(), "workspace_tag_kernel launch");
+}
+
+// A forward that keeps what the backward would recompute (Problem::keep_for_backward): the
+// backward's recomputation on the backward's plan and workspace, with o and the final
+// state written as well, then the workspace's tag.
+template <typename In>
+void forward_kept(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
+  const SegmentPlan plan = plan_forward(p, true);
+  Carver c{static_cast<char*>(ws)};
+  const BwdBuffers b = carve_kept(p, plan, c, true);
+  const SeqLayout s = seq_layout(p, b.f);
+  FwdParams f = recompute_params(p, s, b);
+  f.o = out.o;
+  f.ht = out.final_state;
+  run_state_pass<In>(p, plan, b.f, f, st);
+  launch_workspace_tag(p, b, false, st);
+  if (p.varlen()) {
+    Poison z;
+    z.add(out.o, p.qkv_dtype, p.TT * p.Hv * D);
+    z.add(out.final_state, FLASHGDN_DTYPE_F32, p.N * p.Hv * D * D);
+    z.launch(p, b.f.error, st);
+  }
+}
+
 template <typename In>
 void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st) {
+  if (p.keep_for_backward) return forward_kept<In>(p, out, ws, st);
   const SegmentPlan plan = plan_forward(p, false);
   Carver c{static_cast<char*>(ws)};
   const FwdBuffers b = carve_fwd(p, plan, c);
@@ -823,27 +939,35 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   });
   const bool simt = bwd_simt(), tc = grad_tc();
   const SegmentPlan plan = plan_forward(p, true);
+  // io.kept: the workspace of a forward that kept its records (forward_kept), read only;
+  // only the tag check runs before the reverse pass
+  const bool kept = io.kept != nullptr;
+  BwdBuffers b;
   Carver c{static_cast<char*>(ws)};
-  const BwdBuffers b = carve_bwd(p, plan, c);
-  const SeqLayout s = seq_layout(p, b.f);
-  FwdParams f = fwd_params(p, s, b.f);
-  // the 128-column reverse pass reads T and P as fp16
-  const bool rec16 = b.rec16;
-  if (rec16) {
-    f.T16 = reinterpret_cast<__half*>(b.Tmat);
-    f.P16 = reinterpret_cast<__half*>(b.f.P);
-    f.Pmat = nullptr;
+  if (kept) {
+    Carver kc{static_cast<char*>(const_cast<void*>(io.kept))};
+    b = carve_kept(p, plan, kc, true);
+    carve_bwd_own(p, plan, c, b, true);
   } else {
-    f.Tmat = b.Tmat;
+    b = carve_bwd(p, plan, c);
   }
-  f.h = b.h;  // the state pass records the state entering every chunk and U
-  f.h_scale = b.h_scale;
-  f.U = b.U;
-  f.U_scale = b.U_scale;
-  run_state_pass<In>(p, plan, b.f, f, st);
+  const SeqLayout s = seq_layout(p, b.f, b.error);
+  FwdParams f = recompute_params(p, s, b);
+  const bool rec16 = b.rec16;
+  if (kept) {
+    state_pass_params(p, plan, b.f, f);
+    launch_workspace_tag(p, b, true, st);
+  } else {
+    run_state_pass<In>(p, plan, b.f, f, st);
+  }
 
   BwdParams g{};
   static_cast<SegParams&>(g) = f;  // sequences, heads, the forward's segments and buffers
+  if (kept) {  // the kept workspace is read only: the reverse pass's own segment buffers
+    g.seg_L = b.rseg_L;
+    g.seg_M = b.rseg_M;
+    g.seg_in = b.rseg_in;
+  }
   g.scale = p.scale;
   g.q = p.q;
   g.k = p.k;
@@ -894,7 +1018,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
     else grad_chunk_kernel<In><<<grid, NT, kGradSmem, st>>>(g);
     check_cuda(cudaGetLastError(), "grad_chunk_kernel launch");
   }
-  if (p.varlen()) {
+  if (p.varlen() || kept) {
     const int64_t qk = p.TT * p.Hqk * D, vv = p.TT * p.Hv * D, gg = p.TT * p.Hv;
     Poison z;
     z.add(io.dq, p.qkv_dtype, qk);
@@ -903,7 +1027,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
     z.add(io.dg, p.g_dtype, gg);
     z.add(io.dbeta, p.beta_dtype, gg);
     z.add(io.dh0, FLASHGDN_DTYPE_F32, p.N * p.Hv * D * D);
-    z.launch(p, b.f.error, st);
+    z.launch(p, kept ? b.error : b.f.error, st);
   }
 }
 
@@ -911,13 +1035,19 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
 
 size_t cuda_fwd_workspace_bytes(const Problem& p) {
   Carver c{nullptr};
-  carve_fwd(p, plan_forward(p, false), c);
+  if (p.keep_for_backward) carve_kept(p, plan_forward(p, true), c, true);
+  else carve_fwd(p, plan_forward(p, false), c);
   return c.used;
 }
 
-size_t cuda_bwd_workspace_bytes(const Problem& p) {
+size_t cuda_bwd_workspace_bytes(const Problem& p, bool kept) {
   Carver c{nullptr};
-  carve_bwd(p, plan_forward(p, true), c);
+  if (kept) {
+    BwdBuffers b;
+    carve_bwd_own(p, plan_forward(p, true), c, b, true);
+  } else {
+    carve_bwd(p, plan_forward(p, true), c);
+  }
   return c.used;
 }
 

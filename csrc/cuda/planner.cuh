@@ -19,6 +19,12 @@
 //   silent garbage (the compute kernels skip all work in that case). One launch: two
 //   (forward) or six (backward) launches of 1024 blocks that return at once took ~1.5 us
 //   each (H100, graph replay).
+// workspace_tag_kernel  1 x 32 threads (one acts)
+//   a forward that keeps its records for the backward writes its problem's tag into the
+//   kept workspace; the backward on that workspace compares it and sets its own error flag
+//   on a mismatch (else copies the forward planner's verdict on cu_seqlens, or clears it for
+//   fixed lengths), so that its kernels skip their work and poison_kernel fills the
+//   gradients with NaN
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
@@ -275,6 +281,16 @@ __global__ void poison_kernel(PoisonList list, const int* error) {
     else if (list.dtype[a] == FLASHGDN_DTYPE_BF16) poison_array<__nv_bfloat16>(out, list.n[a]);
     else poison_array<__half>(out, list.n[a]);
   }
+}
+
+__global__ void workspace_tag_kernel(unsigned long long* tag, unsigned long long value,
+                                     const int* fwd_error, int* error, int check, int varlen) {
+  if (threadIdx.x != 0) return;
+  if (!check) {
+    *tag = value;
+    return;
+  }
+  *error = *tag != value ? 1 : varlen ? *fwd_error : 0;
 }
 
 }  // namespace cuda

@@ -178,7 +178,8 @@ size_t cuda_fwd_total_workspace_bytes(const Problem& p, const FwdOutputs& out) {
 }
 
 size_t cuda_bwd_total_workspace_bytes(const Problem& p, const BwdIO& io) {
-  size_t n = align_up(cuda_bwd_workspace_bytes(kernel_problem(p, sizing_stand_in(p))));
+  size_t n = align_up(
+      cuda_bwd_workspace_bytes(kernel_problem(p, sizing_stand_in(p)), io.kept != nullptr));
   n += (staged(p.h0_io) + staged(io.d_final_state_io) + staged(io.dh0_io)) * state_buffer_bytes(p);
   return n;
 }
@@ -196,6 +197,12 @@ const float* stage_in(const StateBuf& s, const float* native, StateCarver& c, in
 }
 
 }  // namespace
+
+size_t cuda_kept_workspace_bytes(const Problem& p) {
+  Problem k = kernel_problem(p, sizing_stand_in(p));
+  k.keep_for_backward = true;
+  return cuda_fwd_workspace_bytes(k);
+}
 
 void cuda_fwd_states(const Problem& p, const FwdOutputs& out, void* workspace, void* stream) {
   DeviceGuard guard(p.device_id);
@@ -217,7 +224,8 @@ void cuda_bwd_states(const Problem& p, const BwdIO& io, void* workspace, void* s
   DeviceGuard guard(p.device_id);
   auto st = static_cast<cudaStream_t>(stream);
   const int64_t mats = p.N * p.Hv;
-  const size_t inner = align_up(cuda_bwd_workspace_bytes(kernel_problem(p, sizing_stand_in(p))));
+  const size_t inner = align_up(
+      cuda_bwd_workspace_bytes(kernel_problem(p, sizing_stand_in(p)), io.kept != nullptr));
   StateCarver c{static_cast<char*>(workspace) + inner, state_buffer_bytes(p)};
 
   const float* h0 = stage_in(p.h0_io, p.h0, c, mats, st);

@@ -96,6 +96,8 @@ typedef struct {
   int32_t state_layout;          /* flashgdn_state_layout of initial_state, final_state */
   int64_t max_seqlen;            /* optional planning hint with cu_seqlens: the longest
                                     sequence in tokens, 0 = unknown (see below) */
+  int32_t keep_for_backward;     /* != 0: leave in the workspace what the backward would
+                                    recompute (see "Keeping the forward" below) */
 } flashgdn_fwd_args;
 
 typedef struct {
@@ -112,7 +114,27 @@ typedef struct {
   void* stream;
   int32_t state_layout;          /* flashgdn_state_layout of initial_state, d_final_state, dh0 */
   int64_t max_seqlen;            /* optional planning hint, as in flashgdn_fwd_args */
+  const void* kept_workspace;    /* optional: the workspace of a keep_for_backward forward of
+                                    these inputs (read only): no recomputation, and
+                                    `workspace` needs only the backward's own part */
+  size_t kept_workspace_bytes;
 } flashgdn_bwd_args;
+
+/*
+ * Keeping the forward (training, CUDA; ignored on the CPU). The backward needs the state
+ * entering every chunk, which it normally recomputes (a second run of the forward's
+ * pass). With keep_for_backward != 0 the forward runs that recomputation itself, writing o
+ * and final_state as usual and leaving its records in the workspace; the
+ * flashgdn_fwd_workspace_size for it is larger (about 3x q, k and v together). Keep that
+ * workspace unchanged and hand it to flashgdn_bwd as kept_workspace, with the same q, k,
+ * v, g, beta, initial_state, cu_seqlens, scale and max_seqlen: the backward skips the
+ * recomputation and its own workspace (flashgdn_bwd_workspace_size with kept_workspace
+ * set) is smaller. The backward only reads the kept workspace, so it can run more than
+ * once on it. The forward also writes a tag of its problem there (shapes, dtypes, scale,
+ * the inputs' addresses), which the backward compares on the device: a kept workspace of
+ * another problem, or one never filled, gives NaN gradients (no host sync) rather than
+ * garbage. The tag cannot tell two forwards of the same input tensors apart.
+ */
 
 /*
  * Decode: the token-by-token recurrence for T = 1..64 tokens per sequence (decode,

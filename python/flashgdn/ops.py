@@ -81,6 +81,13 @@ def _fwd_op(
     final_state_dtype: Optional[torch.dtype] = None,
     max_seqlen: int = 0,
 ) -> Tuple[Tensor, Tensor]:
+    o, ht, _ = _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+                        state_layout, final_state_dtype, max_seqlen, keep=False)
+    return o, ht
+
+
+def _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+             state_layout, final_state_dtype, max_seqlen, keep: bool):
     layout = _layout_code(state_layout)
     ht_dtype = _final_state_dtype(initial_state, final_state_dtype)
     o = torch.empty_like(v)
@@ -90,11 +97,16 @@ def _fwd_op(
         else None
     )
     args = (_d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale, o, ht)
-    ws = _workspace(_C.fwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen), q)
-    _C.fwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen)
+    nbytes = _C.fwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen,
+                                   keep_for_backward=keep)
+    ws = _workspace(nbytes, q)
+    _C.fwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
+           keep_for_backward=keep)
     if ht is None:
         ht = q.new_empty(_EMPTY_SHAPE, dtype=ht_dtype)
-    return o, ht
+    if ws is None:
+        ws = q.new_empty(_EMPTY_SHAPE, dtype=torch.uint8)
+    return o, ht, ws
 
 
 @_fwd_op.register_fake
@@ -105,6 +117,39 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_s
     o = torch.empty_like(v)
     shape = _state_shape(q, v, cu_seqlens) if output_final_state else _EMPTY_SHAPE
     return o, q.new_empty(shape, dtype=ht_dtype)
+
+
+# ------------------------------------------------- forward that keeps its records (training)
+
+
+@torch.library.custom_op("flashgdn::chunk_gdn_fwd_kept", mutates_args=())
+def _fwd_kept_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    output_final_state: bool,
+    state_layout: str = "kv",
+    final_state_dtype: Optional[torch.dtype] = None,
+    max_seqlen: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """_fwd_op that also returns the kept workspace (uint8; empty on the CPU): what the
+    backward would recompute, which _bwd_kept_op reads instead."""
+    return _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+                    state_layout, final_state_dtype, max_seqlen, keep=True)
+
+
+@_fwd_kept_op.register_fake
+def _fwd_kept_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+                   state_layout="kv", final_state_dtype=None, max_seqlen=0):
+    o, ht = _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+                      state_layout, final_state_dtype, max_seqlen)
+    nbytes = torch.library.get_ctx().new_dynamic_size()
+    return o, ht, q.new_empty((nbytes,), dtype=torch.uint8)
 
 
 # ---------------------------------------------------------------------------- backward op
@@ -125,7 +170,15 @@ def _bwd_op(
     state_layout: str = "kv",
     max_seqlen: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
+                    max_seqlen, None)
+
+
+def _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
+             max_seqlen, kept: Optional[Tensor]):
     layout = _layout_code(state_layout)
+    if kept is not None and kept.numel() == 0:  # the CPU keeps nothing
+        kept = None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
@@ -134,8 +187,11 @@ def _bwd_op(
         _d(do).contiguous(), None if dht is None else _d(dht).contiguous(),
         dq, dk, dv, dg, dbeta, dh0,
     )
-    ws = _workspace(_C.bwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen), q)
-    _C.bwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen)
+    kept = None if kept is None else kept.detach()
+    ws = _workspace(_C.bwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen,
+                                          kept_workspace=kept), q)
+    _C.bwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
+           kept_workspace=kept)
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return dq, dk, dv, dg, dbeta, dh0
@@ -149,6 +205,34 @@ def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state
         _EMPTY_SHAPE, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0)
+
+
+@torch.library.custom_op("flashgdn::chunk_gdn_bwd_kept", mutates_args=())
+def _bwd_kept_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float,
+    initial_state: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    do: Tensor,
+    dht: Optional[Tensor],
+    kept: Tensor,
+    state_layout: str = "kv",
+    max_seqlen: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """_bwd_op on the workspace _fwd_kept_op kept for these inputs (read, not written)."""
+    return _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
+                    max_seqlen, kept)
+
+
+@_bwd_kept_op.register_fake
+def _bwd_kept_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept,
+                   state_layout="kv", max_seqlen=0):
+    return _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
+                     max_seqlen)
 
 
 def _setup_context(ctx, inputs, output):
@@ -175,6 +259,27 @@ def _backward(ctx, do, dht):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _kept_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.kept = output[2]  # read only by the backward; not an input, so not saved by version
+
+
+def _kept_backward(ctx, do, dht, _dws):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    if not ctx.output_final_state or dht is None or dht.numel() == 0:
+        dht = None
+    dq, dk, dv, dg, dbeta, dh0 = _bwd_kept_op(q, k, v, g, beta, ctx.scale, initial_state,
+                                              cu_seqlens, do, dht, ctx.kept, ctx.state_layout,
+                                              ctx.max_seqlen)
+    return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None,
+            None, None, None)
+
+
+_fwd_kept_op.register_autograd(_kept_backward, setup_context=_kept_setup_context)
 
 
 # ------------------------------------------------------------------------------ decode op
@@ -365,6 +470,7 @@ def chunk_gated_delta_rule(
     A_log: Optional[Tensor] = None,
     dt_bias: Optional[Tensor] = None,
     cp_context: object = None,
+    keep_for_backward: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Gated DeltaNet over chunks of 64 tokens (forward; differentiable).
 
@@ -399,6 +505,12 @@ def chunk_gated_delta_rule(
             [H_v] optional; the fused gate kernel, differentiable in A_log and dt_bias).
         cp_context: FLA's multi-GPU context parallelism: not supported (must be None);
             flashgdn splits long sequences within the GPU by itself.
+        keep_for_backward: trade memory for backward time (CUDA, when a gradient is
+            needed). The backward normally recomputes the state entering every chunk (a
+            second run of the forward's pass); with True the forward writes those records
+            instead and holds them until the backward (about 3x the bytes of q, k and v
+            together: ~1.5 GB at 32 value heads x 32768 tokens), which then skips the
+            recomputation. Same gradients, bit for bit.
 
     Returns:
         (o [B, T, H_v, 128] in the dtype of v, final_state or None).
@@ -414,8 +526,14 @@ def chunk_gated_delta_rule(
     max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
-    o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-                    bool(output_final_state), state_layout, final_state_dtype, max_seqlen)
+    args = (q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
+            bool(output_final_state), state_layout, final_state_dtype, max_seqlen)
+    grads = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    if keep_for_backward and grads and q.is_cuda:
+        o, ht, _ = _fwd_kept_op(*args)
+    else:
+        o, ht = _fwd_op(*args)
     return o, (ht if output_final_state else None)
 
 

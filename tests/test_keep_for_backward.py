@@ -1,0 +1,118 @@
+"""keep_for_backward: the forward keeps what the backward would recompute (the state entering
+every chunk, U, T, P) and the backward reads it instead of re-running the forward's pass.
+
+The backward on a kept workspace runs the same kernels on the same records as the backward
+that recomputes them, so its gradients must be bit-identical; o must meet the float64
+reference like the plain forward's. A kept workspace of another problem gives NaN gradients
+(the tag check on the device), a too small one a clear error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgdn
+import flashgdn.ops as ops
+from conftest import HAS_GPU, NO_GPU_REASON, Case, make_inputs, reference, rel_err
+
+NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
+O_TOL = 8e-3
+
+
+def grads(case: Case, device: str, keep: bool, seed: int = 0, twice: bool = False):
+    inp = make_inputs(case, device, seed)
+    leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None) for n in NAMES}
+    o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                            output_final_state=True, keep_for_backward=keep)
+    gen = torch.Generator().manual_seed(seed + 100)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(device)
+    dht = torch.randn(ht.shape, generator=gen).to(device)
+    wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
+    loss = (o * do).sum() + (ht * dht).sum()
+    out = torch.autograd.grad(loss, wrt, retain_graph=twice)
+    again = torch.autograd.grad(loss, wrt) if twice else None
+    return inp, o.detach(), ht.detach(), out, again
+
+
+def check_against_recomputation(case: Case, seed: int) -> None:
+    inp, o_k, ht_k, g_k, again = grads(case, "cuda", True, seed, twice=True)
+    _, o_r, ht_r, g_r, _ = grads(case, "cuda", False, seed)
+    names = [n for n in NAMES if inp[n] is not None]
+    for n, a, b in zip(names, g_k, g_r):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
+        assert torch.equal(a, b), f"d{n}: kept {rel_err(a, b.double()):.2e} from recomputed"
+    for n, a, b in zip(names, again, g_k):  # the kept workspace is only read
+        assert torch.equal(a, b), f"d{n} differs on a second backward"
+    ro, rh = reference(inp)
+    e_o, e_h = rel_err(o_k, ro), rel_err(ht_k, rh)
+    print(f"  {case.name}: o {e_o:.2e} (plain forward {rel_err(o_r, ro):.2e}), state {e_h:.2e}")
+    assert e_o < O_TOL and e_h < O_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("cols", ["0", "1"], ids=["narrow", "cols"])
+@pytest.mark.parametrize("cp", ["off", "on"])
+def test_kept_backward_is_the_recomputing_one(monkeypatch, cols: str, cp: str):
+    """Both kinds of sequential passes (16/32 columns with fp32 records, 128 columns with
+    fp16 ones), with and without context parallelism (short segments: warm-ups and exact
+    g == 0 segments, whose reverse pass needs segment buffers of its own next to the kept
+    ones). Packed odd lengths, grouped heads, h0, g == 0 and very negative gates."""
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", cols)
+    if cp == "on":
+        monkeypatch.setenv("FLASHGDN_CP", "on")
+        monkeypatch.setenv("FLASHGDN_CP_SEG", "5")
+    check_against_recomputation(Case("kept", [700, 1300, 64, 1], 2, 8, gate="mixed"), seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kept_backward_fixed_length_and_default_plan(monkeypatch, dtype: torch.dtype):
+    """Fixed-length batch (no cu_seqlens: the tag check's error flag is the backward's own)
+    with the planner's own choices; both input dtypes."""
+    for key in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG"):
+        monkeypatch.delenv(key, raising=False)
+    check_against_recomputation(
+        Case("kept_fixed", [1500, 1500], 4, 16, varlen=False, gate="mixed", dtype=dtype), seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_kept_workspace_of_another_problem_gives_nan():
+    """The backward compares the kept workspace's tag with its own problem on the device:
+    inputs other than the forward's (same shapes, other tensors) give NaN gradients, and a
+    kept workspace smaller than the problem needs raises, naming kept_workspace."""
+    case = Case("tag", [300, 200], 2, 4, gate="mixed")
+    a, b = make_inputs(case, "cuda", 1), make_inputs(case, "cuda", 2)
+    args = lambda x: (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.088, x["initial_state"],  # noqa: E731
+                      x["cu_seqlens"])
+    o, ht, kept = ops._fwd_kept_op(*args(a), True)
+    assert kept.numel() > 0
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    good = ops._bwd_kept_op(*args(a), do, dht, kept)
+    assert all(torch.isfinite(x).all() for x in good)
+    ref = ops._bwd_op(*args(a), do, dht)
+    assert all(torch.equal(x, y) for x, y in zip(good, ref))
+    bad = ops._bwd_kept_op(*args(b), do, dht, kept)
+    for n, x in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], bad):
+        assert torch.isnan(x).all(), f"{n} not NaN on another problem's kept workspace"
+    with pytest.raises(ValueError, match="kept_workspace"):
+        ops._bwd_kept_op(*args(a), do, dht, kept[: kept.numel() // 2])
+
+
+def test_keep_for_backward_on_cpu_is_the_plain_call():
+    """The CPU backend keeps nothing: keep_for_backward=True gives the same o and gradients,
+    and the kept ops run there with an empty kept workspace."""
+    case = Case("kept_cpu", [130, 70], 2, 4, gate="mixed")
+    _, o_k, ht_k, g_k, _ = grads(case, "cpu", True, seed=6)
+    _, o_r, ht_r, g_r, _ = grads(case, "cpu", False, seed=6)
+    assert torch.equal(o_k, o_r) and torch.equal(ht_k, ht_r)
+    assert all(torch.equal(a, b) for a, b in zip(g_k, g_r))
+    x = make_inputs(case, "cpu", 6)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.088, x["initial_state"], x["cu_seqlens"])
+    o, ht, kept = ops._fwd_kept_op(*args, True)
+    assert kept.numel() == 0 and torch.equal(o, ops._fwd_op(*args, True)[0])
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    for a, b in zip(ops._bwd_kept_op(*args, do, dht, kept), ops._bwd_op(*args, do, dht)):
+        assert torch.equal(a, b)
