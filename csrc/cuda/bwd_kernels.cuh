@@ -52,6 +52,10 @@ struct BwdParams : SegParams {
   float* dh0;         // [N, Hv, D, D] or null
   void *dq, *dk, *dv, *dg, *dbeta;
   int debug;  // FwdParams::debug (timing experiments only)
+  // grad_chunk_tc_kernel: blocks resident at once (one per SM); a block prefetches into L2
+  // the first value head of the block this many places after it, which the next wave runs
+  // (0: none)
+  int64_t grad_wave;
 };
 
 template <int BW>
@@ -660,6 +664,12 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
     const float* blk = record_at<C>(threadIdx.x < 128 ? p.U : p.dVt, chunk * p.Hv + h, true);
     prefetch_l2(reinterpret_cast<const char*>(blk) + 128 * (threadIdx.x & 127));
   }
+  if (threadIdx.x < 2 * C) {  // the per-token G and beta (one line each: H_v apart)
+    const int rr = threadIdx.x & (C - 1);
+    const int64_t i = (tok0 + (rr < L ? rr : L - 1)) * p.Hv + h;
+    if (threadIdx.x < C) prefetch_l2(p.G + i);
+    else prefetch_l2(static_cast<const char*>(p.beta) + i * (p.beta_dtype == FLASHGDN_DTYPE_F32 ? 4 : 2));
+  }
   if (r < L) {
     const int64_t row = ((tok0 + r) * p.Hv + h) * D;
     if constexpr (!kRec16) {
@@ -984,8 +994,19 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     }
 
     // The next head's operands into L2 while this one finishes (its h and dS slices are
-    // copied only a slice or two ahead of their products).
-    if (h + 1 < (hq + 1) * group) prefetch_grad_head<In, kRec16>(p, chunk, tok0, L, h + 1);
+    // copied only a slice or two ahead of their products); during the last head, the first
+    // head of the block the next wave runs in this block's place (p.grad_wave), about a
+    // head's time before it starts: the first loads of a block then hit L2, not DRAM.
+    if (h + 1 < (hq + 1) * group) {
+      prefetch_grad_head<In, kRec16>(p, chunk, tok0, L, h + 1);
+    } else if (p.grad_wave > 0) {
+      const int64_t nb = blockIdx.x + gridDim.x * static_cast<int64_t>(blockIdx.y) + p.grad_wave;
+      if (nb < static_cast<int64_t>(gridDim.x) * gridDim.y) {
+        const int64_t nchunk = nb % gridDim.x, nhq = nb / gridDim.x;
+        const ChunkRef nk = locate_chunk(p.seqs, nchunk);
+        if (nk.L > 0) prefetch_grad_head<In, kRec16>(p, nchunk, nk.tok0, nk.L, nhq * group);
+      }
+    }
     // ---- 64 x 64: dVt U^T, dO U^T (tf32), K K^T, Q K^T (the inputs' own 16-bit type, exact
     // products) -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
     {

@@ -1011,6 +1011,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
       run_reverse_pass<In>(p, plan, g, st);
     }
   }
+  // FLASHGDN_GRAD_PREFETCH=0: no L2 prefetch of the next wave's first head
+  g.grad_wave = env_int_or("FLASHGDN_GRAD_PREFETCH", 1) != 0 ? sm_count(p.device_id) : 0;
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
     if (tc && g.rec16) grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
