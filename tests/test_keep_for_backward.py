@@ -120,19 +120,26 @@ def test_keep_for_backward_on_cpu_is_the_plain_call():
 
 def test_opcheck_kept_ops(device):
     """The kept forward (its workspace output sized at run time: an unbacked size under fake
-    tensors) and the kept backward pass torch.library's checks."""
+    tensors) and the kept backward pass torch.library's checks. On CUDA the kept workspace
+    holds bytes no kernel writes (alignment gaps, buffers of plans not taken), so two runs'
+    workspaces differ there and the eager-vs-compiled output comparison
+    (test_aot_dispatch_dynamic) cannot apply to it; the compiled kept path is checked bit for
+    bit on o and the gradients by test_torch_compile_fullgraph_keep instead."""
     a = make_inputs(Case("oc_kept", [40, 30], 1, 2), device)
     for n in ("q", "k", "v", "g", "beta", "initial_state"):
         a[n] = a[n].requires_grad_()
     args = (a["q"], a["k"], a["v"], a["g"], a["beta"], 0.1, a["initial_state"], a["cu_seqlens"],
             True)
-    torch.library.opcheck(ops._fwd_kept_op, args,
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor", "test_aot_dispatch_dynamic"))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    if device == "cpu":  # the CPU keeps nothing: an empty, comparable workspace
+        checks += ("test_aot_dispatch_dynamic",)
+    torch.library.opcheck(ops._fwd_kept_op, args, test_utils=checks)
     det = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
     o, ht, kept = ops._fwd_kept_op(*det)
     torch.library.opcheck(ops._bwd_kept_op, (*det[:8], torch.randn_like(o), torch.randn_like(ht),
-                                             kept), test_utils=("test_schema", "test_faketensor"))
+                                             kept),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
 
 
 def test_torch_compile_fullgraph_keep(device):

@@ -52,10 +52,6 @@ struct BwdParams : SegParams {
   float* dh0;         // [N, Hv, D, D] or null
   void *dq, *dk, *dv, *dg, *dbeta;
   int debug;  // FwdParams::debug (timing experiments only)
-  // grad_chunk_tc_kernel: blocks resident at once (one per SM); a block prefetches into L2
-  // the first value head of the block this many places after it, which the next wave runs
-  // (0: none)
-  int64_t grad_wave;
 };
 
 template <int BW>
@@ -620,7 +616,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
-// grad_chunk_tc_kernel  grid (max_chunks, H_qk), 256 threads, ~205 KB smem
+// grad_chunk_tc_kernel  grid (max_chunks, H_qk), 256 threads, ~205 KB smem (kRec16 ~187 KB)
 //   grad_chunk_kernel's gradients (same quantities, same order of the value heads) on TF32
 //   mma.sync with register fragments read by paired loads (mma.cuh), not per element:
 //   * 64 x 128 results (dO h^T, dVt h^T, U dS^T, dq, dk) are column strips: warp w holds
@@ -635,10 +631,15 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
 //   Row sums across warps go through shared scratch in a fixed order: deterministic.
 //   reads  q, k, v, do, beta, G, U, dVt, h, dh (and their factors, kRec16)
 //   writes dq, dk, dv, dg, dbeta
-template <typename In>
+// kRec16: U and dVt stay the record blocks they arrive as ([2][8][C][kRecLd] fp16: block vb
+// holds value columns 16 vb .. 16 vb + 15, rows 48 bytes apart: paired loads conflict free)
+// instead of fp32 tiles [2][C][LDW].
+constexpr int kRecLd = 24;
+template <typename In, bool kRec16>
 struct GradSmem {
-  static constexpr size_t kTiles =
-      sizeof(In) * 3 * C * LDH + sizeof(float) * (2 * C * LDW + 4 * C * LDA);
+  static constexpr size_t kUD =
+      kRec16 ? sizeof(__half) * 2 * 8 * C * kRecLd : sizeof(float) * 2 * C * LDW;
+  static constexpr size_t kTiles = sizeof(In) * 3 * C * LDH + kUD + sizeof(float) * 4 * C * LDA;
   static constexpr size_t kBytes = kTiles + sizeof(float) * (8 * C + 4 * 8 * C + 8 + 32);
 };
 
@@ -706,9 +707,13 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   In* Qs = reinterpret_cast<In*>(smem_raw);  // [C][LDH]
   In* Ks = Qs + C * LDH;
   In* dOs = Ks + C * LDH;
-  float* Us = reinterpret_cast<float*>(dOs + C * LDH);  // [C][LDW]
+  float* Us = reinterpret_cast<float*>(dOs + C * LDH);  // [C][LDW] (kRec16: unused)
   float* dVs = Us + C * LDW;
-  float* M1 = dVs + C * LDW;    // [C][LDA] dP . Dec (tf32)
+  // kRec16: the U and dVt record blocks in Us's place, [8][C][kRecLd] fp16 each
+  __half* RU = reinterpret_cast<__half*>(dOs + C * LDH);
+  __half* RD = RU + 8 * C * kRecLd;
+  float* M1 = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(dOs + C * LDH) +
+                                       GradSmem<In, kRec16>::kUD);  // [C][LDA] dP . Dec (tf32)
   float* M1t = M1 + C * LDA;    // its transpose
   float* M2s = M1t + C * LDA;   // M2 + M2^T, M2 = beta dA . Dec (strictly lower)
   float* E = M2s + C * LDA;     // dA . A + dP . P
@@ -723,10 +728,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   float* red = part + 4 * 8 * C;  // [8] per-warp partial sums of <h, dS>
   float* vdt = red + 8;           // [C] v . dVt per row (dbeta)
   float* recsc = vdt + C;         // [32] the record blocks' factors: h, dS, U, dVt (kRec16)
-  // kRec16: the U and dVt record blocks [2][C x D] fp16, in the scratch after the slice stages
-  __half* rec_ud = reinterpret_cast<__half*>(M1 + 3 * 2 * kSliceFloats);
-  static_assert(!kRec16 || (3 * 2 * kSliceFloats) * 4 + 2 * C * D * 2 <= 4 * C * LDA * 4,
-                "the U and dVt record blocks fit beside the slice stages");
 
   const int64_t qk_off = (tok0 * p.Hqk + hq) * D;
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
@@ -738,14 +739,17 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     __syncthreads();  // the previous head's tiles, scalars and scratch are no longer read
     const int64_t v_off = (tok0 * p.Hv + h) * D;
     cp_async_tile<C, D, LDH>(dOs, static_cast<const In*>(p.d_o) + v_off, p.Hv * D, L);
-    if constexpr (kRec16) {  // two 16 KB record blocks, contiguous
+    if constexpr (kRec16) {  // two 16 KB record blocks, 32-byte rows -> 48-byte rows
       const int64_t rec = chunk * p.Hv + h;
       const __half* us = reinterpret_cast<const __half*>(record_at<C>(p.U, rec, true));
       const __half* ds = reinterpret_cast<const __half*>(record_at<C>(p.dVt, rec, true));
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int idx = static_cast<int>(threadIdx.x) + NT * j, mat = idx >> 10, pc = idx & 1023;
-        cp_async16(rec_ud + mat * C * D + 8 * pc, (mat ? ds : us) + 8 * pc, true);
+        const int row = (pc >> 1) & (C - 1), blk = pc >> 7, c8 = pc & 1;
+        // rows past the chunk read as zero (the products' A operands need no mask)
+        cp_async16((mat ? RD : RU) + (blk * C + row) * kRecLd + 8 * c8, (mat ? ds : us) + 8 * pc,
+                   row < L);
       }
     } else {
       cp_async_tile<C, D, LDW>(Us, p.U + v_off, p.Hv * D, L);
@@ -810,60 +814,62 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     cp_async_wait<1>();
     __syncthreads();
 
-    // ---- per row (four threads each): dv = beta dVt, v . dVt; U and dVt as tf32 values in
-    // Us, dVs (rounded in place, or from their record blocks: fp16 times a power of two, exact
-    // in tf32; zero past the chunk), so that the products below read plain fragments
+    // ---- per row (four threads each): dv = beta dVt, v . dVt. fp32 records: U and dVt are
+    // rounded to tf32 in place in Us, dVs (zero past the chunk), so that the products below
+    // read plain fragments. kRec16: dVt from its record blocks (fp16 times a power of two);
+    // the products read the blocks themselves.
     {
       const int r = threadIdx.x >> 2, qq = threadIdx.x & 3;
       float vd = 0.f;
-      float* urow = Us + r * LDW + 32 * qq;
-      float* drow = dVs + r * LDW + 32 * qq;
       if constexpr (kRec16) {  // columns 32 qq .. + 31: blocks 2 qq, 2 qq + 1
+        if (r < L) {
+          const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
+          const In* vrow = static_cast<const In*>(p.v) + off;
+          In* dvrow = static_cast<In*>(p.dv) + off;
+          const float br = bs[r];
 #pragma unroll
-        for (int b2 = 0; b2 < 2; ++b2) {
-          const int vb = 2 * qq + b2;
-          const float su = r < L ? recsc[16 + vb] : 0.f, sd = r < L ? recsc[24 + vb] : 0.f;
+          for (int c8 = 0; c8 < 4; ++c8) {
+            const int vb = 2 * qq + (c8 >> 1);
+            const float sd = recsc[24 + vb];
+            const uint4 dd = *reinterpret_cast<const uint4*>(RD + (vb * C + r) * kRecLd +
+                                                             8 * (c8 & 1));
+            const __half* de = reinterpret_cast<const __half*>(&dd);
+            const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
+            const In* ve = reinterpret_cast<const In*>(&vv);
+            uint4 out;
+            In* oe = reinterpret_cast<In*>(&out);
 #pragma unroll
-          for (int c8 = 0; c8 < 2; ++c8) {
-            const int o = (vb * C + r) * 16 + 8 * c8;
-            const uint4 uu = *reinterpret_cast<const uint4*>(rec_ud + o);
-            const uint4 dd = *reinterpret_cast<const uint4*>(rec_ud + C * D + o);
-            const __half2* uh = reinterpret_cast<const __half2*>(&uu);
-            const __half2* dh2 = reinterpret_cast<const __half2*>(&dd);
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-              const float2 u0 = __half22float2(uh[e]), u1 = __half22float2(uh[e + 1]);
-              const float2 d0 = __half22float2(dh2[e]), d1 = __half22float2(dh2[e + 1]);
-              const int c = 16 * b2 + 8 * c8 + 2 * e;
-              *reinterpret_cast<float4*>(urow + c) =
-                  make_float4(su * u0.x, su * u0.y, su * u1.x, su * u1.y);
-              *reinterpret_cast<float4*>(drow + c) =
-                  make_float4(sd * d0.x, sd * d0.y, sd * d1.x, sd * d1.y);
+            for (int e = 0; e < 8; ++e) {
+              const float d = sd * __half2float(de[e]);
+              vd += to_f(ve[e]) * d;
+              oe[e] = from_f<In>(br * d);
             }
+            *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
           }
         }
-      }
-      if (r < L) {
-        const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
-        const In* vrow = static_cast<const In*>(p.v) + off;
-        In* dvrow = static_cast<In*>(p.dv) + off;
-        const float br = bs[r];
+      } else {
+        float* urow = Us + r * LDW + 32 * qq;
+        float* drow = dVs + r * LDW + 32 * qq;
+        if (r < L) {
+          const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
+          const In* vrow = static_cast<const In*>(p.v) + off;
+          In* dvrow = static_cast<In*>(p.dv) + off;
+          const float br = bs[r];
 #pragma unroll
-        for (int c8 = 0; c8 < 4; ++c8) {
-          const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
-          const In* ve = reinterpret_cast<const In*>(&vv);
-          uint4 out;
-          In* oe = reinterpret_cast<In*>(&out);
+          for (int c8 = 0; c8 < 4; ++c8) {
+            const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
+            const In* ve = reinterpret_cast<const In*>(&vv);
+            uint4 out;
+            In* oe = reinterpret_cast<In*>(&out);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float d = drow[8 * c8 + e];
-            vd += to_f(ve[e]) * d;
-            oe[e] = from_f<In>(br * d);
+            for (int e = 0; e < 8; ++e) {
+              const float d = drow[8 * c8 + e];
+              vd += to_f(ve[e]) * d;
+              oe[e] = from_f<In>(br * d);
+            }
+            *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
           }
-          *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
         }
-      }
-      if constexpr (!kRec16) {
 #pragma unroll
         for (int c4 = 0; c4 < 8; ++c4) {
           float4 u = *reinterpret_cast<float4*>(urow + 4 * c4);
@@ -878,7 +884,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       for (int m = 1; m <= 2; m <<= 1) vd += __shfl_xor_sync(0xffffffffu, vd, m);
       if (qq == 0) vdt[r] = vd;
     }
-    __syncthreads();
+    // (kRec16: the first slice's barrier below orders the row pass before the products)
+    if constexpr (!kRec16) __syncthreads();
 
     // ---- Y = dO h^T, Z = dVt h^T, R = U dS^T (column strips), <h, dS>
     {
@@ -892,15 +899,17 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
         cp_async_commit();  // (empty at the end: keeps one group per slice)
         const float* Hs = stage(sl % 3);
         const float* Ds = Hs + kSliceFloats;
-        float sh = 1.f, sd = 1.f;
-        if constexpr (kRec16) {
+        float sh = 1.f, sd = 1.f, su = 1.f, sv = 1.f;
+        if constexpr (kRec16) {  // h, dS, U, dVt blocks' factors (U's into R's B, dVt's into Z's)
           sh = recsc[sl];
           sd = recsc[8 + sl];
+          su = recsc[16 + sl];
+          sv = recsc[24 + sl];
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // two k8 steps of tf32
           const int k0 = 16 * sl + 8 * half, kl = 8 * half;
-          uint32_t bS[2][2], bD[2][2];
+          uint32_t bS[2][2], bD[2][2], bZ[2][2];
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             const int off = (nw + 8 * nt + g) * LDK + kl + 2 * t;
@@ -916,8 +925,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
               fd.y *= sd;
               bS[nt][0] = __float_as_uint(fs.x);
               bS[nt][1] = __float_as_uint(fs.y);
-              bD[nt][0] = __float_as_uint(fd.x);
-              bD[nt][1] = __float_as_uint(fd.y);
+              bZ[nt][0] = __float_as_uint(sv * fs.x);
+              bZ[nt][1] = __float_as_uint(sv * fs.y);
+              bD[nt][0] = __float_as_uint(su * fd.x);
+              bD[nt][1] = __float_as_uint(su * fd.y);
             } else {
               fs = *reinterpret_cast<const float2*>(Hs + off);
               fd = *reinterpret_cast<const float2*>(Ds + off);
@@ -925,6 +936,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
               bS[nt][1] = __float_as_uint(round_tf32(fs.y));
               bD[nt][0] = __float_as_uint(round_tf32(fd.x));
               bD[nt][1] = __float_as_uint(round_tf32(fd.y));
+              bZ[nt][0] = bS[nt][0];
+              bZ[nt][1] = bS[nt][1];
             }
             s0ds += fs.x * fd.x + fs.y * fd.y;
           }
@@ -932,12 +945,17 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           for (int mt = 0; mt < 4; ++mt) {
             uint32_t aO[4], aV[4], aU[4];
             frag_a(aO, dOs, LDH, 16 * mt, k0);
-            frag_a(aV, dVs, LDW, 16 * mt, k0);
-            frag_a(aU, Us, LDW, 16 * mt, k0);
+            if constexpr (kRec16) {  // the blocks' raw fp16 values (exact tf32)
+              frag_a(aV, RD + sl * C * kRecLd, kRecLd, 16 * mt, kl);
+              frag_a(aU, RU + sl * C * kRecLd, kRecLd, 16 * mt, kl);
+            } else {
+              frag_a(aV, dVs, LDW, 16 * mt, k0);
+              frag_a(aU, Us, LDW, 16 * mt, k0);
+            }
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
               mma_tf32(Y[mt][nt], aO, bS[nt]);
-              mma_tf32(Z[mt][nt], aV, bS[nt]);
+              mma_tf32(Z[mt][nt], aV, bZ[nt]);
               mma_tf32(R[mt][nt], aU, bD[nt]);
             }
           }
@@ -994,36 +1012,48 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     }
 
     // The next head's operands into L2 while this one finishes (its h and dS slices are
-    // copied only a slice or two ahead of their products); during the last head, the first
-    // head of the block the next wave runs in this block's place (p.grad_wave), about a
-    // head's time before it starts: the first loads of a block then hit L2, not DRAM.
-    if (h + 1 < (hq + 1) * group) {
-      prefetch_grad_head<In, kRec16>(p, chunk, tok0, L, h + 1);
-    } else if (p.grad_wave > 0) {
-      const int64_t nb = blockIdx.x + gridDim.x * static_cast<int64_t>(blockIdx.y) + p.grad_wave;
-      if (nb < static_cast<int64_t>(gridDim.x) * gridDim.y) {
-        const int64_t nchunk = nb % gridDim.x, nhq = nb / gridDim.x;
-        const ChunkRef nk = locate_chunk(p.seqs, nchunk);
-        if (nk.L > 0) prefetch_grad_head<In, kRec16>(p, nchunk, nk.tok0, nk.L, nhq * group);
-      }
-    }
+    // copied only a slice or two ahead of their products). (Prefetching the first head of
+    // the block the next wave runs, during the last head, measured 1.6% slower at 16/32 x
+    // 32k: perf-notes version 26.)
+    if (h + 1 < (hq + 1) * group) prefetch_grad_head<In, kRec16>(p, chunk, tok0, L, h + 1);
     // ---- 64 x 64: dVt U^T, dO U^T (tf32), K K^T, Q K^T (the inputs' own 16-bit type, exact
     // products) -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
     {
       float t1[2][2][4] = {}, t2[2][2][4] = {}, t3[2][2][4] = {}, t4[2][2][4] = {};
 #pragma unroll 4
       for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t bU[2][2];
+        uint32_t bU[2][2], bU1[2][2];  // U for dO U^T, and (kRec16) for dVt U^T
+        const int vb = k0 >> 4, kk = k0 & 15;
+        float su = 1.f, sv = 1.f;
+        if constexpr (kRec16) {
+          su = recsc[16 + vb];
+          sv = su * recsc[24 + vb];  // the raw dVt blocks' factor too
+        }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) frag_b(bU[j], Us, LDW, wn + 8 * j, k0);
+        for (int j = 0; j < 2; ++j) {
+          if constexpr (kRec16) {
+            uint32_t raw[2];
+            frag_b(raw, RU + vb * C * kRecLd, kRecLd, wn + 8 * j, kk);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              bU[j][e] = __float_as_uint(su * __uint_as_float(raw[e]));
+              bU1[j][e] = __float_as_uint(sv * __uint_as_float(raw[e]));
+            }
+          } else {
+            frag_b(bU[j], Us, LDW, wn + 8 * j, k0);
+            bU1[j][0] = bU[j][0];
+            bU1[j][1] = bU[j][1];
+          }
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           uint32_t aV[4], aO[4];
-          frag_a(aV, dVs, LDW, wm + 16 * i, k0);
+          if constexpr (kRec16) frag_a(aV, RD + vb * C * kRecLd, kRecLd, wm + 16 * i, kk);
+          else frag_a(aV, dVs, LDW, wm + 16 * i, k0);
           frag_a(aO, dOs, LDH, wm + 16 * i, k0);
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            mma_tf32(t1[i][j], aV, bU[j]);
+            mma_tf32(t1[i][j], aV, bU1[j]);
             mma_tf32(t2[i][j], aO, bU[j]);
           }
         }

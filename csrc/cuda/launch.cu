@@ -934,8 +934,8 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(grad_chunk_kernel<In>, kGradSmem);
-    set_smem(grad_chunk_tc_kernel<In, false>, GradSmem<In>::kBytes);
-    set_smem(grad_chunk_tc_kernel<In, true>, GradSmem<In>::kBytes);
+    set_smem(grad_chunk_tc_kernel<In, false>, GradSmem<In, false>::kBytes);
+    set_smem(grad_chunk_tc_kernel<In, true>, GradSmem<In, true>::kBytes);
   });
   const bool simt = bwd_simt(), tc = grad_tc();
   const SegmentPlan plan = plan_forward(p, true);
@@ -1011,12 +1011,12 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
       run_reverse_pass<In>(p, plan, g, st);
     }
   }
-  // FLASHGDN_GRAD_PREFETCH=0: no L2 prefetch of the next wave's first head
-  g.grad_wave = env_int_or("FLASHGDN_GRAD_PREFETCH", 1) != 0 ? sm_count(p.device_id) : 0;
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
-    if (tc && g.rec16) grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
-    else if (tc) grad_chunk_tc_kernel<In, false><<<grid, NT, GradSmem<In>::kBytes, st>>>(g);
+    if (tc && g.rec16)
+      grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In, true>::kBytes, st>>>(g);
+    else if (tc)
+      grad_chunk_tc_kernel<In, false><<<grid, NT, GradSmem<In, false>::kBytes, st>>>(g);
     else grad_chunk_kernel<In><<<grid, NT, kGradSmem, st>>>(g);
     check_cuda(cudaGetLastError(), "grad_chunk_kernel launch");
   }
