@@ -81,12 +81,13 @@ def test_kept_backward_fixed_length_and_default_plan(monkeypatch, dtype: torch.d
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_kept_workspace_of_another_problem_gives_nan():
     """The backward compares the kept workspace's tag with its own problem on the device:
-    inputs other than the forward's (same shapes, other tensors) give NaN gradients, and a
-    kept workspace smaller than the problem needs raises, naming kept_workspace."""
+    inputs of other shapes (fewer tokens) or another scale give NaN gradients, the same
+    values at other addresses (saved-tensor offloading) the same gradients, and a kept
+    workspace smaller than the problem needs raises, naming kept_workspace."""
     case = Case("tag", [300, 200], 2, 4, gate="mixed")
-    a, b = make_inputs(case, "cuda", 1), make_inputs(case, "cuda", 2)
-    args = lambda x: (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.088, x["initial_state"],  # noqa: E731
-                      x["cu_seqlens"])
+    a = make_inputs(case, "cuda", 1)
+    args = lambda x, scale=0.088: (x["q"], x["k"], x["v"], x["g"], x["beta"], scale,  # noqa: E731
+                                   x["initial_state"], x["cu_seqlens"])
     o, ht, kept = ops._fwd_kept_op(*args(a), True)
     assert kept.numel() > 0
     do, dht = torch.randn_like(o), torch.randn_like(ht)
@@ -94,9 +95,16 @@ def test_kept_workspace_of_another_problem_gives_nan():
     assert all(torch.isfinite(x).all() for x in good)
     ref = ops._bwd_op(*args(a), do, dht)
     assert all(torch.equal(x, y) for x, y in zip(good, ref))
-    bad = ops._bwd_kept_op(*args(b), do, dht, kept)
-    for n, x in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], bad):
-        assert torch.isnan(x).all(), f"{n} not NaN on another problem's kept workspace"
+    moved = {n: (t.clone() if t is not None else None) for n, t in a.items()}
+    assert all(torch.equal(x, y) for x, y in zip(ops._bwd_kept_op(*args(moved), do, dht, kept),
+                                                 ref))
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    for n, x in zip(names, ops._bwd_kept_op(*args(a, scale=0.1), do, dht, kept)):
+        assert torch.isnan(x).all(), f"{n} not NaN on a kept workspace of another scale"
+    b = make_inputs(Case("tag_short", [250, 200], 2, 4, gate="mixed"), "cuda", 2)
+    db, dhtb = torch.randn_like(b["v"]), torch.randn_like(ht)
+    for n, x in zip(names, ops._bwd_kept_op(*args(b), db, dhtb, kept)):
+        assert torch.isnan(x).all(), f"{n} not NaN on a kept workspace of other shapes"
     with pytest.raises(ValueError, match="kept_workspace"):
         ops._bwd_kept_op(*args(a), do, dht, kept[: kept.numel() // 2])
 

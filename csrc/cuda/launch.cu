@@ -863,7 +863,9 @@ FwdParams recompute_params(const Problem& p, const SeqLayout& s, const BwdBuffer
 }
 
 // What a kept forward's records depend on, hashed (FNV-1a) into the workspace's tag: the
-// shapes, dtypes, scale, planning hint and the inputs' addresses. Never 0.
+// shapes, dtypes, scale and planning hint. Not the inputs' addresses: saved-tensor hooks
+// (offloading to the host, torch.library's own checks) hand the backward the same values
+// at other addresses. Never 0.
 unsigned long long problem_tag(const Problem& p) {
   unsigned long long h = 1469598103934665603ull;
   auto mix = [&](unsigned long long x) {
@@ -872,13 +874,11 @@ unsigned long long problem_tag(const Problem& p) {
   for (int64_t x : {p.B, p.T, p.TT, p.Hqk, p.Hv, p.N, p.max_seqlen}) mix(static_cast<uint64_t>(x));
   for (int x : {static_cast<int>(p.qkv_dtype), static_cast<int>(p.g_dtype),
                 static_cast<int>(p.beta_dtype), static_cast<int>(p.cu_dtype),
-                static_cast<int>(p.h0_io.present())})
+                static_cast<int>(p.h0_io.present()), static_cast<int>(p.varlen())})
     mix(static_cast<uint64_t>(x));
   uint32_t sc;
   std::memcpy(&sc, &p.scale, sizeof sc);
   mix(sc);
-  for (const void* ptr : {p.q, p.k, p.v, p.g, p.beta, p.cu_seqlens})
-    mix(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)));
   return h | 1ull;
 }
 

@@ -131,9 +131,11 @@ typedef struct {
  * recomputation and its own workspace (flashgdn_bwd_workspace_size with kept_workspace
  * set) is smaller. The backward only reads the kept workspace, so it can run more than
  * once on it. The forward also writes a tag of its problem there (shapes, dtypes, scale,
- * the inputs' addresses), which the backward compares on the device: a kept workspace of
- * another problem, or one never filled, gives NaN gradients (no host sync) rather than
- * garbage. The tag cannot tell two forwards of the same input tensors apart.
+ * max_seqlen), which the backward compares on the device: a kept workspace of a problem of
+ * other shapes, dtypes or scale, or one never filled, gives NaN gradients (no host sync)
+ * rather than garbage. The tag cannot tell two forwards of the same shapes apart (it
+ * leaves out the inputs' addresses, which saved-tensor offloading changes): pairing each
+ * backward with its forward's workspace is the caller's part.
  */
 
 /*
