@@ -626,6 +626,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
 //     (in the scratch of the 64 x 64 phase, free until then); <h, dS> falls out of the B
 //     fragments. The next value head's operands are prefetched into L2 meanwhile.
 //   * 64 x 64 products (dVt U^T, dO U^T, K K^T, Q K^T) are 32 x 16 warp tiles.
+//   * kRec16: U and dVt are read as the fp16 record blocks they arrive as (exact tf32 by
+//     widening), their blocks' powers of two folded into the B operands.
 //   * dq += M1 K and dk += M1^T Q + (M2 + M2^T) K from M1, M1^T, M2 + M2^T stored once in
 //     shared memory, K and Q read transposed by ldmatrix.
 //   Row sums across warps go through shared scratch in a fixed order: deterministic.
