@@ -686,6 +686,20 @@ __device__ __forceinline__ void prefetch_grad_head(const BwdParams& p, int64_t c
   }
 }
 
+// Products of record blocks on fp16 mma (grad_chunk_tc_kernel, kRec16): the blocks' factors
+// are powers of two, so a product's pair factor is 2^(e_a + e_b). pair_exp gives that exponent
+// (no fp32 under- or overflow on the way), pow2f builds 2^e as fp32 (0 below the normal range,
+// inf above), and pow2h the ratio 2^d (d <= 0) as fp16, 0 below fp16's smallest subnormal.
+__device__ __forceinline__ int pair_exp(float a, float b) {
+  return ((__float_as_int(a) >> 23) & 0xff) + ((__float_as_int(b) >> 23) & 0xff) - 254;
+}
+__device__ __forceinline__ float pow2f(int e) {
+  return e < -126 ? 0.f : e > 127 ? __int_as_float(0x7f800000) : __int_as_float((e + 127) << 23);
+}
+__device__ __forceinline__ __half2 pow2h(int d) {
+  return __float2half2_rn(d < -24 ? 0.f : __int_as_float((d + 127) << 23));
+}
+
 // kRec16: h, dS, U and dVt are the 128-column passes' fp16 record blocks (BwdParams::rec16),
 // else fp32 ([key][value], [token][value]).
 template <typename In, bool kRec16>
@@ -892,6 +906,20 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     // ---- Y = dO h^T, Z = dVt h^T, R = U dS^T (column strips), <h, dS>
     {
       float Y[4][2][4] = {}, Z[4][2][4] = {}, R[4][2][4] = {};
+      // kRec16: the largest factor of Z's (h x dVt) and R's (dS x U) block pairs over the
+      // slices (powers of two: the ratios below are exact)
+      float zmax = 1.f, rmax = 1.f;
+      int ze = 0, re = 0;  // their exponents
+      if constexpr (kRec16) {
+        ze = re = -1000;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          ze = max(ze, pair_exp(recsc[b], recsc[24 + b]));
+          re = max(re, pair_exp(recsc[8 + b], recsc[16 + b]));
+        }
+        zmax = pow2f(ze);
+        rmax = pow2f(re);
+      }
       float s0ds = 0.f;
 #pragma unroll 1
       for (int sl = 0; sl < D / 16; ++sl) {
@@ -901,17 +929,15 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
         cp_async_commit();  // (empty at the end: keeps one group per slice)
         const float* Hs = stage(sl % 3);
         const float* Ds = Hs + kSliceFloats;
-        float sh = 1.f, sd = 1.f, su = 1.f, sv = 1.f;
-        if constexpr (kRec16) {  // h, dS, U, dVt blocks' factors (U's into R's B, dVt's into Z's)
+        float sh = 1.f, sd = 1.f;
+        if constexpr (kRec16) {  // the h and dS blocks' factors
           sh = recsc[sl];
           sd = recsc[8 + sl];
-          su = recsc[16 + sl];
-          sv = recsc[24 + sl];
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // two k8 steps of tf32
           const int k0 = 16 * sl + 8 * half, kl = 8 * half;
-          uint32_t bS[2][2], bD[2][2], bZ[2][2];
+          uint32_t bS[2][2], bD[2][2];
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             const int off = (nw + 8 * nt + g) * LDK + kl + 2 * t;
@@ -927,10 +953,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
               fd.y *= sd;
               bS[nt][0] = __float_as_uint(fs.x);
               bS[nt][1] = __float_as_uint(fs.y);
-              bZ[nt][0] = __float_as_uint(sv * fs.x);
-              bZ[nt][1] = __float_as_uint(sv * fs.y);
-              bD[nt][0] = __float_as_uint(su * fd.x);
-              bD[nt][1] = __float_as_uint(su * fd.y);
             } else {
               fs = *reinterpret_cast<const float2*>(Hs + off);
               fd = *reinterpret_cast<const float2*>(Ds + off);
@@ -938,27 +960,54 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
               bS[nt][1] = __float_as_uint(round_tf32(fs.y));
               bD[nt][0] = __float_as_uint(round_tf32(fd.x));
               bD[nt][1] = __float_as_uint(round_tf32(fd.y));
-              bZ[nt][0] = bS[nt][0];
-              bZ[nt][1] = bS[nt][1];
             }
             s0ds += fs.x * fd.x + fs.y * fd.y;
           }
 #pragma unroll
           for (int mt = 0; mt < 4; ++mt) {
-            uint32_t aO[4], aV[4], aU[4];
+            uint32_t aO[4];
             frag_a(aO, dOs, LDH, 16 * mt, k0);
-            if constexpr (kRec16) {  // the blocks' raw fp16 values (exact tf32)
-              frag_a(aV, RD + sl * C * kRecLd, kRecLd, 16 * mt, kl);
-              frag_a(aU, RU + sl * C * kRecLd, kRecLd, 16 * mt, kl);
-            } else {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) mma_tf32(Y[mt][nt], aO, bS[nt]);
+            if constexpr (!kRec16) {
+              uint32_t aV[4], aU[4];
               frag_a(aV, dVs, LDW, 16 * mt, k0);
               frag_a(aU, Us, LDW, 16 * mt, k0);
+#pragma unroll
+              for (int nt = 0; nt < 2; ++nt) {
+                mma_tf32(Z[mt][nt], aV, bS[nt]);
+                mma_tf32(R[mt][nt], aU, bD[nt]);
+              }
+            }
+          }
+        }
+        if constexpr (kRec16) {
+          // Z = dVt h^T and R = U dS^T from the fp16 blocks themselves: one m16n8k16 step
+          // per slice, the B blocks times their factor relative to the largest one over
+          // the slices (an exact power of two <= 1; Z and R come out times 1 / zmax, 1 / rmax)
+          const __half2 rz = pow2h(pair_exp(sh, recsc[24 + sl]) - ze);
+          const __half2 rr = pow2h(pair_exp(sd, recsc[16 + sl]) - re);
+          uint32_t bh[2][2], bd[2][2];
+          frag_b16_pair(bh[0], bh[1], reinterpret_cast<const __half*>(Hs), LDK, nw, 0);
+          frag_b16_pair(bd[0], bd[1], reinterpret_cast<const __half*>(Ds), LDK, nw, 0);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&bh[nt][e]), rz);
+              __half2 y = __hmul2(*reinterpret_cast<const __half2*>(&bd[nt][e]), rr);
+              bh[nt][e] = *reinterpret_cast<const uint32_t*>(&x);
+              bd[nt][e] = *reinterpret_cast<const uint32_t*>(&y);
             }
 #pragma unroll
+          for (int mt = 0; mt < 4; ++mt) {
+            uint32_t aV[4], aU[4];
+            frag_a16(aV, RD + sl * C * kRecLd, kRecLd, 16 * mt, 0);
+            frag_a16(aU, RU + sl * C * kRecLd, kRecLd, 16 * mt, 0);
+#pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-              mma_tf32(Y[mt][nt], aO, bS[nt]);
-              mma_tf32(Z[mt][nt], aV, bZ[nt]);
-              mma_tf32(R[mt][nt], aU, bD[nt]);
+              mma_f16(Z[mt][nt], aV, bh[nt]);
+              mma_f16(R[mt][nt], aU, bd[nt]);
             }
           }
         }
@@ -969,7 +1018,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int r = 16 * mt + g + 8 * hf;
-          const float sg = p.scale * gam[r], bg = bs[r] * gam[r], el = eL[r];
+          const float sg = p.scale * gam[r], bg = bs[r] * gam[r] * zmax, el = eL[r] * rmax;
           float qy = 0.f, kz = 0.f, kr = 0.f;
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt)
@@ -991,8 +1040,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           }
           if (t == 0) {
             part[(0 * 8 + warp) * C + r] = qy;
-            part[(1 * 8 + warp) * C + r] = kz;
-            part[(2 * 8 + warp) * C + r] = kr;
+            part[(1 * 8 + warp) * C + r] = kz * zmax;
+            part[(2 * 8 + warp) * C + r] = kr * rmax;
           }
         }
 #pragma unroll
@@ -1022,41 +1071,63 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     // products) -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
     {
       float t1[2][2][4] = {}, t2[2][2][4] = {}, t3[2][2][4] = {}, t4[2][2][4] = {};
+      // kRec16: dVt U^T on fp16 from the blocks, one k16 step per block pair, U's blocks times
+      // their pair's factor relative to the largest (t1 comes out times 1 / tmax)
+      float tmax = 1.f;
+      if constexpr (kRec16) {
+        int te = -1000;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) te = max(te, pair_exp(recsc[16 + b], recsc[24 + b]));
+        tmax = pow2f(te);
+#pragma unroll 2
+        for (int vb = 0; vb < 8; ++vb) {
+          const __half2 ru = pow2h(pair_exp(recsc[16 + vb], recsc[24 + vb]) - te);
+          uint32_t bu[2][2];
+          frag_b16_pair(bu[0], bu[1], RU + vb * C * kRecLd, kRecLd, wn, 0);
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&bu[j][e]), ru);
+              bu[j][e] = *reinterpret_cast<const uint32_t*>(&x);
+            }
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            uint32_t aV[4];
+            frag_a16(aV, RD + vb * C * kRecLd, kRecLd, wm + 16 * i, 0);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma_f16(t1[i][j], aV, bu[j]);
+          }
+        }
+      }
 #pragma unroll 4
       for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t bU[2][2], bU1[2][2];  // U for dO U^T, and (kRec16) for dVt U^T
+        uint32_t bU[2][2];  // U for dO U^T (and, fp32 records, for dVt U^T)
         const int vb = k0 >> 4, kk = k0 & 15;
-        float su = 1.f, sv = 1.f;
-        if constexpr (kRec16) {
-          su = recsc[16 + vb];
-          sv = su * recsc[24 + vb];  // the raw dVt blocks' factor too
-        }
+        float su = 1.f;
+        if constexpr (kRec16) su = recsc[16 + vb];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           if constexpr (kRec16) {
             uint32_t raw[2];
             frag_b(raw, RU + vb * C * kRecLd, kRecLd, wn + 8 * j, kk);
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              bU[j][e] = __float_as_uint(su * __uint_as_float(raw[e]));
-              bU1[j][e] = __float_as_uint(sv * __uint_as_float(raw[e]));
-            }
+            bU[j][0] = __float_as_uint(su * __uint_as_float(raw[0]));
+            bU[j][1] = __float_as_uint(su * __uint_as_float(raw[1]));
           } else {
             frag_b(bU[j], Us, LDW, wn + 8 * j, k0);
-            bU1[j][0] = bU[j][0];
-            bU1[j][1] = bU[j][1];
           }
         }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          uint32_t aV[4], aO[4];
-          if constexpr (kRec16) frag_a(aV, RD + vb * C * kRecLd, kRecLd, wm + 16 * i, kk);
-          else frag_a(aV, dVs, LDW, wm + 16 * i, k0);
+          uint32_t aO[4];
           frag_a(aO, dOs, LDH, wm + 16 * i, k0);
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            mma_tf32(t1[i][j], aV, bU1[j]);
-            mma_tf32(t2[i][j], aO, bU[j]);
+          for (int j = 0; j < 2; ++j) mma_tf32(t2[i][j], aO, bU[j]);
+          if constexpr (!kRec16) {
+            uint32_t aV[4];
+            frag_a(aV, dVs, LDW, wm + 16 * i, k0);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma_tf32(t1[i][j], aV, bU[j]);
           }
         }
       }
@@ -1091,7 +1162,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
             for (int e = 2 * hf; e < 2 * hf + 2; ++e) {
               const int s = wn + 8 * j + 2 * t + (e & 1);
               const float dec = s <= r ? __expf(gr - Gs[s]) : 0.f;
-              const float dA = s < r ? -t1[i][j][e] : 0.f;
+              const float dA = s < r ? -tmax * t1[i][j][e] : 0.f;
               const float dP = s <= r ? p.scale * t2[i][j][e] : 0.f;
               const float A = s < r ? br * t3[i][j][e] * dec : 0.f;
               const float P = t4[i][j][e] * dec;
