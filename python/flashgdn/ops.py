@@ -557,6 +557,7 @@ def chunk_gated_delta_rule_from_raw(
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
     cu_seqlens_cpu: Optional[Tensor] = None,
+    keep_for_backward: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """chunk_gated_delta_rule from a Qwen3-Next layer's raw gate inputs (differentiable).
 
@@ -574,7 +575,8 @@ def chunk_gated_delta_rule_from_raw(
                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                   state_layout=state_layout, final_state_dtype=final_state_dtype,
-                                  cu_seqlens_cpu=cu_seqlens_cpu)
+                                  cu_seqlens_cpu=cu_seqlens_cpu,
+                                  keep_for_backward=keep_for_backward)
 
 
 def gdn_gating(a: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
