@@ -147,6 +147,72 @@ TEST(CApi, MaxSeqlenHintIsCheckedAndChangesNothingOnTheCpu) {
   EXPECT_EQ(in.o, o0);
 }
 
+// keep_for_backward / kept_workspace (docs in flashgdn.h): the CPU backend keeps nothing and
+// ignores both, with the same bits as without them and no workspace.
+TEST(CApi, KeepForBackwardIsIgnoredOnTheCpu) {
+  Inputs in(5);
+  auto a = in.args();
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  const std::vector<uint16_t> o0 = in.o;
+  const std::vector<float> ht0 = in.ht;
+  a.keep_for_backward = 1;
+  size_t ws = 123;
+  ASSERT_EQ(flashgdn_fwd_workspace_size(&a, &ws), 0) << flashgdn_last_error();
+  EXPECT_EQ(ws, 0u);
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  EXPECT_EQ(in.o, o0);
+  EXPECT_EQ(in.ht, ht0);
+
+  const int T = in.T, Hqk = in.Hqk, Hv = in.Hv;
+  std::vector<uint16_t> d_o(size_t(T) * Hv * D), dq[2], dk[2], dv[2];
+  std::vector<float> dht(in.h0.size()), dg[2], dbeta[2], dh0[2];
+  std::mt19937 gen(7);
+  std::normal_distribution<float> n01;
+  for (auto& x : d_o) x = to_bf16(n01(gen));
+  for (auto& x : dht) x = n01(gen);
+  unsigned char not_a_workspace[16];
+  for (int run = 0; run < 2; ++run) {
+    dq[run].assign(size_t(T) * Hqk * D, 0);
+    dk[run].assign(size_t(T) * Hqk * D, 0);
+    dv[run].assign(size_t(T) * Hv * D, 0);
+    dg[run].assign(size_t(T) * Hv, 0.f);
+    dbeta[run].assign(size_t(T) * Hv, 0.f);
+    dh0[run].assign(in.h0.size(), 0.f);
+    flashgdn_bwd_args b{};
+    b.q = a.q;
+    b.k = a.k;
+    b.v = a.v;
+    b.g = a.g;
+    b.beta = a.beta;
+    b.initial_state = a.initial_state;
+    b.d_o = describe(d_o.data(), FLASHGDN_DTYPE_BF16, {1, T, Hv, D});
+    b.d_final_state = describe(dht.data(), FLASHGDN_DTYPE_F32, {1, Hv, D, D});
+    b.dq = describe(dq[run].data(), FLASHGDN_DTYPE_BF16, {1, T, Hqk, D});
+    b.dk = describe(dk[run].data(), FLASHGDN_DTYPE_BF16, {1, T, Hqk, D});
+    b.dv = describe(dv[run].data(), FLASHGDN_DTYPE_BF16, {1, T, Hv, D});
+    b.dg = describe(dg[run].data(), FLASHGDN_DTYPE_F32, {1, T, Hv});
+    b.dbeta = describe(dbeta[run].data(), FLASHGDN_DTYPE_F32, {1, T, Hv});
+    b.dh0 = describe(dh0[run].data(), FLASHGDN_DTYPE_F32, {1, Hv, D, D});
+    if (run == 1) {  // a kept workspace the CPU must not read
+      b.kept_workspace = not_a_workspace;
+      b.kept_workspace_bytes = sizeof not_a_workspace;
+    }
+    size_t bws = 123;
+    ASSERT_EQ(flashgdn_bwd_workspace_size(&b, &bws), 0) << flashgdn_last_error();
+    EXPECT_EQ(bws, 0u);
+    ASSERT_EQ(flashgdn_bwd(&b), 0) << flashgdn_last_error();
+  }
+  EXPECT_EQ(dq[0], dq[1]);
+  EXPECT_EQ(dk[0], dk[1]);
+  EXPECT_EQ(dv[0], dv[1]);
+  EXPECT_EQ(dg[0], dg[1]);
+  EXPECT_EQ(dbeta[0], dbeta[1]);
+  EXPECT_EQ(dh0[0], dh0[1]);
+  double norm = 0;
+  for (float x : dh0[0]) norm += double(x) * x;
+  EXPECT_GT(norm, 0.0);  // a real backward ran
+}
+
 TEST(CApi, RejectsBadShapesWithNamedArgument) {
   Inputs in(2);
   auto a = in.args();
