@@ -863,7 +863,7 @@ FwdParams recompute_params(const Problem& p, const SeqLayout& s, const BwdBuffer
 }
 
 // What a kept forward's records depend on, hashed (FNV-1a) into the workspace's tag: the
-// shapes, dtypes, scale and planning hint. Not the inputs' addresses: saved-tensor hooks
+// shapes, dtypes, scale, planning hint and layout switches. Not the inputs' addresses: saved-tensor hooks
 // (offloading to the host, torch.library's own checks) hand the backward the same values
 // at other addresses. Never 0.
 unsigned long long problem_tag(const Problem& p) {
@@ -874,7 +874,10 @@ unsigned long long problem_tag(const Problem& p) {
   for (int64_t x : {p.B, p.T, p.TT, p.Hqk, p.Hv, p.N, p.max_seqlen}) mix(static_cast<uint64_t>(x));
   for (int x : {static_cast<int>(p.qkv_dtype), static_cast<int>(p.g_dtype),
                 static_cast<int>(p.beta_dtype), static_cast<int>(p.cu_dtype),
-                static_cast<int>(p.h0_io.present()), static_cast<int>(p.varlen())})
+                static_cast<int>(p.h0_io.present()), static_cast<int>(p.varlen()),
+                // the workspace's layout also follows these switches (FLASHGDN_FWD_PASS,
+                // FLASHGDN_BWD_COLS): a backward run under others must not read it
+                static_cast<int>(fwd_pass()), static_cast<int>(bwd_cols(p))})
     mix(static_cast<uint64_t>(x));
   uint32_t sc;
   std::memcpy(&sc, &p.scale, sizeof sc);
