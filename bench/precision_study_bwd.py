@@ -201,6 +201,56 @@ def reverse_pass_errors(x: Dict[str, torch.Tensor], do: torch.Tensor, dst: torch
     return tuple(math.sqrt(n / d) for n, d in zip(num, den))
 
 
+def block_pair_product(a16: torch.Tensor, b16: torch.Tensor, ea: torch.Tensor,
+                       eb: torch.Tensor, mode: str) -> torch.Tensor:
+    """A product of grad_chunk_tc_kernel over 8 record block pairs (Z = dVt h^T, R = U dS^T,
+    dVt U^T): a16 [8, M, 16] and b16 [8, N, 16] fp16 record blocks (float64 tensors holding
+    fp16 values), ea, eb [8] integer exponents of their factors (powers of two).
+      "exact"   sum_b 2^(ea_b + eb_b) a_b b_b^T in float64
+      "pair"    the kernel: B block b times 2^(ea_b + eb_b - e_max) rounded to fp16 (HMUL2;
+                0 below fp16's smallest subnormal), exact products accumulated (fp32 in the
+                kernel, float64 here), times 2^e_max once
+      "fp32div" the first version: the ratio as (s_a s_b) / max(s_a s_b) in fp32, whose
+                products flush to zero below 2^-126 (NaN where every pair does)"""
+    e = (ea + eb).to(torch.int64)
+    if mode == "exact":
+        return sum(torch.ldexp(a16[b] @ b16[b].T, e[b].double()) for b in range(8))
+    if mode == "pair":
+        emax = int(e.max())
+        out = torch.zeros(a16.shape[1], b16.shape[1], dtype=F64)
+        for b in range(8):
+            d = int(e[b]) - emax
+            r = 2.0 ** d if d >= -24 else 0.0
+            out += a16[b] @ (b16[b] * r).half().double().T
+        return torch.ldexp(out, torch.tensor(float(emax), dtype=F64))
+    if mode == "fp32div":
+        sa = torch.ldexp(torch.ones(8, dtype=torch.float32), ea.float())
+        sb = torch.ldexp(torch.ones(8, dtype=torch.float32), eb.float())
+        pair = sa * sb
+        pair = torch.where(pair.abs() < 2.0 ** -126, torch.zeros_like(pair), pair)  # FTZ
+        ratio, top = pair / pair.max(), pair.max().double()
+        out = sum(a16[b] @ (b16[b] * float(ratio[b])).half().double().T for b in range(8))
+        return out * top
+    raise ValueError(mode)
+
+
+def block_pair_errors(spread: int, base: int = 0, seed: int = 0) -> Dict[str, float]:
+    """Relative error of block_pair_product's modes against "exact" for record blocks whose
+    pair exponents spread over `spread` (evenly, from base + 0 down to base - spread), with
+    values as the records hold them (largest magnitude in [2^14, 2^15))."""
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(8, 64, 16, generator=gen, dtype=F64) * 2.0 ** 13).half().double()
+    b = (torch.randn(8, 128, 16, generator=gen, dtype=F64) * 2.0 ** 13).half().double()
+    ea = torch.tensor([base - (spread * i) // 7 for i in range(8)])
+    eb = torch.zeros(8, dtype=torch.int64) + base
+    ref = block_pair_product(a, b, ea, eb, "exact")
+    out = {}
+    for mode in ("pair", "fp32div"):
+        got = block_pair_product(a, b, ea, eb, mode)
+        out[mode] = float((got - ref).norm() / ref.norm())
+    return out
+
+
 NAMES = ("q", "k", "v", "g", "beta")
 
 
@@ -230,6 +280,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--do-scales", default="1,1e-4,1e-8",
                     help="magnitudes of the output gradients dO and dS_T (times randn)")
+    ap.add_argument("--block-pairs", action="store_true",
+                    help="only the gradient kernel's fp16 products of record block pairs "
+                         "(block_pair_product): error against float64 by factor spread")
     ap.add_argument("--reverse-pass", action="store_true",
                     help="only the reverse pass's operand formats (reverse_pass): uniform "
                          "gradient scales, then half of each 16 value columns made smaller")
@@ -239,6 +292,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     base_do = torch.randn(args.tokens, args.heads, 128, generator=gen, dtype=F64)
     base_dst = torch.randn(args.heads, 128, 128, generator=gen, dtype=F64) / 8
+    if args.block_pairs:
+        print("fp16 products of 8 record block pairs, relative error against float64\n")
+        print("| pair exponents | spread | pair (kernel) | fp32 ratio (first version) |")
+        print("|---|---|---|---|")
+        for base in (0, -70):
+            for spread in (0, 10, 20, 30, 40, 60):
+                e = block_pair_errors(spread, base)
+                print(f"| {base} .. {base - spread} | {spread} | {e['pair']:.2e} | "
+                      f"{e['fp32div']:.2e} |")
+        return
     if args.reverse_pass:
         modes = ("tf32", "f16warp", "f16row")
         print("reverse pass records against float64 (dh | dVt), all value columns:\n")

@@ -123,3 +123,19 @@ def test_reverse_pass_shared_factor_limit():
             assert max(w / t for w, t in zip(warp, tf32)) < worst
         else:
             assert min(w / t for w, t in zip(warp, tf32)) > 10
+
+
+@pytest.mark.parametrize("base", [0, -70])
+def test_block_pair_products_keep_fp32_accuracy(base: int):
+    """grad_chunk_tc_kernel's fp16 products of record block pairs (study.block_pair_product):
+    each pair's power of two taken relative to the largest pair's in exponent arithmetic is
+    within fp32 accumulation of float64 for factor spreads up to 2^60 (blocks more than 2^24
+    below the largest drop out: their share is below that), also where every factor is tiny
+    (pair exponents near -70 .. -130), where the first version's fp32 ratio gave 0 / 0."""
+    for spread in (0, 10, 20, 30, 40, 60):
+        e = study.block_pair_errors(spread, base)
+        assert e["pair"] < 1e-7, (spread, e)
+        if base == 0:
+            assert e["fp32div"] < 1e-7, (spread, e)
+    if base == -70:
+        assert e["fp32div"] != e["fp32div"], "the fp32 ratio's 0 / 0 (NaN) is the edge it had"
