@@ -835,57 +835,43 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     // read plain fragments. kRec16: dVt from its record blocks (fp16 times a power of two);
     // the products read the blocks themselves.
     {
-      const int r = threadIdx.x >> 2, qq = threadIdx.x & 3;
+      const int r = threadIdx.x >> 2, qq = threadIdx.x & 3;  // columns 32 qq .. + 31
+      float* urow = Us + r * LDW + 32 * qq;  // fp32 records
+      float* drow = dVs + r * LDW + 32 * qq;
       float vd = 0.f;
-      if constexpr (kRec16) {  // columns 32 qq .. + 31: blocks 2 qq, 2 qq + 1
-        if (r < L) {
-          const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
-          const In* vrow = static_cast<const In*>(p.v) + off;
-          In* dvrow = static_cast<In*>(p.dv) + off;
-          const float br = bs[r];
+      if (r < L) {
+        const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
+        const In* vrow = static_cast<const In*>(p.v) + off;
+        In* dvrow = static_cast<In*>(p.dv) + off;
+        const float br = bs[r];
 #pragma unroll
-          for (int c8 = 0; c8 < 4; ++c8) {
+        for (int c8 = 0; c8 < 4; ++c8) {
+          float rd[8];  // kRec16: dVt of columns 32 qq + 8 c8 .. from record block
+          if constexpr (kRec16) {  // 2 qq + c8 / 2, its half c8 % 2
             const int vb = 2 * qq + (c8 >> 1);
             const float sd = recsc[24 + vb];
             const uint4 dd = *reinterpret_cast<const uint4*>(RD + (vb * C + r) * kRecLd +
                                                              8 * (c8 & 1));
             const __half* de = reinterpret_cast<const __half*>(&dd);
-            const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
-            const In* ve = reinterpret_cast<const In*>(&vv);
-            uint4 out;
-            In* oe = reinterpret_cast<In*>(&out);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              const float d = sd * __half2float(de[e]);
-              vd += to_f(ve[e]) * d;
-              oe[e] = from_f<In>(br * d);
-            }
-            *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
+            for (int e = 0; e < 8; ++e) rd[e] = sd * __half2float(de[e]);
           }
-        }
-      } else {
-        float* urow = Us + r * LDW + 32 * qq;
-        float* drow = dVs + r * LDW + 32 * qq;
-        if (r < L) {
-          const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
-          const In* vrow = static_cast<const In*>(p.v) + off;
-          In* dvrow = static_cast<In*>(p.dv) + off;
-          const float br = bs[r];
+          const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
+          const In* ve = reinterpret_cast<const In*>(&vv);
+          uint4 out;
+          In* oe = reinterpret_cast<In*>(&out);
 #pragma unroll
-          for (int c8 = 0; c8 < 4; ++c8) {
-            const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
-            const In* ve = reinterpret_cast<const In*>(&vv);
-            uint4 out;
-            In* oe = reinterpret_cast<In*>(&out);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              const float d = drow[8 * c8 + e];
-              vd += to_f(ve[e]) * d;
-              oe[e] = from_f<In>(br * d);
-            }
-            *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
+          for (int e = 0; e < 8; ++e) {
+            float d;
+            if constexpr (kRec16) d = rd[e];
+            else d = drow[8 * c8 + e];
+            vd += to_f(ve[e]) * d;
+            oe[e] = from_f<In>(br * d);
           }
+          *reinterpret_cast<uint4*>(dvrow + 8 * c8) = out;
         }
+      }
+      if constexpr (!kRec16) {
 #pragma unroll
         for (int c4 = 0; c4 < 8; ++c4) {
           float4 u = *reinterpret_cast<float4*>(urow + 4 * c4);

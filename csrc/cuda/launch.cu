@@ -235,12 +235,12 @@ BwdBuffers carve_kept(const Problem& p, const SegmentPlan& plan, Carver& c, bool
   return b;
 }
 
-// What only the backward writes: the reverse pass's records (dS, dVt) and their factors;
-// with a kept forward's workspace (`kept`, read only) also the reverse pass's segment
-// buffers and an error flag, which otherwise share the forward's.
+// What only the backward writes: the reverse pass's records (dS, dVt) and their factors, in
+// b.rec16's format; with a kept forward's workspace (`kept`, read only) also the reverse
+// pass's segment buffers and an error flag, which otherwise share the forward's.
 void carve_bwd_own(const Problem& p, const SegmentPlan& plan, Carver& c, BwdBuffers& b,
                    bool kept) {
-  const bool rec16 = bwd_cols(p);
+  const bool rec16 = b.rec16;
   const size_t tokheads = static_cast<size_t>(p.TT * p.Hv);
   const size_t recs = static_cast<size_t>(p.max_chunks() * p.Hv);
   b.dVt = c.take<float>(rec16 ? recs * C * D / 2 : tokheads * D);
@@ -956,7 +956,6 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   const SeqLayout s = seq_layout(p, b.f, b.error);
   FwdParams f = recompute_params(p, s, b);
-  const bool rec16 = b.rec16;
   if (kept) {
     state_pass_params(p, plan, b.f, f);
     launch_workspace_tag(p, b, true, st);
@@ -994,7 +993,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dh_scale = b.dh_scale;
   g.U_scale = b.U_scale;
   g.dVt_scale = b.dVt_scale;
-  g.rec16 = rec16;  // both passes in the 128-column kernels, fp16 record blocks
+  g.rec16 = b.rec16;  // both passes in the 128-column kernels, fp16 record blocks
   g.dVt = b.dVt;
   g.dh0 = io.dh0;
   g.dq = io.dq;
@@ -1049,6 +1048,7 @@ size_t cuda_bwd_workspace_bytes(const Problem& p, bool kept) {
   Carver c{nullptr};
   if (kept) {
     BwdBuffers b;
+    b.rec16 = bwd_cols(p);
     carve_bwd_own(p, plan_forward(p, true), c, b, true);
   } else {
     carve_bwd(p, plan_forward(p, true), c);

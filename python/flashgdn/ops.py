@@ -245,17 +245,25 @@ def _setup_context(ctx, inputs, output):
     ctx.max_seqlen = max_seqlen
 
 
-def _backward(ctx, do, dht):
+def _input_grads(ctx, do, dht, kept: Optional[Tensor]):
+    """The forward op's input gradients: _bwd_op, or _bwd_kept_op on the kept workspace."""
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if not ctx.output_final_state or dht is None or dht.numel() == 0:
         dht = None
     # dht comes in the final state's dtype and layout; dh0 has initial_state's.
-    dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
-                                         do, dht, ctx.state_layout, ctx.max_seqlen)
+    args = (q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht)
+    if kept is None:
+        dq, dk, dv, dg, dbeta, dh0 = _bwd_op(*args, ctx.state_layout, ctx.max_seqlen)
+    else:
+        dq, dk, dv, dg, dbeta, dh0 = _bwd_kept_op(*args, kept, ctx.state_layout, ctx.max_seqlen)
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None,
             None, None, None)
+
+
+def _backward(ctx, do, dht):
+    return _input_grads(ctx, do, dht, None)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -271,16 +279,7 @@ def _kept_setup_context(ctx, inputs, output):
 
 
 def _kept_backward(ctx, do, dht, _dws):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(v)
-    if not ctx.output_final_state or dht is None or dht.numel() == 0:
-        dht = None
-    dq, dk, dv, dg, dbeta, dh0 = _bwd_kept_op(q, k, v, g, beta, ctx.scale, initial_state,
-                                              cu_seqlens, do, dht, ctx.kept, ctx.state_layout,
-                                              ctx.max_seqlen)
-    return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None,
-            None, None, None)
+    return _input_grads(ctx, do, dht, ctx.kept)
 
 
 _fwd_kept_op.register_autograd(_kept_backward, setup_context=_kept_setup_context)
