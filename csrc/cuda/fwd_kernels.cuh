@@ -72,6 +72,7 @@ struct FwdParams : SegParams {
   const __half *Kh, *Qh;  // [TT, Hqk, D] fp16 k and q of the fp16 pass (the inputs, or wy's copies)
   __half *Kh_w, *Qh_w;    // bf16 inputs: where wy_kernel writes the fp16 copies (else null)
   __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
+  int wy_heads;      // value heads a wy_kernel block takes (launch_wy sets it)
   float2* EG;        // [TT, Hv] (e^G, e^{G_last - G}) per token: the cols pass's (else null)
   // backward recomputation (state_fwd_kernel records them when h is set)
   float* h;          // [max_chunks, Hv, D, D] or null; fp16 records (mma.cuh) when written
@@ -157,9 +158,10 @@ __device__ __forceinline__ void inverse_block_rows_tc(const float* As, float* Ts
 }
 
 // kFree: K and Q tiles, then A, T and the inverse's scratch in the same bytes once K K^T and
-// Q K^T are in registers (42 KB, 4 blocks per SM); else K, Q, V, A, T, T diag(beta) side
-// by side (105 KB, 2 per SM)
-constexpr size_t kWyTail = sizeof(float) * 3 * C;  // beta, G, |k|^2
+// Q K^T are in registers (42 KB); else K, Q, V, A, T, T diag(beta) side by side (105 KB, 2
+// per SM). The tail holds beta and G of up to kWyMaxHeads value heads and |k|^2.
+constexpr int kWyMaxHeads = 4;
+constexpr size_t kWyTail = sizeof(float) * (2 * kWyMaxHeads + 1) * C;  // beta, G, |k|^2
 constexpr size_t kWyFreeTiles = sizeof(float) * (2 * C * LDA + (NT / 32) * 16 * kXsLd);
 static_assert(kWyFreeTiles >= sizeof(uint16_t) * 2 * C * LDH, "A, T cover the K, Q tiles");
 template <bool kFree>
@@ -179,13 +181,22 @@ constexpr size_t kWySmem = kFree ? kWyFreeTiles + kWyTail
 // A and T over the dead K, Q tiles (42 KB) and at most 64 registers: 4 blocks per SM
 // instead of 3 (H100, 2026-11-23: 2/8 x 32768 0.129 -> 0.113 ms; 16/32 0.680 -> 0.690,
 // where DRAM (54%, 1.8 TB/s) and L2 (66%) are the busier side).
-template <typename In, bool kFree = false>
-__global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
+// kMulti (kFree only): a block takes p.wy_heads value heads of one q/k head (they share K,
+// Q, K K^T and Q K^T: loaded and multiplied once, the products kept in registers across
+// the heads' epilogues and inverses), at 3 blocks per SM for the registers.
+template <typename In, bool kFree = false, bool kMulti = false>
+__global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(FwdParams p) {
+  static_assert(kFree || !kMulti, "several heads a block: the default pass's kernel only");
   if (p.seqs.failed()) return;
   // the value heads of a chunk are neighbours in the launch order, so the heads that share
   // a q/k head find its K and Q tiles in L2 (H100, 2026-11-23: 16/32 x 32768 0.690 -> 0.428
-  // ms, 2/8 0.113 -> 0.102; the chunk-major grid read them from DRAM once per value head)
-  const int64_t chunk = blockIdx.x / p.Hv, h = blockIdx.x % p.Hv, hq = h / (p.Hv / p.Hqk);
+  // ms, 2/8 0.113 -> 0.102; the chunk-major grid read them from DRAM once per value head).
+  // 32-bit divisions (the grid is below 2^31 blocks; a 64-bit one is ~70 instructions).
+  const int nh = kMulti ? p.wy_heads : 1;  // divides H_v / H_qk
+  const uint32_t blocks_per_chunk = static_cast<uint32_t>(p.Hv) / static_cast<uint32_t>(nh);
+  const int64_t chunk = blockIdx.x / blocks_per_chunk,
+                h0 = (blockIdx.x % blocks_per_chunk) * static_cast<uint32_t>(nh),
+                hq = static_cast<uint32_t>(h0) / static_cast<uint32_t>(p.Hv / p.Hqk);
   const ChunkRef ck = locate_chunk(p.seqs, chunk);
   if (ck.L == 0) return;
   const int L = ck.L;
@@ -199,24 +210,25 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
   float* Ts = As + C * LDA;                            // [C][LDA] T
   float* Tv = Ts + C * LDA;                            // [C][LDA] T diag(beta) (!kFree)
   [[maybe_unused]] float* xs = Ts + C * LDA;           // kFree: the inverse's scratch
-  float* bs = reinterpret_cast<float*>(smem_raw + kWySmem<kFree> - kWyTail);  // [C]
-  float* Gs = bs + C;                                  // [C]
-  float* kn = Gs + C;                                  // [C] |k_r|^2
+  float* bs_all = reinterpret_cast<float*>(smem_raw + kWySmem<kFree> - kWyTail);  // [heads][C]
+  float* Gs_all = bs_all + kWyMaxHeads * C;            // [heads][C]
+  float* kn = Gs_all + kWyMaxHeads * C;                // [C] |k_r|^2 (shared by the heads)
 
-  const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off = ck.tok0 * p.Hv + h;
+  const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off0 = ck.tok0 * p.Hv + h0;
   const In* kg = static_cast<const In*>(p.k) + qk_off;
   cp_async_tile<C, D, LDH>(Ks, kg, p.Hqk * D, L);
   if constexpr (!kFree)
-    cp_async_tile<C, D, LDH>(Vs, static_cast<const In*>(p.v) + row_off * D, p.Hv * D, L);
+    cp_async_tile<C, D, LDH>(Vs, static_cast<const In*>(p.v) + row_off0 * D, p.Hv * D, L);
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
   cp_async_commit();
   const int warp = threadIdx.x >> 5, lane = lane_id();
-  if (warp < 2) {  // cumulative gates: inclusive scan over the 64 rows (two warps)
-    const int r = threadIdx.x;
+  if (warp < 2 * nh) {  // cumulative gates: inclusive scan over the 64 rows (two warps a head)
+    const int i = warp >> 1, r = 32 * (warp & 1) + lane;
+    float* bs = bs_all + i * C;
     float gv = 0.f;
     if (r < L) {
-      gv = load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h);
-      bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h);
+      gv = load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
+      bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
     } else {
       bs[r] = 0.f;
     }
@@ -225,12 +237,12 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
       const float y = __shfl_up_sync(0xffffffffu, gv, o);
       if (lane >= o) gv += y;
     }
-    Gs[r] = gv;  // warp 1 still lacks warp 0's total
+    Gs_all[i * C + r] = gv;  // the second warp of a head still lacks the first's total
   }
   cp_async_wait<0>();
   __syncthreads();
-  if (warp == 1) Gs[threadIdx.x] += Gs[31];
-  if (p.Kh_w != nullptr && h % (p.Hv / p.Hqk) == 0) {
+  if (warp < 2 * nh && (warp & 1)) Gs_all[(warp >> 1) * C + 32 + lane] += Gs_all[(warp >> 1) * C + 31];
+  if (p.Kh_w != nullptr && h0 % (p.Hv / p.Hqk) == 0) {
     // fp16 copies of this chunk's k and q rows for the fp16 state pass (bf16 inputs; exact
     // for |x| in [2^-14, 65504], the range of l2-normalised q and k)
     constexpr int kPieces = D / 8;  // 8 values per 16-byte piece
@@ -249,59 +261,88 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
 
   float* Ps = Ts;  // P, staged in T's bytes (written from the substitution on) for the stores
   // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
-  {
-    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
-    float kk[4][4] = {}, qk[4][4] = {};
-    if constexpr (kFree) {  // 16-bit m16n8k16
-      // ldmatrix moves bits: the 16-bit tiles are read through __half pointers
-      const __half* Kh = reinterpret_cast<const __half*>(Ks);
-      const __half* Qh = reinterpret_cast<const __half*>(Qs);
+  const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+  float kk[4][4] = {}, qk[4][4] = {};
+  if constexpr (kFree) {  // 16-bit m16n8k16
+    // ldmatrix moves bits: the 16-bit tiles are read through __half pointers
+    const __half* Kh = reinterpret_cast<const __half*>(Ks);
+    const __half* Qh = reinterpret_cast<const __half*>(Qs);
 #pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t ak[4], aq[4];
-        frag_a16(ak, Kh, LDH, m0, k0);
-        frag_a16(aq, Qh, LDH, m0, k0);
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      uint32_t ak[4], aq[4];
+      frag_a16(ak, Kh, LDH, m0, k0);
+      frag_a16(aq, Qh, LDH, m0, k0);
 #pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {  // B(k, n) = K[n][k]: columns n0 + 16 jp .. + 16
-          uint32_t b0[2], b1[2];
-          frag_b16_pair(b0, b1, Kh, LDH, n0 + 16 * jp, k0);
-          mma_16(kk[2 * jp], ak, b0, Ks);
-          mma_16(kk[2 * jp + 1], ak, b1, Ks);
-          mma_16(qk[2 * jp], aq, b0, Ks);
-          mma_16(qk[2 * jp + 1], aq, b1, Ks);
-        }
-      }
-    } else {
-#pragma unroll 4
-      for (int k0 = 0; k0 < D; k0 += 8) {
-        uint32_t ak[4], aq[4];
-        frag_a(ak, Ks, LDH, m0, k0);
-        frag_a(aq, Qs, LDH, m0, k0);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t b[2];
-          frag_b(b, Ks, LDH, n0 + 8 * j, k0);
-          mma_tf32(kk[j], ak, b);
-          mma_tf32(qk[j], aq, b);
-        }
+      for (int jp = 0; jp < 2; ++jp) {  // B(k, n) = K[n][k]: columns n0 + 16 jp .. + 16
+        uint32_t b0[2], b1[2];
+        frag_b16_pair(b0, b1, Kh, LDH, n0 + 16 * jp, k0);
+        mma_16(kk[2 * jp], ak, b0, Ks);
+        mma_16(kk[2 * jp + 1], ak, b1, Ks);
+        mma_16(qk[2 * jp], aq, b0, Ks);
+        mma_16(qk[2 * jp + 1], aq, b1, Ks);
       }
     }
-    if constexpr (kFree) __syncthreads();  // every read of K, Q done: A goes over them
+  } else {
+#pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      uint32_t ak[4], aq[4];
+      frag_a(ak, Ks, LDH, m0, k0);
+      frag_a(aq, Qs, LDH, m0, k0);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t b[2];
+        frag_b(b, Ks, LDH, n0 + 8 * j, k0);
+        mma_tf32(kk[j], ak, b);
+        mma_tf32(qk[j], aq, b);
+      }
+    }
+  }
+  if constexpr (kFree) __syncthreads();  // every read of K, Q done: A goes over them
+
+  // the value heads of the block in turn (one for !kMulti)
+  for (int hi = 0; hi < nh; ++hi) {
+  const int64_t row_off = row_off0 + hi;
+  const float* bs = bs_all + hi * C;
+  const float* Gs = Gs_all + hi * C;
+  if (hi > 0) __syncthreads();  // the previous head's last reads of As, Ts are done
+  {
+    // A and P from the products: each thread's values sit in 2 rows and 8 columns, so their
+    // gates (in log2 units: one FADD and one EX2 a decay factor), beta and the tf32
+    // rounding's switch are read once; pairs of columns go out as float2
+    constexpr float kL2e = 1.4426950408889634f;
+    const int ra = m0 + acc_row(0), ca = acc_col(0);  // rows ra, ra + 8; columns n0 + 8 j + ca (+1)
+    const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e}, br[2] = {bs[ra], bs[ra + 8]};
+    const bool round_p = p.Pmat != nullptr;  // fp32 P for the tf32 passes; fp16 rounds itself
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
+      const int s = n0 + 8 * j + ca;
+      if (n0 + 8 * j > m0 + 15) {  // the tile lies above the diagonal (warp-uniform): zero
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int r = m0 + acc_row(e), s = n0 + 8 * j + acc_col(e);
-        float pv[2];
-#pragma unroll
-        for (int d = 0; d < 2; ++d) {
-          const int sc = s + d;
-          const float dec = sc <= r ? __expf(Gs[r] - Gs[sc]) : 0.f;
-          As[r * LDA + sc] = sc < r ? bs[r] * dec * kk[j][e + d] : 0.f;
-          pv[d] = round_tf32(qk[j][e + d] * dec);
-          if (sc == r) kn[r] = kk[j][e + d];
+        for (int i = 0; i < 2; ++i) {
+          *reinterpret_cast<float2*>(As + (ra + 8 * i) * LDA + s) = make_float2(0.f, 0.f);
+          *reinterpret_cast<float2*>(Ps + (ra + 8 * i) * LDA + s) = make_float2(0.f, 0.f);
         }
-        *reinterpret_cast<float2*>(Ps + r * LDA + s) = make_float2(pv[0], pv[1]);
+        continue;
+      }
+      const float gs0 = Gs[s] * kL2e, gs1 = Gs[s + 1] * kL2e;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = ra + 8 * i;
+        const float d0 = s <= r ? exp2f(gr[i] - gs0) : 0.f;  // Dec[r, s], zero above the diagonal
+        const float d1 = s + 1 <= r ? exp2f(gr[i] - gs1) : 0.f;
+        const float k0 = kk[j][2 * i], k1 = kk[j][2 * i + 1];
+        *reinterpret_cast<float2*>(As + r * LDA + s) =
+            make_float2(s < r ? br[i] * d0 * k0 : 0.f, s + 1 < r ? br[i] * d1 * k1 : 0.f);
+        float p0 = qk[j][2 * i] * d0, p1 = qk[j][2 * i + 1] * d1;
+        if (round_p) {
+          p0 = round_tf32(p0);
+          p1 = round_tf32(p1);
+        }
+        *reinterpret_cast<float2*>(Ps + r * LDA + s) = make_float2(p0, p1);
+        if (hi == 0) {
+          if (s == r) kn[r] = k0;
+          if (s + 1 == r) kn[r] = k1;
+        }
       }
     }
   }
@@ -335,7 +376,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) p.Lb[chunk * p.Hv + h] = Gs[L - 1] + acc;
+    if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
   }
   __syncthreads();  // P's stores read T's bytes
 
@@ -406,17 +447,31 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
     }
   }
   if constexpr (kFree) {
-    // Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward): a warp writes one row,
-    // two columns a thread; T's blocks above the diagonal are zero (not formed in Ts)
-    const int s = 2 * (threadIdx.x % 32);
-    const float fb0 = bs[s], fb1 = bs[s + 1];
-    for (int r = threadIdx.x / 32; r < L; r += NT / 32) {
-      const float2 t = s / 16 > r / 16 ? make_float2(0.f, 0.f)
-                                     : *reinterpret_cast<const float2*>(Ts + r * LDA + s);
+    // Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward): 8 columns
+    // a thread, 16-byte stores (a warp covers 4 whole rows); T's blocks above the diagonal
+    // are zero (not formed in Ts)
+    for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
+      const int r = e / (C / 8), s = 8 * (e % (C / 8));
+      if (r >= L) break;  // e grows with r
+      float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
+      if (s / 16 <= r / 16) {
+        t0 = *reinterpret_cast<const float4*>(Ts + r * LDA + s);
+        t1 = *reinterpret_cast<const float4*>(Ts + r * LDA + s + 4);
+      }
+      const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
+      const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
       const int64_t idx = (row_off + r * p.Hv) * C + s;
-      *reinterpret_cast<__half2*>(p.Tv16 + idx) = __floats2half2_rn(t.x * fb0, t.y * fb1);
-      if (p.Tmat) *reinterpret_cast<float2*>(p.Tmat + idx) = t;
-      if (p.T16) *reinterpret_cast<__half2*>(p.T16 + idx) = __floats2half2_rn(t.x, t.y);
+      *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+          make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
+                     pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
+      if (p.Tmat) {
+        *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
+        *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
+      }
+      if (p.T16)
+        *reinterpret_cast<uint4*>(p.T16 + idx) =
+            make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
+                       pack_half2(t1.z, t1.w));
     }
   } else {  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
     // each thread keeps one column s, so its factors are computed once
@@ -435,6 +490,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
       p.EG[row_off + threadIdx.x * p.Hv] =
           make_float2(__expf(Gs[threadIdx.x]), __expf(Gs[L - 1] - Gs[threadIdx.x]));
   }
+  }  // value heads
   if constexpr (kFree) return;  // no W, U0
   __syncthreads();
 
@@ -462,7 +518,7 @@ __global__ void __launch_bounds__(NT, kFree ? 4 : 2) wy_kernel(FwdParams p) {
       for (int e = 0; e < 4; e += 2) {
         const int r = m0 + acc_row(e), c = n0 + 8 * j + acc_col(e);
         if (r < L) {
-          const int64_t idx = (row_off + r * p.Hv) * D + c;
+          const int64_t idx = (row_off0 + r * p.Hv) * D + c;
           *reinterpret_cast<__half2*>(p.W + idx) = __floats2half2_rn(w[j][e], w[j][e + 1]);
           *reinterpret_cast<float2*>(p.U0 + idx) =
               make_float2(round_tf32(u[j][e]), round_tf32(u[j][e + 1]));

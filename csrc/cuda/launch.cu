@@ -588,17 +588,35 @@ void launch_sub_start(const Problem& p, const SegmentPlan& plan, const SegParams
   check_cuda(cudaGetLastError(), "sub_start_kernel launch");
 }
 
+// Value heads a block of the default pass's wy_kernel takes: the largest divisor of
+// H_v / H_qk up to kWyMaxHeads (the heads of one q/k head share its K, Q and their products);
+// FLASHGDN_WY_HEADS=<n> caps it (1: one head a block, the kernel before 2026-11-25).
+int wy_heads(const Problem& p) {
+  const int group = static_cast<int>(p.Hv / p.Hqk);
+  const int cap = std::max(1, std::min(kWyMaxHeads, env_int_or("FLASHGDN_WY_HEADS", kWyMaxHeads)));
+  int n = 1;
+  for (int d = 1; d <= cap; ++d)
+    if (group % d == 0) n = d;
+  return n;
+}
+
 template <typename In>
-void launch_wy(const Problem& p, const FwdParams& f, cudaStream_t st) {
+void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(wy_kernel<In>, kWySmem<false>);
     set_smem(wy_kernel<In, true>, kWySmem<true>);
+    set_smem(wy_kernel<In, true, true>, kWySmem<true>);
   });
   if (p.max_chunks() == 0) return;
-  const dim3 grid(static_cast<unsigned>(p.max_chunks() * p.Hv));
-  if (f.Tv16 != nullptr) wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
-  else wy_kernel<In><<<grid, NT, kWySmem<false>, st>>>(f);
+  f.wy_heads = f.Tv16 != nullptr ? wy_heads(p) : 1;
+  const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
+  if (f.Tv16 != nullptr && f.wy_heads > 1)
+    wy_kernel<In, true, true><<<grid, NT, kWySmem<true>, st>>>(f);
+  else if (f.Tv16 != nullptr)
+    wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
+  else
+    wy_kernel<In><<<grid, NT, kWySmem<false>, st>>>(f);
   check_cuda(cudaGetLastError(), "wy_kernel launch");
 }
 
