@@ -164,8 +164,10 @@ constexpr int kWyMaxHeads = 4;
 constexpr size_t kWyTail = sizeof(float) * (2 * kWyMaxHeads + 1) * C;  // beta, G, |k|^2
 constexpr size_t kWyFreeTiles = sizeof(float) * (2 * C * LDA + (NT / 32) * 16 * kXsLd);
 static_assert(kWyFreeTiles >= sizeof(uint16_t) * 2 * C * LDH, "A, T cover the K, Q tiles");
-template <bool kFree>
-constexpr size_t kWySmem = kFree ? kWyFreeTiles + kWyTail
+// kMulti stages P in a tile of its own after the scratch (its stores then run beside the
+// substitution, which writes T's bytes): 62 KB, 3 blocks per SM as the registers allow
+template <bool kFree, bool kMulti = false>
+constexpr size_t kWySmem = kFree ? kWyFreeTiles + (kMulti ? sizeof(float) * C * LDA : 0) + kWyTail
                                  : sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * 3 * C * LDA +
                                        kWyTail;
 
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   float* Ts = As + C * LDA;                            // [C][LDA] T
   float* Tv = Ts + C * LDA;                            // [C][LDA] T diag(beta) (!kFree)
   [[maybe_unused]] float* xs = Ts + C * LDA;           // kFree: the inverse's scratch
-  float* bs_all = reinterpret_cast<float*>(smem_raw + kWySmem<kFree> - kWyTail);  // [heads][C]
+  float* bs_all = reinterpret_cast<float*>(smem_raw + kWySmem<kFree, kMulti> - kWyTail);  // [heads][C]
   float* Gs_all = bs_all + kWyMaxHeads * C;            // [heads][C]
   float* kn = Gs_all + kWyMaxHeads * C;                // [C] |k_r|^2 (shared by the heads)
 
@@ -259,7 +261,9 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   }
   __syncthreads();
 
-  float* Ps = Ts;  // P, staged in T's bytes (written from the substitution on) for the stores
+  // P, staged for the stores: in T's bytes (written from the substitution on), or (kMulti) in a
+  // tile of its own after the inverse's scratch
+  float* Ps = kMulti ? Ts + C * LDA + (NT / 32) * 16 * kXsLd : Ts;
   // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
   const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
   float kk[4][4] = {}, qk[4][4] = {};
@@ -304,15 +308,16 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   const int64_t row_off = row_off0 + hi;
   const float* bs = bs_all + hi * C;
   const float* Gs = Gs_all + hi * C;
-  if (hi > 0) __syncthreads();  // the previous head's last reads of As, Ts are done
+  // No barrier between heads: the epilogue writes As and Ps, whose last readers (the
+  // inverse's block rows, the P stores) a barrier already closed; the previous head's T
+  // stores read only Ts, which the substitution rewrites after the epilogue's barrier.
   {
     // A and P from the products: each thread's values sit in 2 rows and 8 columns, so their
-    // gates (in log2 units: one FADD and one EX2 a decay factor), beta and the tf32
-    // rounding's switch are read once; pairs of columns go out as float2
+    // gates (in log2 units: one FADD and one EX2 a decay factor) and beta are read once;
+    // pairs of columns go out as float2
     constexpr float kL2e = 1.4426950408889634f;
     const int ra = m0 + acc_row(0), ca = acc_col(0);  // rows ra, ra + 8; columns n0 + 8 j + ca (+1)
     const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e}, br[2] = {bs[ra], bs[ra + 8]};
-    const bool round_p = p.Pmat != nullptr;  // fp32 P for the tf32 passes; fp16 rounds itself
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int s = n0 + 8 * j + ca;
@@ -333,12 +338,11 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
         const float k0 = kk[j][2 * i], k1 = kk[j][2 * i + 1];
         *reinterpret_cast<float2*>(As + r * LDA + s) =
             make_float2(s < r ? br[i] * d0 * k0 : 0.f, s + 1 < r ? br[i] * d1 * k1 : 0.f);
-        float p0 = qk[j][2 * i] * d0, p1 = qk[j][2 * i + 1] * d1;
-        if (round_p) {
-          p0 = round_tf32(p0);
-          p1 = round_tf32(p1);
-        }
-        *reinterpret_cast<float2*>(Ps + r * LDA + s) = make_float2(p0, p1);
+        // P rounded to tf32 (round half away) in every pass, also where only its fp16 copy
+        // is used (round half even of fp32 would differ on ties): the forward that keeps
+        // its records for the backward and the one that does not give the same bits
+        *reinterpret_cast<float2*>(Ps + r * LDA + s) =
+            make_float2(round_tf32(qk[j][2 * i] * d0), round_tf32(qk[j][2 * i + 1] * d1));
         if (hi == 0) {
           if (s == r) kn[r] = k0;
           if (s + 1 == r) kn[r] = k1;
@@ -349,36 +353,48 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   __syncthreads();
   // P's rows out in 16-byte pieces, a warp's store covering whole rows (the accumulator
   // layout would write 16 bytes of each of 8 rows): fp32 (tf32-rounded) and/or fp16 (exact:
-  // tf32 and fp16 share the 10-bit mantissa)
-  if (p.Pmat != nullptr) {
-    for (int e = threadIdx.x; e < L * (C / 4); e += NT) {
-      const int r = e / (C / 4), c = 4 * (e % (C / 4));
-      *reinterpret_cast<float4*>(p.Pmat + (row_off + r * p.Hv) * C + c) =
-          *reinterpret_cast<const float4*>(Ps + r * LDA + c);
+  // tf32 and fp16 share the 10-bit mantissa); the chunk's warm-up bound, G and e^G. kMulti:
+  // by warps 2..7 while warps 0, 1 run the substitution below (P has its own tile), else by
+  // every thread before it.
+  auto p_stores = [&](int tid, int nthreads, int lb_warp) {
+    if (p.Pmat != nullptr) {
+      for (int e = tid; e < L * (C / 4); e += nthreads) {
+        const int r = e / (C / 4), c = 4 * (e % (C / 4));
+        *reinterpret_cast<float4*>(p.Pmat + (row_off + r * p.Hv) * C + c) =
+            *reinterpret_cast<const float4*>(Ps + r * LDA + c);
+      }
     }
-  }
-  if (p.P16 != nullptr) {
-    for (int e = threadIdx.x; e < L * (C / 8); e += NT) {
-      const int r = e / (C / 8), c = 8 * (e % (C / 8));
-      const float4 a = *reinterpret_cast<const float4*>(Ps + r * LDA + c);
-      const float4 b = *reinterpret_cast<const float4*>(Ps + r * LDA + c + 4);
-      *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + c) =
-          make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
-                     pack_half2(b.z, b.w));
+    if (p.P16 != nullptr) {
+      for (int e = tid; e < L * (C / 8); e += nthreads) {
+        const int r = e / (C / 8), c = 8 * (e % (C / 8));
+        const float4 a = *reinterpret_cast<const float4*>(Ps + r * LDA + c);
+        const float4 b = *reinterpret_cast<const float4*>(Ps + r * LDA + c + 4);
+        *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + c) =
+            make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
+                       pack_half2(b.z, b.w));
+      }
     }
-  }
-  if (p.Lb != nullptr && warp == 0) {  // warm-up bound of the chunk
-    float acc = 0.f;
+    if (p.Lb != nullptr && warp == lb_warp) {  // warm-up bound of the chunk
+      float acc = 0.f;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = lane + 32 * i;
-      if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
-    }
+      for (int i = 0; i < 2; ++i) {
+        const int r = lane + 32 * i;
+        if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
+      }
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
+      for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
+    }
+    for (int r = tid; r < L; r += nthreads) {
+      p.G[row_off + r * p.Hv] = Gs[r];
+      if (p.EG != nullptr)
+        p.EG[row_off + r * p.Hv] = make_float2(__expf(Gs[r]), __expf(Gs[L - 1] - Gs[r]));
+    }
+  };
+  if constexpr (!kMulti) {
+    p_stores(threadIdx.x, NT, 0);
+    __syncthreads();  // P's stores read T's bytes
   }
-  __syncthreads();  // P's stores read T's bytes
 
   // T = (I + A)^-1 blockwise over 16 x 16 blocks (A strictly lower triangular):
   //   diagonal blocks by forward substitution, T_ii[r, j] = delta_rj - sum_{s<r} A_ii[r, s] T_ii[s, j]
@@ -389,6 +405,8 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   //   fp32 throughout: the dependent chain is ~250 FMAs instead of 2016 for a whole column.
   {
     constexpr int B = 16;
+    if constexpr (kMulti)
+      if (threadIdx.x >= C) p_stores(threadIdx.x - C, NT - C, 2);
     if (threadIdx.x < C) {
       const int b = threadIdx.x / B, jj = threadIdx.x % B, r0 = b * B;
       float t[B];
@@ -483,12 +501,6 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
       Tv[r * LDA + s] = round_tf32(t * fb);
       if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
     }
-  }
-  if (threadIdx.x < L) {
-    p.G[row_off + threadIdx.x * p.Hv] = Gs[threadIdx.x];
-    if (p.EG != nullptr)
-      p.EG[row_off + threadIdx.x * p.Hv] =
-          make_float2(__expf(Gs[threadIdx.x]), __expf(Gs[L - 1] - Gs[threadIdx.x]));
   }
   }  // value heads
   if constexpr (kFree) return;  // no W, U0

@@ -606,13 +606,13 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   std::call_once(once, [] {
     set_smem(wy_kernel<In>, kWySmem<false>);
     set_smem(wy_kernel<In, true>, kWySmem<true>);
-    set_smem(wy_kernel<In, true, true>, kWySmem<true>);
+    set_smem(wy_kernel<In, true, true>, kWySmem<true, true>);
   });
   if (p.max_chunks() == 0) return;
   f.wy_heads = f.Tv16 != nullptr ? wy_heads(p) : 1;
   const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
   if (f.Tv16 != nullptr && f.wy_heads > 1)
-    wy_kernel<In, true, true><<<grid, NT, kWySmem<true>, st>>>(f);
+    wy_kernel<In, true, true><<<grid, NT, kWySmem<true, true>, st>>>(f);
   else if (f.Tv16 != nullptr)
     wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
   else
