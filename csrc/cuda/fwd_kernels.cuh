@@ -3,8 +3,10 @@
 // 10-bit mantissa), wy_kernel and the opt-in tf32 passes on TF32 (m16n8k8 / wgmma; bf16 and
 // fp16 inputs are exact tf32 operands at any magnitude).
 //
-// wy_kernel      grid (max_chunks * H_v: the heads of a chunk side by side), 256 threads,
-//                42 KB smem (4 blocks per SM) for the default pass, else 105 KB (2 per SM)
+// wy_kernel      grid (max_chunks * H_v / wy_heads: the heads of a chunk side by side),
+//                256 threads; the default pass: a block takes wy_heads (up to 4) value heads
+//                of one q/k head, 62 KB smem (3 blocks per SM), or one head, 44 KB (4 per
+//                SM); the tf32 / wgmma passes: one head, 105 KB (2 per SM)
 //   Everything of one chunk of one value head that does not depend on the state:
 //   cumulative gates G, A[r,s] = beta_r exp(G_r - G_s) k_r.k_s (s < r), T = (I + A)^-1
 //   blockwise (16 x 16 diagonal blocks by substitution, then block rows),
