@@ -134,4 +134,6 @@ CASES = [
     Case("many_short_seqs", [1 + (7 * i) % 23 for i in range(40)], 1, 2, cu_dtype=torch.int64),
     Case("fp16_bf16_gates", [97, 31], 2, 2, dtype=torch.float16, gate_dtype=torch.bfloat16),
     Case("no_initial_state", [192], 2, 2, h0=False),
+    # three value heads a q/k head (8/24's ratio): wy_kernel's blocks take 3 heads each
+    Case("gva_2_6_mixed_gates", [150, 71], 2, 6, gate="mixed"),
 ]
