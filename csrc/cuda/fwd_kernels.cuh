@@ -307,203 +307,204 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
 
   // the value heads of the block in turn (one for !kMulti)
   for (int hi = 0; hi < nh; ++hi) {
-  const int64_t row_off = row_off0 + hi;
-  const float* bs = bs_all + hi * C;
-  const float* Gs = Gs_all + hi * C;
-  // No barrier between heads: the epilogue writes As and Ps, whose last readers (the
-  // inverse's block rows, the P stores) a barrier already closed; the previous head's T
-  // stores read only Ts, which the substitution rewrites after the epilogue's barrier.
-  {
-    // A and P from the products: each thread's values sit in 2 rows and 8 columns, so their
-    // gates (in log2 units: one FADD and one EX2 a decay factor) and beta are read once;
-    // pairs of columns go out as float2
-    constexpr float kL2e = 1.4426950408889634f;
-    const int ra = m0 + acc_row(0), ca = acc_col(0);  // rows ra, ra + 8; columns n0 + 8 j + ca (+1)
-    const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e}, br[2] = {bs[ra], bs[ra + 8]};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int s = n0 + 8 * j + ca;
-      if (n0 + 8 * j > m0 + 15) {  // the tile lies above the diagonal (warp-uniform): zero
-#pragma unroll
+    const int64_t row_off = row_off0 + hi;
+    const float* bs = bs_all + hi * C;
+    const float* Gs = Gs_all + hi * C;
+    // No barrier between heads: the epilogue writes As and Ps, whose last readers (the
+    // inverse's block rows, the P stores) a barrier already closed; the previous head's T
+    // stores read only Ts, which the substitution rewrites after the epilogue's barrier.
+    {
+      // A and P from the products: each thread's values sit in 2 rows and 8 columns, so their
+      // gates (in log2 units: one FADD and one EX2 a decay factor) and beta are read once;
+      // pairs of columns go out as float2
+      constexpr float kL2e = 1.4426950408889634f;
+      // this thread's rows ra, ra + 8 and columns n0 + 8 j + ca (+1)
+      const int ra = m0 + acc_row(0), ca = acc_col(0);
+      const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e}, br[2] = {bs[ra], bs[ra + 8]};
+  #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int s = n0 + 8 * j + ca;
+        if (n0 + 8 * j > m0 + 15) {  // the tile lies above the diagonal (warp-uniform): zero
+  #pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            *reinterpret_cast<float2*>(As + (ra + 8 * i) * LDA + s) = make_float2(0.f, 0.f);
+            *reinterpret_cast<float2*>(Ps + (ra + 8 * i) * LDA + s) = make_float2(0.f, 0.f);
+          }
+          continue;
+        }
+        const float gs0 = Gs[s] * kL2e, gs1 = Gs[s + 1] * kL2e;
+  #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          *reinterpret_cast<float2*>(As + (ra + 8 * i) * LDA + s) = make_float2(0.f, 0.f);
-          *reinterpret_cast<float2*>(Ps + (ra + 8 * i) * LDA + s) = make_float2(0.f, 0.f);
+          const int r = ra + 8 * i;
+          const float d0 = s <= r ? exp2f(gr[i] - gs0) : 0.f;  // Dec[r, s], zero above the diagonal
+          const float d1 = s + 1 <= r ? exp2f(gr[i] - gs1) : 0.f;
+          const float k0 = kk[j][2 * i], k1 = kk[j][2 * i + 1];
+          *reinterpret_cast<float2*>(As + r * LDA + s) =
+              make_float2(s < r ? br[i] * d0 * k0 : 0.f, s + 1 < r ? br[i] * d1 * k1 : 0.f);
+          // P rounded to tf32 (round half away) in every pass, also where only its fp16 copy
+          // is used (round half even of fp32 would differ on ties): the forward that keeps
+          // its records for the backward and the one that does not give the same bits
+          *reinterpret_cast<float2*>(Ps + r * LDA + s) =
+              make_float2(round_tf32(qk[j][2 * i] * d0), round_tf32(qk[j][2 * i + 1] * d1));
+          if (hi == 0) {
+            if (s == r) kn[r] = k0;
+            if (s + 1 == r) kn[r] = k1;
+          }
         }
-        continue;
-      }
-      const float gs0 = Gs[s] * kL2e, gs1 = Gs[s + 1] * kL2e;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = ra + 8 * i;
-        const float d0 = s <= r ? exp2f(gr[i] - gs0) : 0.f;  // Dec[r, s], zero above the diagonal
-        const float d1 = s + 1 <= r ? exp2f(gr[i] - gs1) : 0.f;
-        const float k0 = kk[j][2 * i], k1 = kk[j][2 * i + 1];
-        *reinterpret_cast<float2*>(As + r * LDA + s) =
-            make_float2(s < r ? br[i] * d0 * k0 : 0.f, s + 1 < r ? br[i] * d1 * k1 : 0.f);
-        // P rounded to tf32 (round half away) in every pass, also where only its fp16 copy
-        // is used (round half even of fp32 would differ on ties): the forward that keeps
-        // its records for the backward and the one that does not give the same bits
-        *reinterpret_cast<float2*>(Ps + r * LDA + s) =
-            make_float2(round_tf32(qk[j][2 * i] * d0), round_tf32(qk[j][2 * i + 1] * d1));
-        if (hi == 0) {
-          if (s == r) kn[r] = k0;
-          if (s + 1 == r) kn[r] = k1;
-        }
-      }
-    }
-  }
-  __syncthreads();
-  // P's rows out in 16-byte pieces, a warp's store covering whole rows (the accumulator
-  // layout would write 16 bytes of each of 8 rows): fp32 (tf32-rounded) and/or fp16 (exact:
-  // tf32 and fp16 share the 10-bit mantissa); the chunk's warm-up bound, G and e^G. kMulti:
-  // by warps 2..7 while warps 0, 1 run the substitution below (P has its own tile), else by
-  // every thread before it.
-  auto p_stores = [&](int tid, int nthreads, int lb_warp) {
-    if (p.Pmat != nullptr) {
-      for (int e = tid; e < L * (C / 4); e += nthreads) {
-        const int r = e / (C / 4), c = 4 * (e % (C / 4));
-        *reinterpret_cast<float4*>(p.Pmat + (row_off + r * p.Hv) * C + c) =
-            *reinterpret_cast<const float4*>(Ps + r * LDA + c);
-      }
-    }
-    if (p.P16 != nullptr) {
-      for (int e = tid; e < L * (C / 8); e += nthreads) {
-        const int r = e / (C / 8), c = 8 * (e % (C / 8));
-        const float4 a = *reinterpret_cast<const float4*>(Ps + r * LDA + c);
-        const float4 b = *reinterpret_cast<const float4*>(Ps + r * LDA + c + 4);
-        *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + c) =
-            make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
-                       pack_half2(b.z, b.w));
-      }
-    }
-    if (p.Lb != nullptr && warp == lb_warp) {  // warm-up bound of the chunk
-      float acc = 0.f;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = lane + 32 * i;
-        if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
-    }
-    for (int r = tid; r < L; r += nthreads) {
-      p.G[row_off + r * p.Hv] = Gs[r];
-      if (p.EG != nullptr)
-        p.EG[row_off + r * p.Hv] = make_float2(__expf(Gs[r]), __expf(Gs[L - 1] - Gs[r]));
-    }
-  };
-  if constexpr (!kMulti) {
-    p_stores(threadIdx.x, NT, 0);
-    __syncthreads();  // P's stores read T's bytes
-  }
-
-  // T = (I + A)^-1 blockwise over 16 x 16 blocks (A strictly lower triangular):
-  //   diagonal blocks by forward substitution, T_ii[r, j] = delta_rj - sum_{s<r} A_ii[r, s] T_ii[s, j]
-  //   (one column per thread, 64 threads, chains of at most 15 steps);
-  //   then block rows i = 1..3 in turn: X_ij = sum_{k=j}^{i-1} A_ik T_kj (in registers, then
-  //   in A_ij's place: block row i of A is not read again) and T_ij = -T_ii X_ij for every
-  //   j < i, all 256 threads; blocks above the diagonal are zero.
-  //   fp32 throughout: the dependent chain is ~250 FMAs instead of 2016 for a whole column.
-  {
-    constexpr int B = 16;
-    if constexpr (kMulti)
-      if (threadIdx.x >= C) p_stores(threadIdx.x - C, NT - C, 2);
-    if (threadIdx.x < C) {
-      const int b = threadIdx.x / B, jj = threadIdx.x % B, r0 = b * B;
-      float t[B];
-#pragma unroll
-      for (int r = 0; r < B; ++r) {
-        float acc = r == jj ? 1.f : 0.f;
-#pragma unroll
-        for (int s = 0; s < r; ++s) acc -= As[(r0 + r) * LDA + r0 + s] * t[s];
-        t[r] = acc;
-      }
-#pragma unroll
-      for (int r = 0; r < B; ++r) Ts[(r0 + r) * LDA + r0 + jj] = t[r];
-    }
-    if constexpr (!kFree) {  // zero blocks above the diagonal (kFree: never read)
-      for (int e = threadIdx.x; e < C * C; e += NT) {
-        const int r = e / C, c = e % C;
-        if (c / B > r / B) Ts[r * LDA + c] = 0.f;
       }
     }
     __syncthreads();
-    if constexpr (kFree) {  // TF32 block rows, each warp with its 16 x 8 scratch for X
-      inverse_block_rows_tc(As, Ts, xs + warp * 16 * kXsLd);
-    } else {
-      static_assert((C / B - 1) * B * B <= 3 * NT, "three X values per thread at most");
-#pragma unroll
-      for (int bi = 1; bi < C / B; ++bi) {
-        float x[3];
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {  // X_ij for j < bi: element e = threadIdx.x + i NT
-          const int e = threadIdx.x + i * NT;
-          if (e < bi * B * B) {
+    // P's rows out in 16-byte pieces, a warp's store covering whole rows (the accumulator
+    // layout would write 16 bytes of each of 8 rows): fp32 (tf32-rounded) and/or fp16 (exact:
+    // tf32 and fp16 share the 10-bit mantissa); the chunk's warm-up bound, G and e^G. kMulti:
+    // by warps 2..7 while warps 0, 1 run the substitution below (P has its own tile), else by
+    // every thread before it.
+    auto p_stores = [&](int tid, int nthreads, int lb_warp) {
+      if (p.Pmat != nullptr) {
+        for (int e = tid; e < L * (C / 4); e += nthreads) {
+          const int r = e / (C / 4), c = 4 * (e % (C / 4));
+          *reinterpret_cast<float4*>(p.Pmat + (row_off + r * p.Hv) * C + c) =
+              *reinterpret_cast<const float4*>(Ps + r * LDA + c);
+        }
+      }
+      if (p.P16 != nullptr) {
+        for (int e = tid; e < L * (C / 8); e += nthreads) {
+          const int r = e / (C / 8), c = 8 * (e % (C / 8));
+          const float4 a = *reinterpret_cast<const float4*>(Ps + r * LDA + c);
+          const float4 b = *reinterpret_cast<const float4*>(Ps + r * LDA + c + 4);
+          *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + c) =
+              make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
+                         pack_half2(b.z, b.w));
+        }
+      }
+      if (p.Lb != nullptr && warp == lb_warp) {  // warm-up bound of the chunk
+        float acc = 0.f;
+  #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = lane + 32 * i;
+          if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
+        }
+  #pragma unroll
+        for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
+      }
+      for (int r = tid; r < L; r += nthreads) {
+        p.G[row_off + r * p.Hv] = Gs[r];
+        if (p.EG != nullptr)
+          p.EG[row_off + r * p.Hv] = make_float2(__expf(Gs[r]), __expf(Gs[L - 1] - Gs[r]));
+      }
+    };
+    if constexpr (!kMulti) {
+      p_stores(threadIdx.x, NT, 0);
+      __syncthreads();  // P's stores read T's bytes
+    }
+
+    // T = (I + A)^-1 blockwise over 16 x 16 blocks (A strictly lower triangular):
+    //   diagonal blocks by forward substitution, T_ii[r, j] = delta_rj - sum_{s<r} A_ii[r, s] T_ii[s, j]
+    //   (one column per thread, 64 threads, chains of at most 15 steps);
+    //   then block rows i = 1..3 in turn: X_ij = sum_{k=j}^{i-1} A_ik T_kj (in registers, then
+    //   in A_ij's place: block row i of A is not read again) and T_ij = -T_ii X_ij for every
+    //   j < i, all 256 threads; blocks above the diagonal are zero.
+    //   fp32 throughout: the dependent chain is ~250 FMAs instead of 2016 for a whole column.
+    {
+      constexpr int B = 16;
+      if constexpr (kMulti)
+        if (threadIdx.x >= C) p_stores(threadIdx.x - C, NT - C, 2);
+      if (threadIdx.x < C) {
+        const int b = threadIdx.x / B, jj = threadIdx.x % B, r0 = b * B;
+        float t[B];
+  #pragma unroll
+        for (int r = 0; r < B; ++r) {
+          float acc = r == jj ? 1.f : 0.f;
+  #pragma unroll
+          for (int s = 0; s < r; ++s) acc -= As[(r0 + r) * LDA + r0 + s] * t[s];
+          t[r] = acc;
+        }
+  #pragma unroll
+        for (int r = 0; r < B; ++r) Ts[(r0 + r) * LDA + r0 + jj] = t[r];
+      }
+      if constexpr (!kFree) {  // zero blocks above the diagonal (kFree: never read)
+        for (int e = threadIdx.x; e < C * C; e += NT) {
+          const int r = e / C, c = e % C;
+          if (c / B > r / B) Ts[r * LDA + c] = 0.f;
+        }
+      }
+      __syncthreads();
+      if constexpr (kFree) {  // TF32 block rows, each warp with its 16 x 8 scratch for X
+        inverse_block_rows_tc(As, Ts, xs + warp * 16 * kXsLd);
+      } else {
+        static_assert((C / B - 1) * B * B <= 3 * NT, "three X values per thread at most");
+  #pragma unroll
+        for (int bi = 1; bi < C / B; ++bi) {
+          float x[3];
+  #pragma unroll
+          for (int i = 0; i < 3; ++i) {  // X_ij for j < bi: element e = threadIdx.x + i NT
+            const int e = threadIdx.x + i * NT;
+            if (e < bi * B * B) {
+              const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+              float acc = 0.f;
+              for (int s = bj * B; s < bi * B; ++s) acc += As[r * LDA + s] * Ts[s * LDA + c];
+              x[i] = acc;
+            }
+          }
+          __syncthreads();  // every read of block row bi of A done
+  #pragma unroll
+          for (int i = 0; i < 3; ++i) {
+            const int e = threadIdx.x + i * NT;
+            if (e < bi * B * B) {
+              const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
+              As[r * LDA + c] = x[i];
+            }
+          }
+          __syncthreads();
+          for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // T_ij = -T_ii X_ij
             const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
             float acc = 0.f;
-            for (int s = bj * B; s < bi * B; ++s) acc += As[r * LDA + s] * Ts[s * LDA + c];
-            x[i] = acc;
+            for (int s = bi * B; s <= r; ++s) acc += Ts[r * LDA + s] * As[s * LDA + c];
+            Ts[r * LDA + c] = -acc;
           }
+          __syncthreads();
         }
-        __syncthreads();  // every read of block row bi of A done
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-          const int e = threadIdx.x + i * NT;
-          if (e < bi * B * B) {
-            const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
-            As[r * LDA + c] = x[i];
-          }
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < bi * B * B; e += NT) {  // T_ij = -T_ii X_ij
-          const int bj = e / (B * B), r = bi * B + (e % (B * B)) / B, c = bj * B + e % B;
-          float acc = 0.f;
-          for (int s = bi * B; s <= r; ++s) acc += Ts[r * LDA + s] * As[s * LDA + c];
-          Ts[r * LDA + c] = -acc;
-        }
-        __syncthreads();
       }
     }
-  }
-  if constexpr (kFree) {
-    // Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward): 8 columns
-    // a thread, 16-byte stores (a warp covers 4 whole rows); T's blocks above the diagonal
-    // are zero (not formed in Ts)
-    for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
-      const int r = e / (C / 8), s = 8 * (e % (C / 8));
-      if (r >= L) break;  // e grows with r
-      float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
-      if (s / 16 <= r / 16) {
-        t0 = *reinterpret_cast<const float4*>(Ts + r * LDA + s);
-        t1 = *reinterpret_cast<const float4*>(Ts + r * LDA + s + 4);
+    if constexpr (kFree) {
+      // Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward): 8 columns
+      // a thread, 16-byte stores (a warp covers 4 whole rows); T's blocks above the diagonal
+      // are zero (not formed in Ts)
+      for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
+        const int r = e / (C / 8), s = 8 * (e % (C / 8));
+        if (r >= L) break;  // e grows with r
+        float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
+        if (s / 16 <= r / 16) {
+          t0 = *reinterpret_cast<const float4*>(Ts + r * LDA + s);
+          t1 = *reinterpret_cast<const float4*>(Ts + r * LDA + s + 4);
+        }
+        const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
+        const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
+        const int64_t idx = (row_off + r * p.Hv) * C + s;
+        *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+            make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
+                       pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
+        if (p.Tmat) {
+          *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
+          *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
+        }
+        if (p.T16)
+          *reinterpret_cast<uint4*>(p.T16 + idx) =
+              make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
+                         pack_half2(t1.z, t1.w));
       }
-      const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
-      const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
-      const int64_t idx = (row_off + r * p.Hv) * C + s;
-      *reinterpret_cast<uint4*>(p.Tv16 + idx) =
-          make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
-                     pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
-      if (p.Tmat) {
-        *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
-        *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
+    } else {  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
+      // each thread keeps one column s, so its factors are computed once
+      const int s = threadIdx.x % C;
+      const float fb = bs[s], fe = fb * __expf(Gs[s]);
+      for (int r = threadIdx.x / C; r < C; r += NT / C) {
+        const float t = Ts[r * LDA + s];
+        As[r * LDA + s] = round_tf32(t * fe);
+        Tv[r * LDA + s] = round_tf32(t * fb);
+        if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
       }
-      if (p.T16)
-        *reinterpret_cast<uint4*>(p.T16 + idx) =
-            make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
-                       pack_half2(t1.z, t1.w));
     }
-  } else {  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
-    // each thread keeps one column s, so its factors are computed once
-    const int s = threadIdx.x % C;
-    const float fb = bs[s], fe = fb * __expf(Gs[s]);
-    for (int r = threadIdx.x / C; r < C; r += NT / C) {
-      const float t = Ts[r * LDA + s];
-      As[r * LDA + s] = round_tf32(t * fe);
-      Tv[r * LDA + s] = round_tf32(t * fb);
-      if (p.Tmat && r < L) p.Tmat[(row_off + r * p.Hv) * C + s] = t;
-    }
-  }
   }  // value heads
   if constexpr (kFree) return;  // no W, U0
   __syncthreads();
