@@ -214,7 +214,8 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   float* Ts = As + C * LDA;                            // [C][LDA] T
   float* Tv = Ts + C * LDA;                            // [C][LDA] T diag(beta) (!kFree)
   [[maybe_unused]] float* xs = Ts + C * LDA;           // kFree: the inverse's scratch
-  float* bs_all = reinterpret_cast<float*>(smem_raw + kWySmem<kFree, kMulti> - kWyTail);  // [heads][C]
+  // [heads][C] beta
+  float* bs_all = reinterpret_cast<float*>(smem_raw + kWySmem<kFree, kMulti> - kWyTail);
   float* Gs_all = bs_all + kWyMaxHeads * C;            // [heads][C]
   float* kn = Gs_all + kWyMaxHeads * C;                // [C] |k_r|^2 (shared by the heads)
 
@@ -245,7 +246,8 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   }
   cp_async_wait<0>();
   __syncthreads();
-  if (warp < 2 * nh && (warp & 1)) Gs_all[(warp >> 1) * C + 32 + lane] += Gs_all[(warp >> 1) * C + 31];
+  if (warp < 2 * nh && (warp & 1))
+    Gs_all[(warp >> 1) * C + 32 + lane] += Gs_all[(warp >> 1) * C + 31];
   if (p.Kh_w != nullptr && h0 % (p.Hv / p.Hqk) == 0) {
     // fp16 copies of this chunk's k and q rows for the fp16 state pass (bf16 inputs; exact
     // for |x| in [2^-14, 65504], the range of l2-normalised q and k)
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
 
   // P, staged for the stores: in T's bytes (written from the substitution on), or (kMulti) in a
   // tile of its own after the inverse's scratch
-  float* Ps = kMulti ? Ts + C * LDA + (NT / 32) * 16 * kXsLd : Ts;
+  float* Ps = kMulti ? xs + (NT / 32) * 16 * kXsLd : Ts;
   // K K^T and Q K^T: warp w owns rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
   const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
   float kk[4][4] = {}, qk[4][4] = {};

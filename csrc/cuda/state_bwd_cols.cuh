@@ -248,6 +248,17 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
         mma_f16(kd[2 * np + 1], a, b1);
       }
     }
+    // acc (16 x 64 over token tiles) += A (k step kt of 16 tokens) B, B(r, s) = M[r][s] for a
+    // lower-triangular 64 x 64 token matrix M (P or T): the k step meets only tiles np <= kt
+    auto tri_mma = [](float(&acc)[8][4], const uint32_t(&a)[4], const __half* M, int kt) {
+#pragma unroll
+      for (int np = 0; np <= kt; ++np) {
+        uint32_t b0[2], b1[2];
+        frag_b16_trans2(b0, b1, M, SM::LDP, 16 * np, 16 * kt);
+        mma_f16(acc[2 * np], a, b0);
+        mma_f16(acc[2 * np + 1], a, b1);
+      }
+    };
     // dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}) (times 2^e); P[r][s'] = 0 for s' > r
     float du[8][4] = {};
     if (!identity) {
@@ -261,13 +272,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
           const float sg = sig[(i & 1) ? R1 : 0];  // a1, a3: row g + 8
           a[i] = pack_half2(sg * f.x, sg * f.y);
         }
-#pragma unroll
-        for (int np = 0; np <= kt; ++np) {
-          uint32_t b0[2], b1[2];
-          frag_b16_trans2(b0, b1, P, SM::LDP, 16 * np, 16 * kt);  // B(r, s) = P[r][s]
-          mma_f16(du[2 * np], a, b0);
-          mma_f16(du[2 * np + 1], a, b1);
-        }
+        tri_mma(du, a, P, kt);
       }
     }
 #pragma unroll
@@ -286,13 +291,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
       for (int kt = 0; kt < 4; ++kt) {
         uint32_t a[4];
         acc_to_a16(a, du[2 * kt], du[2 * kt + 1]);
-#pragma unroll
-        for (int np = 0; np <= kt; ++np) {
-          uint32_t b0[2], b1[2];
-          frag_b16_trans2(b0, b1, T, SM::LDP, 16 * np, 16 * kt);  // B(r, s) = T[r][s]
-          mma_f16(dv[2 * np], a, b0);
-          mma_f16(dv[2 * np + 1], a, b1);
-        }
+        tri_mma(dv, a, T, kt);
       }
     }
     if (out && !(p.debug & 8)) {  // dVt: a token record block
