@@ -185,16 +185,28 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     SegmentPlan u = unsplit(q, bw);
     u.est_us = estimate_us(q, u, cost);
     if (u.est_us < best_unsplit.est_us) best_unsplit = u;
-    for (int64_t seg = kMinSegChunks; seg < longest_est; seg = next_seg_candidate(seg)) {
-      if (!seg_candidate_for(bw, seg, longest_est)) continue;
+    auto consider = [&](int64_t seg) {
       SegmentPlan s = with_length(q, seg, bw);
-      if (!s.split) continue;
+      if (!s.split) return;
       s.est_us = estimate_us(q, s, sequential);
       if (s.est_us < best_split.est_us) best_split = s;
-      if (!cost.overlap) continue;
+      if (!cost.overlap) return;
       s.est_us = estimate_schedule_us(q, s, cost);
       if (s.overlap && s.est_us < best_overlapped.est_us) best_overlapped = s;
-    }
+    };
+    for (int64_t seg = kMinSegChunks; seg < longest_est; seg = next_seg_candidate(seg))
+      if (seg_candidate_for(bw, seg, longest_est, cost.overlap)) consider(seg);
+    // lengths the host knows (fixed length, one packed sequence), 128 columns (one block per
+    // SM), plans that may run overlapped (seg_candidate_for's `fine`): also the length of
+    // every segment count, the shortest that cuts the sequence into n segments, so that a
+    // plan's blocks can fill their wave exactly (H100, 4/16 heads x 16384 tokens, 256
+    // chunks, overlapped: 6 segments of 43 chunks 0.342 ms, of 52 0.361; 48, the candidate
+    // above, makes 6 as well, the longest 48)
+    if (bw == 128 && q.fixed_chunks > 0 && cost.overlap)
+      for (int64_t n = 2; ceil_div(longest_est, n) >= kMinSegChunks; ++n) {
+        const int64_t seg = ceil_div(longest_est, n);
+        if (seg >= 32 || longest_est >= 128) consider(seg);  // seg_candidate_for's floor
+      }
     // corr: 16 and 32 columns, segments from kMinCorrSegChunks (its chain has no warm-up,
     // and every block must fit in one wave anyway)
     for (int64_t seg = kMinCorrSegChunks; corr && bw != 128 && seg < longest_est;

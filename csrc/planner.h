@@ -121,13 +121,18 @@ struct ForwardCost {
   // own phase 0 is cut into nsub sub-segments after a parallel step of sub_start_us. A
   // candidate only where every block of it fits in one wave beside the others (H100,
   // 2026-11-23: 2/8 x 8192 0.247 -> 0.209 ms; where the blocks take two waves it lost, 2/8 x
-  // 32768 0.426 -> 0.470). The model overstates its gain (state pass at 2/8 x 8192: 41%
+  // 32768 0.426 -> 0.470). The model overstated its gain (state pass at 2/8 x 8192: 41%
   // predicted, ~19% measured; 2/8 x 16384: 29% predicted, ~4% measured), so the planner
   // takes it only when its estimate is at most overlap_margin of the best sequential plan's.
+  // Since the chain's kernels are launched as programmatic dependents and sub_start_kernel
+  // runs on tensor cores (2026-11-25; sub_start_us its time after the combine, 15-24 us
+  // measured) the gains are larger (H100, 2/8 x 32768 in 13 segments: 0.381 -> 0.338 ms,
+  // model 0.74 of sequential, measured 0.85 of the state pass; 4/16 x 16384 in 6: 0.358 ->
+  // 0.342, model 0.87) and the margin went from 0.75 to 0.9.
   bool overlap = true;
   int nsub = 4;
-  double sub_start_us = 5.0;
-  double overlap_margin = 0.75;
+  double sub_start_us = 15.0;
+  double overlap_margin = 0.9;
   // Exact segments' outputs by correction (SegmentPlan::corr; host-made splits of the
   // forward's fp16 pass at 16 or 32 columns, estimate_corr_us): a phase-1 step with outputs
   // relative to a phase-0 step (H100, 2026-11-24, 2/8 x 4096, segments of 24 at 32 columns:
@@ -307,18 +312,31 @@ constexpr int64_t kMinSegChunks = 24;
 // ... and with exact outputs by correction (SegmentPlan::corr; candidates 12, 16, 24, ...)
 constexpr int64_t kMinCorrSegChunks = 12;
 
-// The segment lengths Auto mode tries, from kMinSegChunks up: 24, 32, 48, 64, 96, 128, ...
-// (steps of 4/3 and 3/2, so that plans of one block per SM can fill their last wave).
+// The segment lengths Auto mode tries, from kMinSegChunks up: m 2^e for m = 4, 5, 6, 7, i.e.
+// 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, ... (four a factor of two, so that plans of
+// one block per SM can fill their wave: 2/8 heads x 32768 tokens, H100, 2026-11-25, the
+// overlapped schedule in 13 segments of 40 chunks 0.338 ms, 12 of 43 0.348; the steps of
+// 4/3 and 3/2 before, 24, 32, 48, 64, ..., had no length between 32 and 48).
 inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
-  return seg % 3 == 0 ? seg / 3 * 4 : seg / 2 * 3;
+  int64_t e = 1;  // seg = m e with m in 4 .. 7 (any other length: the next power of two up)
+  while (seg >= 8 * e) e *= 2;
+  const int64_t m = seg / e;
+  return m < 4 ? 4 * e : m < 7 ? (m + 1) * e : 8 * e;
 }
 
 // Whether column block bw tries segments of seg chunks when the longest sequence has
 // `longest` chunks: 16 and 32 (several blocks per SM, measured at 32, 64, 128, ...) the
 // powers of two; 128 every candidate, those below 32 chunks (where the model's warm-up and
 // combine terms matter most) only for sequences of 128+ chunks, where they were measured.
-inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest) {
+// `fine`: the plan may take the overlapped schedule (the forward's), every length of
+// next_seg_candidate; else (the backward's passes, FLASHGDN_CP_OVERLAP=0) only m = 4, 6,
+// the lengths 24, 32, 48, 64, 96, ... their plans were measured at.
+inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest,
+                                          bool fine = false) {
   if (bw != 128) return (seg & (seg - 1)) == 0;
+  int64_t e = 1;
+  while (seg >= 8 * e) e *= 2;
+  if (!fine && seg / e != 4 && seg / e != 6) return false;
   return seg >= 32 || longest >= 128;
 }
 

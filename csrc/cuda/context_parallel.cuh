@@ -16,6 +16,9 @@
 // start exact beside the exact chain on a second stream (SegParams::starts); sub-segments
 // (FLASHGDN_CP_SUB overrides the plan's count) cut the phase 0 of exact segments into
 // pieces started from recorded states (sub_record, sub_start_kernel).
+// The chain's kernels after phase 1 are launched as programmatic dependents (launch.cu
+// launch_kernel, FLASHGDN_PDL): their blocks start under the previous kernel's tail and
+// wait for it (pdl_wait) only where they read what the chain wrote.
 //
 // Exact outputs by correction (SegParams::corr) replace the exact segments' phase 0 by phase
 // 1's local outputs plus Q_eff S_in, added by seg_correct_kernel after the combine.
@@ -366,23 +369,6 @@ constexpr int kCombineThreads = NT;
 constexpr int kMLd = D + 4;
 constexpr size_t kCombineSmem = sizeof(float) * (2 * D * kMLd + D * kCombineCols);
 
-// acc[i] += (M S)[r0 + i][col] for the kRows rows of this thread: M [D][D] and kCols
-// columns of S [D][kCols] in shared memory, fp32 FMA over k in order (sub_start_kernel's
-// product).
-template <int kRows, int kCols>
-__device__ __forceinline__ void add_m_times_s(float (&acc)[kRows], const float* Ms,
-                                              const float* Sc, int col, int r0) {
-  for (int k = 0; k < D; k += 4) {
-    const float s0 = Sc[(k + 0) * kCols + col], s1 = Sc[(k + 1) * kCols + col];
-    const float s2 = Sc[(k + 2) * kCols + col], s3 = Sc[(k + 3) * kCols + col];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const float4 m = *reinterpret_cast<const float4*>(Ms + (r0 + i) * D + k);
-      acc[i] = fmaf(m.x, s0, fmaf(m.y, s1, fmaf(m.z, s2, fmaf(m.w, s3, acc[i]))));
-    }
-  }
-}
-
 // acc[c] += (M S)[row][c0 + c], c < 4, for M [D][kMLd] and S's kCombineCols columns
 // [D][kCombineCols] in shared memory, fp32 FMA over k in order (the combine's product).
 __device__ __forceinline__ void add_m_times_s_wide(float (&acc)[4], const float* Ms,
@@ -431,6 +417,7 @@ __device__ __forceinline__ void combine_sequence(const SegParams& p, bool revers
     }
     if (threadIdx.x == 0) exact[0] = last_flag;
     __syncthreads();
+    pdl_wait();  // phase 1's summaries (seg_M, seg_L) are complete from here on
     auto needs = [&](int64_t u) { return exact[1 + u - t0]; };
     auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
     auto load_m = [&](int64_t u) {  // step u's M into buffer u % 2 (one commit group)
@@ -484,6 +471,8 @@ __device__ __forceinline__ void combine_sequence(const SegParams& p, bool revers
 }
 
 __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams p, bool reverse) {
+  PdlCompletion pdl_completion;  // see its definition (mma.cuh)
+  pdl_trigger();  // the chain's next kernel may start its blocks' prologues now
   if (p.seqs.failed()) return;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][kMLd] M of the previous segment
@@ -497,22 +486,33 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
 }
 
 // sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kSubCols), 256 threads,
-//   80 KB smem (2 blocks per SM)
+//   37 KB smem (2 blocks per SM)
 //   Sub-segments (FLASHGDN_CP_SUB): the state entering sub-segment s >= 1 of an exact
-//   segment, S = M_s S_in + L_s, for kSubCols state columns (S_in from
-//   seg_combine_kernel, M_s and L_s recorded by phase 1), written over L_s. Every block is
-//   independent (no chain). fp32 FMA, the combine's arithmetic (per element the same FMAs
-//   in the same order at any kSubCols).
+//   segment, S = M_s S_in + L_s, for kSubCols state columns (S_in from seg_combine_kernel,
+//   M_s and L_s recorded by phase 1), written over L_s. Every block is independent (no
+//   chain). Tensor cores at fp32's accuracy: m16n8k16 fp16 products with fp32 accumulators
+//   on the two-term split of both operands (split_half2), M_s S_in = Ml Sh + Mh Sl + Mh Sh
+//   up to the Ml Sl term (~2^-22 of the product). Warp w: rows (keys) 16 w .. + 15 of the
+//   result, M_s's A fragments straight from global memory into registers; S_in's columns
+//   staged in shared memory as hi and lo tiles [key][kSubLd] (B fragments by
+//   ldmatrix.trans); the accumulators start from L_s.
+//   Launched as the combine's programmatic dependent (launch.cu launch_kernel): the blocks
+//   of segments that do not start exact (most of the grid: the decaying heads') return
+//   before pdl_wait, under the combine's walk.
 //   reads  Lb, seg_in, sub_M, sub_L     writes sub_L
-//   32 columns a block: every block loads the whole M_s (64 KB), so 8 columns a block (the
-//   combine's width, before 2026-11-23) loaded each M_s 16 times from 3072 blocks at 2/8 x
-//   16384 (H100: 42 us on the exact heads' chain of the overlapped schedule); 32 columns
-//   load it 4 times from 768 blocks: 29 us (H100, 2026-11-23; most blocks are decaying
-//   heads' that return after segment_start).
-constexpr int kSubCols = 32;
-constexpr size_t kSubStartSmem = sizeof(float) * (D * D + D * kSubCols);
+//   History (H100, 2/8 heads): fp32 FMA on 32 columns a block took 29 us of the exact
+//   heads' chain at x 16384 and 42 us at x 32768 in segments of 43 (2026-11-25), mostly
+//   waves of blocks returning after segment_start; with PDL and tensor cores, 17-19 us
+//   after the combine at x 16384. Forming the state in the sub-segment's own phase-0
+//   block instead (no kernel between) was slower: those blocks, alone on their SMs, then
+//   waited for SMs in two waves beside the warm-started blocks (x 16384 224 -> 231 us).
+constexpr int kSubCols = 64;
+constexpr int kSubLd = kSubCols + 8;  // rows 144 B apart: ldmatrix's 8 rows in distinct banks
+constexpr size_t kSubStartSmem = 2 * sizeof(__half) * D * kSubLd;
 
-__global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
+__global__ void __launch_bounds__(NT, 2) sub_start_kernel(SegParams p) {
+  PdlCompletion pdl_completion;  // see its definition (mma.cuh)
+  pdl_trigger();
   if (p.seqs.failed() || p.nsub <= 1 || !col_block_chosen<D>(p) || device_sequential(p)) return;
   const int64_t h = blockIdx.y, z = blockIdx.x / (p.nsub - 1);
   const int s = 1 + static_cast<int>(blockIdx.x % (p.nsub - 1));
@@ -522,27 +522,68 @@ __global__ void __launch_bounds__(NT) sub_start_kernel(SegParams p) {
   const int64_t c_begin = j * seg, c_end = c_begin + seg < nch ? c_begin + seg : nch;
   if (c_begin + s * sub_chunks(p) >= c_end) return;  // no such sub-segment
   if (segment_start(p, p.seqs.first_chunk(n), nch, h, j).src != SegSource::Exact) return;
-  constexpr int kRows = D * kSubCols / NT;  // rows of the result per thread
+  pdl_wait();  // the combine's seg_in (and phase 1's records before it) are complete
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* Ms = reinterpret_cast<float*>(smem_raw);  // [D][D] M_s
-  float* Sc = Ms + D * D;                         // [D][kSubCols] S_in's columns
+  __half* Sh = reinterpret_cast<__half*>(smem_raw);  // [D keys][kSubLd] S_in's columns, hi
+  __half* Sl = Sh + D * kSubLd;                      // ... lo
   const int vb = blockIdx.z * kSubCols;
   const float* M = p.sub_M + sub_offset(p, z, h, s);
   const float* S_in = p.seg_in + static_cast<size_t>(z * p.Hv + h) * D * D;
-  for (int e = threadIdx.x; e < D * D / 4; e += NT) cp_async16(Ms + 4 * e, M + 4 * e, true);
-  cp_async_commit();
-  for (int e = threadIdx.x; e < D * kSubCols; e += NT)
-    Sc[e] = __ldcg(S_in + (e / kSubCols) * D + vb + e % kSubCols);
-  const int col = threadIdx.x % kSubCols, r0 = (threadIdx.x / kSubCols) * kRows;
-  float* L = p.sub_L + sub_offset(p, z, h, s) + vb + col;
-  float acc[kRows];
+  float* L = p.sub_L + sub_offset(p, z, h, s);
+  const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * warp;
+  // M's A fragments, fp32: i = 0..3 are a0..a3 (rows g, g + 8; keys 2t, 2t + 8 of step kk)
+  float2 ma[D / 16][4];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) acc[i] = __ldcg(L + (r0 + i) * D);
-  cp_async_wait<0>();
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      ma[kk][i] = __ldcg(reinterpret_cast<const float2*>(M + (r0 + g + (i & 1) * 8) * D +
+                                                         16 * kk + 2 * t + (i >> 1) * 8));
+  constexpr int kNT = kSubCols / 8;  // n8 tiles of the warp's rows
+  float acc[kNT][4];
+#pragma unroll
+  for (int jn = 0; jn < kNT; ++jn)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float2 l = __ldcg(reinterpret_cast<const float2*>(L + (r0 + g + 8 * hf) * D + vb +
+                                                              8 * jn + 2 * t));
+      acc[jn][2 * hf] = l.x;
+      acc[jn][2 * hf + 1] = l.y;
+    }
+  for (int e = threadIdx.x; e < D * kSubCols / 4; e += NT) {
+    const int row = e / (kSubCols / 4), c4 = 4 * (e % (kSubCols / 4));
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(S_in + row * D + vb + c4));
+    uint2 hi, lo;
+    split_half2(x.x, x.y, hi.x, lo.x);
+    split_half2(x.z, x.w, hi.y, lo.y);
+    *reinterpret_cast<uint2*>(Sh + row * kSubLd + c4) = hi;
+    *reinterpret_cast<uint2*>(Sl + row * kSubLd + c4) = lo;
+  }
   __syncthreads();
-  add_m_times_s<kRows, kSubCols>(acc, Ms, Sc, col, r0);
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) __stcg(L + (r0 + i) * D, acc[i]);
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t ah[4], al[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split_half2(ma[kk][i].x, ma[kk][i].y, ah[i], al[i]);
+#pragma unroll
+    for (int jp = 0; jp < kNT / 2; ++jp) {
+      uint32_t bh0[2], bh1[2], bl0[2], bl1[2];
+      frag_b16_trans2(bh0, bh1, Sh, kSubLd, 16 * jp, 16 * kk);
+      frag_b16_trans2(bl0, bl1, Sl, kSubLd, 16 * jp, 16 * kk);
+      mma_f16(acc[2 * jp], al, bh0);  // the small terms first
+      mma_f16(acc[2 * jp], ah, bl0);
+      mma_f16(acc[2 * jp], ah, bh0);
+      mma_f16(acc[2 * jp + 1], al, bh1);
+      mma_f16(acc[2 * jp + 1], ah, bl1);
+      mma_f16(acc[2 * jp + 1], ah, bh1);
+    }
+  }
+#pragma unroll
+  for (int jn = 0; jn < kNT; ++jn)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      __stcg(reinterpret_cast<float2*>(L + (r0 + g + 8 * hf) * D + vb + 8 * jn + 2 * t),
+             make_float2(acc[jn][2 * hf], acc[jn][2 * hf + 1]));
 }
 
 // seg_correct_kernel  grid (max_chunks, H_v), 256 threads, 104 KB smem (2 blocks per SM)

@@ -72,6 +72,33 @@ int env_int_or(const char* name, int unset) {
   return v != nullptr && *v != '\0' ? std::atoi(v) : unset;
 }
 
+// Programmatic dependent launch of the context-parallel chain's kernels (on by default;
+// FLASHGDN_PDL=0 turns it off): see launch_kernel.
+bool pdl_enabled() { return env_int_or("FLASHGDN_PDL", 1) != 0; }
+
+// kernel<<<grid, NT, smem, st>>>(args...); with `pdl` as the programmatic dependent of the
+// kernel before it in `st` (sm_90): its blocks may start while that kernel still runs, as
+// soon as each of that kernel's blocks has called pdl_trigger or exited, and they wait for
+// its completion in pdl_wait (mma.cuh) before reading what it wrote. So the chain's
+// prologues (segment decisions, the first chunk's copies) and the blocks that find nothing
+// to do run under the previous kernel's tail. Captured into CUDA graphs as programmatic
+// edges.
+template <typename... KArgs, typename... Args>
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_t st, bool pdl,
+                   const char* what, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(NT);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+}
+
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
 // forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
 bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
@@ -524,7 +551,7 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
-                       cudaStream_t st) {
+                       cudaStream_t st, bool pdl = false) {
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
@@ -537,15 +564,19 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   for_each_z_slice(f, plan.max_segments * subs, blocks_x * p.Hv, sm_count(p.device_id),
                    [&](const FwdParams& fz, unsigned z) {
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
+    const bool dep = pdl && fz.z_base == 0;  // only the first slice follows the chain's kernel
+    const char* what = "state_fwd_cols_kernel launch";
     if (f.h == nullptr && cols_wgmma())
-      state_fwd_cols_wg_kernel<In><<<grid, NT, StateFwdColsWgSmem::kBytes, st>>>(fz);
+      launch_kernel(state_fwd_cols_wg_kernel<In>, grid, StateFwdColsWgSmem::kBytes, st, dep,
+                    what, fz);
     else if (f.corr && f.phase == 1)  // exact segments' outputs by correction
-      state_fwd_cols_kernel<In, false, true><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
+      launch_kernel(state_fwd_cols_kernel<In, false, true>, grid, StateFwdColsSmem::kBytes, st,
+                    dep, what, fz);
     else if (f.h != nullptr)  // the backward's recomputation (launch.cu bwd_cols)
-      state_fwd_cols_kernel<In, true><<<grid, NT, StateFwdColsSmem::kRecordBytes, st>>>(fz);
+      launch_kernel(state_fwd_cols_kernel<In, true>, grid, StateFwdColsSmem::kRecordBytes, st,
+                    dep, what, fz);
     else
-      state_fwd_cols_kernel<In><<<grid, NT, StateFwdColsSmem::kBytes, st>>>(fz);
-    check_cuda(cudaGetLastError(), "state_fwd_cols_kernel launch");
+      launch_kernel(state_fwd_cols_kernel<In>, grid, StateFwdColsSmem::kBytes, st, dep, what, fz);
   });
 }
 
@@ -554,7 +585,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
 // alone on its SM), each slot every gridDim.x-th of them: like phase 1, the work is uneven
 // across heads (only exact heads chain), so one wave made the busy heads' slots walk
 // their sequences one after the other.
-void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st) {
+void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st,
+                        bool pdl = false) {
   static std::once_flag once;
   std::call_once(once, [] { set_smem(seg_combine_kernel, kCombineSmem); });
   constexpr int64_t kColBlocks = D / kCombineCols;
@@ -563,8 +595,8 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
                             ? std::min(p.N, wave_slots(4, sm_count(p.device_id), per_slot))
                             : p.N;
   const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.Hv), kColBlocks);
-  seg_combine_kernel<<<grid, NT, kCombineSmem, st>>>(f, reverse);
-  check_cuda(cudaGetLastError(), "seg_combine_kernel launch");
+  launch_kernel(seg_combine_kernel, grid, kCombineSmem, st, pdl, "seg_combine_kernel launch", f,
+                reverse);
 }
 
 template <typename In>
@@ -584,8 +616,8 @@ void launch_sub_start(const Problem& p, const SegmentPlan& plan, const SegParams
   std::call_once(once, [] { set_smem(sub_start_kernel, kSubStartSmem); });
   const dim3 grid(static_cast<unsigned>(plan.max_segments * (f.nsub - 1)),
                   static_cast<unsigned>(p.Hv), D / kSubCols);
-  sub_start_kernel<<<grid, NT, kSubStartSmem, st>>>(f);
-  check_cuda(cudaGetLastError(), "sub_start_kernel launch");
+  // right after the combine in the chain's stream (no correction with sub-segments)
+  launch_kernel(sub_start_kernel, grid, kSubStartSmem, st, true, "sub_start_kernel launch", f);
 }
 
 // Value heads a block of the default pass's wy_kernel takes: the largest divisor of
@@ -714,8 +746,9 @@ ChainStream* chain_stream(int device, cudaStream_t st) {
 }
 
 // The phases of a sequential pass (the forward's, the recomputation or the reverse pass)
-// over the plan's segments: `launch(stream)` runs the pass's kernels at f's phase and
-// starts, `between(stream)` turns phase 1's summaries into entering states (the combine, the
+// over the plan's segments: `launch(stream, pdl)` runs the pass's kernels at f's phase and
+// starts (pdl: after `between`, as the chain's programmatic dependents; launch_kernel),
+// `between(stream)` turns phase 1's summaries into entering states (the combine, the
 // sub-segment starts). Split: phase 1, between, then phase 0; with FLASHGDN_CP_OVERLAP the
 // phase 0 of segments that do not start exact (they need nothing from the chain) runs on
 // the caller's stream beside the chain on the chain stream, forked and joined by events;
@@ -729,14 +762,14 @@ void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st
     check_cuda(cudaStreamWaitEvent(cs->stream, cs->fork, 0), "cudaStreamWaitEvent");
     f.phase = 0;
     f.starts = 1;  // segments from h0 / dht or a warm-up
-    launch(st);
+    launch(st, false);
     f.phase = 1;
     f.starts = 0;
-    launch(cs->stream);
+    launch(cs->stream, false);
     between(cs->stream);
     f.phase = 0;
     f.starts = 2;  // exact segments, from seg_in (or their sub-segments' records)
-    launch(cs->stream);
+    launch(cs->stream, true);
     f.starts = 0;
     check_cuda(cudaEventRecord(cs->join, cs->stream), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(st, cs->join, 0), "cudaStreamWaitEvent");
@@ -744,18 +777,18 @@ void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st
   }
   if (split) {  // exact entering states of the segments that need them
     f.phase = 1;
-    launch(st);
+    launch(st, false);
     between(st);
   }
   f.phase = 0;
-  launch(st);
+  launch(st, split);
 }
 
 // The reverse pass over the forward's segments (last to first), with the summaries and
 // their chaining first when a segment starts exactly from its successor.
 template <typename In>
 void run_reverse_pass(const Problem& p, const SegmentPlan& plan, BwdParams& g, cudaStream_t st) {
-  auto launch = [&](cudaStream_t s) {
+  auto launch = [&](cudaStream_t s, bool /*pdl: the reverse pass's kernels wait on none*/) {
     if (g.rec16) {
       launch_state_bwd_cols<In>(plan, p, g, s);
       return;
@@ -838,7 +871,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   // bwd_cols: the backward's recomputation in state_fwd_cols_kernel too, on the backward's
   // segments (whatever column block the plan or the device picked for them)
   const bool recompute_cols = f.h != nullptr && b.p16;
-  auto launch = [&](cudaStream_t s) {
+  auto launch = [&](cudaStream_t s, bool pdl) {
     if (f.corr && f.phase == 0 && f.starts == 2) return;  // exact segments: seg_correct_kernel
     if (recompute_cols) {
       FwdParams fc = f;
@@ -850,12 +883,12 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     const bool narrow = !f.schedule_dev || (f.phase == 0 && f.starts == 1);
     if (narrow && launches(plan, 16)) launch_state_fwd<In, 16>(plan, p, f, b.pass, s);
     if (narrow && launches(plan, 32)) launch_state_fwd<In, 32>(plan, p, f, b.pass, s);
-    if (launches(plan, D)) launch_state_cols<In>(plan, p, f, s);  // the f16 pass's 128 columns
+    if (launches(plan, D)) launch_state_cols<In>(plan, p, f, s, pdl);  // the f16 pass's 128 columns
   };
   if (p.N == 0) return;
   run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(plan), f, st, launch,
              [&](cudaStream_t s) {
-               launch_seg_combine(p, f, false, s);
+               launch_seg_combine(p, f, false, s, true);
                launch_seg_correct<In>(p, f, s);
                launch_sub_start(p, plan, f, s);
              });

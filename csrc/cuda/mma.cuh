@@ -220,6 +220,16 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// x, y -> (hi, lo) fp16 pairs with hi = fp16(x), lo = fp16(x - hi) (round to nearest): the
+// two-term split whose products Ml Bh + Mh Bl + Mh Bh give fp32's accuracy on fp16 mma.
+__device__ __forceinline__ void split_half2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x, y);
+  const float2 f = __half22float2(h);
+  const __half2 l = __floats2half2_rn(x - f.x, y - f.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
 // Accumulator element e (0..3) of an m16n8 tile: row g (+8 for e >= 2), column 2t (+1 odd e).
 __device__ __forceinline__ int acc_row(int e) { return (lane_id() >> 2) + (e >= 2 ? 8 : 0); }
 __device__ __forceinline__ int acc_col(int e) { return 2 * (lane_id() & 3) + (e & 1); }
@@ -359,6 +369,36 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+// Programmatic dependent launch (sm_90; launch.cu launch_kernel): a kernel launched as the
+// programmatic dependent of the one before it in its stream may start while that one
+// runs. pdl_wait blocks until that kernel has completed and its memory is visible; it
+// must come before the first read of anything the kernels of the context-parallel chain
+// write (phase 1's summaries, seg_in, sub-segment records). pdl_trigger lets this grid's
+// dependent start once every block of this grid has triggered or exited. Both do nothing
+// in a kernel launched without the attribute (or without a dependent).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// The chain's order must hold past a grid whose blocks may all return without pdl_wait
+// (e.g. sub_start_kernel where the device chose the sequential schedule): a grid's
+// completion says nothing about the kernel before it unless some block waited for it, and
+// the kernels after it (a programmatic dependent's pdl_wait, a plain launch) rely on that.
+// So every kernel that may be launched as a programmatic dependent declares one of these
+// first: its block (0, 0, 0) waits before it exits, and the grid completes only after the
+// kernel before it.
+struct PdlCompletion {
+  __device__ ~PdlCompletion() {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) pdl_wait();
+  }
+};
 
 // Copies a ROWS x COLS tile (row r < L from src + r * stride, else zeros) into a shared
 // tile with leading dimension LD, 16 bytes per cp.async, spread over the 256 threads of the

@@ -72,10 +72,12 @@ struct ChoiceScratch {
 
 // plan_kernel's choice (all threads call it; returns the segment length chosen, or
 // seg_chunks when only the column block is chosen). Every thread sums the segments its
-// sequences make at each candidate length; one warp evaluates the cost model, a lane per
-// candidate (fp64, once per candidate: when all 1024 threads evaluated every candidate the
-// kernel took 17 us, H100, 16/32 heads 8192 x 4 tokens, 5 us without the choice); lane 0
-// then compares the estimates in a fixed order. Unsplit at 16, 32, 128 first; a split must
+// sequences make at each candidate length; a thread per candidate evaluates the cost model
+// (fp64, once per candidate: when all 1024 threads evaluated every candidate the kernel
+// took 17 us, H100, 16/32 heads 8192 x 4 tokens, 5 us without the choice; at 2/8 heads
+// 28672 + 4096 tokens with four lengths a factor of two, 24 us with one warp's lanes, 22
+// with a thread each: most of it is elsewhere, 2026-11-25); thread 0 then compares the
+// estimates in a fixed order. Unsplit at 16, 32, 128 first; a split must
 // beat the best of them by min_gain; the overlapped schedule replaces the best sequential
 // split where its estimate is at most overlap_margin of it (the host's rule, planner.cpp).
 __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longest, int64_t total,
@@ -106,7 +108,7 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longe
     if (lane == 0 && acc != 0) atomicAdd(&sc.segs[k], acc);
   }
   __syncthreads();
-  if (threadIdx.x < 32) {
+  {
     auto candidate = [&](int bw) {
       if (!choice.pick_col_block) return bw == choice.col_block;
       return (bw != 128 || choice.allow_cols) && (choice.col_blocks & col_block_bit(bw)) != 0;
@@ -118,12 +120,14 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longe
     st0.total = static_cast<double>(total);
     st0.segs = static_cast<double>(s.N);  // unsplit: one segment per sequence
     const int ncand = 3 * (1 + nk);
-    for (int i = lane; i < ncand; i += 32) {
+    static_assert(kMaxPlanCandidates <= kPlanThreads, "one candidate a thread");
+    for (int i = threadIdx.x; i < ncand; i += kPlanThreads) {
       const int bw = bws[i % 3], k = i / 3 - 1;  // k < 0: unsplit
       double seq = 1e300, ov = 1e300;
       if (candidate(bw) && k < 0) {
         seq = estimate_state_pass_us(sequential, st0, choice.heads, choice.sms, bw, 0.0);
-      } else if (candidate(bw) && seg_candidate_for(bw, sc.seg[k], longest) &&
+      } else if (candidate(bw) &&
+                 seg_candidate_for(bw, sc.seg[k], longest, choice.cost.overlap) &&
                  (choice.split_col_blocks == 0 ||
                   (choice.split_col_blocks & col_block_bit(bw)) != 0)) {
         LoadStats st = st0;
@@ -143,7 +147,7 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longe
       sc.est[i][0] = seq;
       sc.est[i][1] = ov;
     }
-    __syncwarp();
+    __syncthreads();
     if (threadIdx.x == 0) {
       int best_bw = choice.col_block;
       double best = 1e300;

@@ -182,10 +182,16 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 
   // S^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); S is stored [key][value]
   float sacc[16][4];
+  // wy_kernel's outputs are complete before the chain starts: the first chunk's copies go
+  // out before the wait below
+  if (c_first < c_end) issue(c_first, 0);
+  // an exact segment's entering state (seg_in, a sub-segment's) is the chain's: wait for
+  // the kernel before (launch_kernel's pdl); the other blocks need nothing from it
+  if (b.ss.src == SegSource::Exact) pdl_wait();
   load_state_cols(sacc, entering_state(p, b), identity, v0);
 
-  if (c_first < c_end) issue(c_first, 0);
   for (int64_t ci = c_first; ci < c_end; ++ci) {
+    if (ci + 1 == c_end) pdl_trigger();  // the chain's next kernel may start its prologue
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
@@ -342,6 +348,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 // the phase-0 kernel ~32 bytes of spills)
 template <typename In, bool kRecord = false, bool kCorr = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
+  PdlCompletion pdl_completion;  // a programmatic dependent in the chain (mma.cuh)
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
     state_fwd_cols_segment<In, kRecord, kCorr>(p, b);
@@ -416,9 +423,10 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
   };
 
   float sacc[16][4];
+  if (c_first < c_end) issue(c_first, 0);
+  if (b.ss.src == SegSource::Exact) pdl_wait();  // as in state_fwd_cols_segment
   load_state_cols(sacc, entering_state(p, b), identity, v0);
 
-  if (c_first < c_end) issue(c_first, 0);
   for (int64_t ci = c_first; ci < c_end; ++ci) {
     const int s = static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
@@ -518,6 +526,7 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
 
 template <typename In>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
+  PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
     state_fwd_cols_wg_segment<In>(p, b);

@@ -173,11 +173,12 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
   EXPECT_TRUE(p.cols);
   EXPECT_TRUE(p.split);
   EXPECT_EQ(p.seg_chunks, 64);
-  q = query(1, 512, 8);  // 2/8 heads: segments of 32 chunks
+  q = query(1, 512, 8);  // 2/8 heads: 13 segments of 40 chunks, overlapped (see below)
   q.allow_cols = true;
   p = plan_segments(q);
   EXPECT_EQ(p.col_block, 128);
-  EXPECT_EQ(p.seg_chunks, 32);
+  EXPECT_EQ(p.seg_chunks, 40);
+  EXPECT_TRUE(p.overlap);
   // 2/8 and 4/16 heads, 8192 tokens, sequential schedule: segments of 24 chunks (6 x 8 or
   // 6 x 16 blocks, one wave; measured on H100: 0.286 ms vs 0.321 at 32 chunks, 4/16: 0.333
   // vs 0.366). (The overlapped one is taken there by default: OverlappedSchedule... below.)
@@ -192,10 +193,14 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
     EXPECT_EQ(p.max_segments, 6) << hv;
   }
   // 4/16 heads, 16384 tokens: 24 chunks would need 11 x 16 = 176 blocks, two waves of one
-  // block per SM; 32 chunks fill one (measured 0.514 ms vs 0.598)
+  // block per SM; sequential, 32 chunks fill one (measured 0.514 ms vs 0.598, 2026-11-23);
+  // the overlapped schedule takes 6 segments of 43 (96 blocks and 24 exact summaries in a
+  // wave; H100, 2026-11-25: 0.342 ms against 0.358 sequential in segments of 32)
   q = query(1, 256, 16);
   q.allow_cols = true;
-  EXPECT_EQ(plan_segments(q).seg_chunks, 32);
+  EXPECT_EQ(plan_segments(q, sequential).seg_chunks, 32);
+  EXPECT_EQ(plan_segments(q).seg_chunks, 43);
+  EXPECT_TRUE(plan_segments(q).overlap);
   q = query(1, 32, 8);  // 2/8 heads, 2048 tokens: too short to split, 16 columns fill more SMs
   q.allow_cols = true;
   EXPECT_EQ(plan_segments(q).col_block, 16);
@@ -212,9 +217,9 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
 }
 
 TEST(Planner, SegmentCandidatesAndWaves) {
-  // 24, 32, 48, 64, 96, 128, ...: steps of 4/3 and 3/2
+  // m 2^e for m = 4 .. 7: 24, 28, 32, 40, 48, 56, 64, 80, ...
   int64_t seg = flashgdn::kMinSegChunks;
-  const int64_t expect[] = {24, 32, 48, 64, 96, 128, 192, 256};
+  const int64_t expect[] = {24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256};
   for (int64_t e : expect) {
     EXPECT_EQ(seg, e);
     seg = flashgdn::next_seg_candidate(seg);
@@ -225,6 +230,10 @@ TEST(Planner, SegmentCandidatesAndWaves) {
   EXPECT_TRUE(flashgdn::seg_candidate_for(128, 24, 128));
   EXPECT_FALSE(flashgdn::seg_candidate_for(128, 24, 127));
   EXPECT_TRUE(flashgdn::seg_candidate_for(128, 48, 64));
+  // the lengths with m = 5, 7 only for plans that may take the overlapped schedule
+  EXPECT_FALSE(flashgdn::seg_candidate_for(128, 40, 512));
+  EXPECT_TRUE(flashgdn::seg_candidate_for(128, 40, 512, /*fine=*/true));
+  EXPECT_TRUE(flashgdn::seg_candidate_for(128, 96, 512));
   // one block of 128 columns per SM: 129 blocks take two waves, 132 one
   flashgdn::ForwardCost c;
   flashgdn::LoadStats s;
@@ -277,10 +286,17 @@ TEST(Planner, OverlappedScheduleOnlyWhereItFitsOneWave) {
   EXPECT_TRUE(s.split && !s.overlap);
   EXPECT_EQ(s.nsub, 1);
   EXPECT_LT(p.est_us, s.est_us);
-  // 32768 tokens (512 chunks): 128 blocks of 128 columns already fill the SMs, the
-  // schedule's extra blocks would take a second wave (measured slower): sequential
+  // 32768 tokens (512 chunks): in 16 segments 128 blocks of 128 columns already fill the
+  // SMs and the schedule's extra blocks would take a second wave (measured slower); in 13
+  // segments of 40 chunks (78 warm-started blocks beside 24 exact segments' 48 summaries)
+  // it fits, and since its chain's kernels start as programmatic dependents it wins
+  // (H100, 2026-11-25: 0.338 ms against 0.381 sequential in 16 segments)
   q = query(1, 512, 8);
   q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).overlap);
+  EXPECT_EQ(plan_segments(q).seg_chunks, 40);
+  q = query(1, 512, 16);  // 4/16 heads: 6 segments of 86 overlapped, 0.611 against 0.616:
+  q.allow_cols = true;    // the model does not take it
   EXPECT_FALSE(plan_segments(q).overlap);
   // packed sequences whose lengths the device sees: never the host's schedule (the device
   // picks it: DeviceOverlapForFewPackedSequences)
@@ -395,10 +411,10 @@ TEST(Planner, DeviceOverlapForFewPackedSequences) {
   q.N = 15;  // 16 x 8 + 6 = 134
   EXPECT_FALSE(plan_segments(q).device_overlap);
   EXPECT_EQ(plan_segments(q).nsub, 1);
-  q = query(2, 256, 8, /*varlen=*/true);  // 28672 + 4096 tokens: fits, but one sequence of
-  q.allow_cols = true;                     // 514 chunks runs sequentially: not launched
+  q = query(2, 256, 8, /*varlen=*/true);  // 28672 + 4096 tokens: fits, and one sequence of
+  q.allow_cols = true;                     // 514 chunks runs overlapped: launched
   EXPECT_TRUE(plan_segments(q).device_choice);
-  EXPECT_FALSE(plan_segments(q).device_overlap);
+  EXPECT_TRUE(plan_segments(q).device_overlap);
   q = query(4, 24, 16, /*varlen=*/true);  // 4/16 heads, 4 sequences: 5 x 16 + 12 = 92
   q.allow_cols = true;
   EXPECT_TRUE(plan_segments(q).device_overlap);
