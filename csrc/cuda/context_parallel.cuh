@@ -502,8 +502,9 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
 //   reads  Lb, seg_in, sub_M, sub_L     writes sub_L
 //   History (H100, 2/8 heads): fp32 FMA on 32 columns a block took 29 us of the exact
 //   heads' chain at x 16384 and 42 us at x 32768 in segments of 43 (2026-11-25), mostly
-//   waves of blocks returning after segment_start; with PDL and tensor cores, 17-19 us
-//   after the combine at x 16384. Forming the state in the sub-segment's own phase-0
+//   waves of blocks returning after segment_start; with PDL and tensor cores it ends 14 us
+//   (x 16384) to 24 us (x 32768, 13 segments) after the combine: its working blocks get
+//   only the SMs the warm-started blocks leave. Forming the state in the sub-segment's own phase-0
 //   block instead (no kernel between) was slower: those blocks, alone on their SMs, then
 //   waited for SMs in two waves beside the warm-started blocks (x 16384 224 -> 231 us).
 constexpr int kSubCols = 64;

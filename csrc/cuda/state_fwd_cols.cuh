@@ -21,6 +21,9 @@
 // every chunk and U as fp16 record blocks (mma.cuh: stmatrix into a warp's staging, one
 // bulk store a warp); it runs here where launch.cu's bwd_cols says, else in
 // state_fwd_f16_kernel (fp32 records).
+// In phase 0 after the combine (or sub_start_kernel) it is launched as their programmatic
+// dependent (launch.cu launch_kernel): only the blocks of exact segments wait (pdl_wait),
+// after issuing their first chunk's copies, before loading their entering state.
 //   reads  Kh, Qh, Tv16, v, P16, EG (wy_kernel), Lb, initial state, seg_in
 //   writes o, final state (phase 0); seg_L, seg_M (phase 1); h, U and their factors (recomputation)
 #pragma once
