@@ -205,7 +205,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     if (bw == 128 && q.fixed_chunks > 0 && cost.overlap)
       for (int64_t n = 2; ceil_div(longest_est, n) >= kMinSegChunks; ++n) {
         const int64_t seg = ceil_div(longest_est, n);
-        if (seg >= 32 || longest_est >= 128) consider(seg);  // seg_candidate_for's floor
+        if (seg_candidate_for(bw, seg, longest_est, /*fine=*/true)) consider(seg);
       }
     // corr: 16 and 32 columns, segments from kMinCorrSegChunks (its chain has no warm-up,
     // and every block must fit in one wave anyway)
