@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashgdn
-from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, make_inputs,
+from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, cotangents, make_inputs,
                       out_of_fp16_range_inputs, reference, rel_err)
 
 GRAD_TOL = 8e-3
@@ -139,9 +139,7 @@ def test_auto_pass_backward_out_of_fp16_range(monkeypatch):
                   for n in NAMES}
         o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
                                                 output_final_state=True)
-        gen = torch.Generator().manual_seed(7)
-        do = torch.randn(o.shape, generator=gen).to(o.dtype).cuda()
-        dht = torch.randn(ht.shape, generator=gen).cuda()
+        do, dht = cotangents(o, ht, 7)
         wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
         return torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), wrt)
 

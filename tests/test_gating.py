@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import flashgdn
 from flashgdn import ops
-from conftest import HAS_GPU, NO_GPU_REASON, Case, make_inputs, reference, rel_err
+from conftest import HAS_GPU, NO_GPU_REASON, Case, cotangents, make_inputs, reference, rel_err
 
 GRAD_TOL = 8e-3  # as tests/test_backward.py
 O_TOL = 4.3e-3
@@ -173,9 +173,7 @@ def test_chunk_from_raw_matches_reference(device):
     leaves = {n: inp[n].clone().requires_grad_() for n in RAW_NAMES}
     o, ht = flashgdn.chunk_gated_delta_rule_from_raw(**leaves, cu_seqlens=inp["cu_seqlens"],
                                                      output_final_state=True)
-    gen = torch.Generator().manual_seed(5)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(device)
-    dht = torch.randn(ht.shape, generator=gen).to(device)
+    do, dht = cotangents(o, ht, 5)
     ours = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), list(leaves.values()))
     ref_leaves = {n: inp[n].double().clone().requires_grad_() for n in RAW_NAMES}
     ro, rh = ref_from_raw(ref_leaves, inp["cu_seqlens"])
@@ -231,9 +229,7 @@ def test_chunk_l2norm_gradients_match_reference(device):
     o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
                                             output_final_state=True,
                                             use_qk_l2norm_in_kernel=True)
-    gen = torch.Generator().manual_seed(7)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(device)
-    dht = torch.randn(ht.shape, generator=gen).to(device)
+    do, dht = cotangents(o, ht, 7)
     ours = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), list(leaves.values()))
 
     def l2(x):

@@ -13,7 +13,7 @@ import torch
 
 import flashgdn
 import flashgdn.ops as ops
-from conftest import HAS_GPU, NO_GPU_REASON, Case, make_inputs, reference, rel_err
+from conftest import HAS_GPU, NO_GPU_REASON, Case, cotangents, make_inputs, reference, rel_err
 
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
 O_TOL = 8e-3
@@ -24,9 +24,7 @@ def grads(case: Case, device: str, keep: bool, seed: int = 0, twice: bool = Fals
     leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None) for n in NAMES}
     o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
                                             output_final_state=True, keep_for_backward=keep)
-    gen = torch.Generator().manual_seed(seed + 100)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(device)
-    dht = torch.randn(ht.shape, generator=gen).to(device)
+    do, dht = cotangents(o, ht, seed + 100)
     wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
     loss = (o * do).sum() + (ht * dht).sum()
     out = torch.autograd.grad(loss, wrt, retain_graph=twice)
@@ -183,9 +181,7 @@ def test_from_raw_keep_for_backward(device):
         o, ht = flashgdn.chunk_gated_delta_rule_from_raw(**leaves, cu_seqlens=inp["cu_seqlens"],
                                                          output_final_state=True,
                                                          keep_for_backward=keep)
-        gen = torch.Generator().manual_seed(11)
-        do = torch.randn(o.shape, generator=gen).to(o.dtype).to(device)
-        dht = torch.randn(ht.shape, generator=gen).to(device)
+        do, dht = cotangents(o, ht, 11)
         grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), list(leaves.values()))
         res.append((o.detach(), grads))
     (o0, g0), (o1, g1) = res
