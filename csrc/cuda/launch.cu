@@ -345,10 +345,16 @@ struct Poison {
 };
 
 void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, int64_t seg_chunks,
-                 const DeviceSegChoice& choice, cudaStream_t st) {
+                 const DeviceSegChoice& choice, cudaStream_t st, PlanPart part = PlanPart::All) {
   if (!p.varlen()) return;
-  plan_kernel<<<1, kPlanThreads, 0, st>>>(s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets,
-                                          b.split_seqs, b.seg_items, b.error, choice);
+  if (part == PlanPart::Segments)
+    plan_kernel<kPlanAsideThreads><<<1, kPlanAsideThreads, 0, st>>>(
+        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
+        choice, part);
+  else
+    plan_kernel<kPlanThreads><<<1, kPlanThreads, 0, st>>>(
+        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
+        choice, part);
   check_cuda(cudaGetLastError(), "plan_kernel launch");
 }
 
@@ -866,8 +872,23 @@ template <typename In>
 void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
-  run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);
-  launch_wy<In>(p, f, st);
+  // The device's choice (its cost model, ~13 us on one SM: H100, 2/8 heads 28672 + 4096
+  // tokens, 2026-11-25) needs nothing of wy_kernel, which needs only the chunk table: the
+  // table first, then the choice and the segment tables on the chain stream beside wy_kernel
+  const ChainStream* cs =
+      p.varlen() && choice.chosen != nullptr ? chain_stream(p.device_id, st) : nullptr;
+  if (cs != nullptr) {
+    run_planner(p, f.seqs, b, plan.seg_chunks, choice, st, PlanPart::Table);
+    check_cuda(cudaEventRecord(cs->fork, st), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(cs->stream, cs->fork, 0), "cudaStreamWaitEvent");
+    run_planner(p, f.seqs, b, plan.seg_chunks, choice, cs->stream, PlanPart::Segments);
+    check_cuda(cudaEventRecord(cs->join, cs->stream), "cudaEventRecord");
+    launch_wy<In>(p, f, st);
+    check_cuda(cudaStreamWaitEvent(st, cs->join, 0), "cudaStreamWaitEvent");
+  } else {
+    run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);
+    launch_wy<In>(p, f, st);
+  }
   // bwd_cols: the backward's recomputation in state_fwd_cols_kernel too, on the backward's
   // segments (whatever column block the plan or the device picked for them)
   const bool recompute_cols = f.h != nullptr && b.p16;

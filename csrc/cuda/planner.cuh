@@ -1,7 +1,8 @@
 // Device-side planner for packed (varlen) calls. cu_seqlens lives on the GPU, so
 // the chunk table is built on the GPU too: no host-device sync, graph capturable.
 //
-// plan_kernel  grid 1 x 1024 threads
+// plan_kernel  grid 1 x 512 threads (kPlanThreads; 64 registers, no spill: at 1024 the
+//              cost model's fp64 estimates spilled ~500 bytes)
 //   reads  cu_seqlens [N + 1]
 //   writes chunk_offsets [N + 1] (prefix sum of ceil(len / 64)), error (0 or 1:
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
@@ -13,7 +14,9 @@
 //          for_each_segment_block); with a
 //          DeviceSegChoice, first picks seg_chunks (and, if asked, the column block:
 //          16, 32 or 128, and the schedule) from the actual lengths under the planner's
-//          cost model (choose_plan) and writes them to choice.chosen [3]
+//          cost model (choose_plan) and writes them to choice.chosen [3]. PlanPart
+//          splits it in two launches (the table and the error, then the choice and the
+//          segment tables) so that the choice runs beside wy_kernel (run_planner)
 // poison_kernel grid-stride, one launch for all of a call's outputs (PoisonList)
 //   writes NaN into the outputs when error is set, so a bad cu_seqlens is never
 //   silent garbage (the compute kernels skip all work in that case). One launch: two
@@ -36,7 +39,11 @@
 namespace flashgdn {
 namespace cuda {
 
-constexpr int kPlanThreads = 1024;
+constexpr int kPlanThreads = 512;
+// The choice's launch beside wy_kernel (PlanPart::Segments): 64 threads (4096 registers) fit
+// beside three wy_kernel blocks of 256 threads at 80 registers (61440 of an SM's 65536), so
+// the choice takes no wy_kernel block's place
+constexpr int kPlanAsideThreads = 64;
 
 // The device's choice of segment length (varlen, SegmentPlan::device_choice): the cost
 // model of csrc/planner.h on the actual lengths, over unsplit and min_seg and the longer
@@ -80,7 +87,9 @@ struct ChoiceScratch {
 // estimates in a fixed order. Unsplit at 16, 32, 128 first; a split must
 // beat the best of them by min_gain; the overlapped schedule replaces the best sequential
 // split where its estimate is at most overlap_margin of it (the host's rule, planner.cpp).
-__device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longest, int64_t total,
+template <int kThreads, typename ChunksOf>
+__device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chunks_of,
+                                               int64_t longest, int64_t total,
                                                int64_t seg_chunks, const DeviceSegChoice& choice,
                                                ChoiceScratch& sc) {
   const int bws[3] = {16, 32, 128};
@@ -96,16 +105,18 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longe
   if (threadIdx.x < kMaxSegCandidates) sc.segs[threadIdx.x] = 0;
   __syncthreads();
   const int nk = sc.n;
-  for (int k = 0; k < nk; ++k) {
-    const int64_t seg = sc.seg[k];
-    unsigned long long acc = 0;
-    for (int64_t n = threadIdx.x; n < s.N; n += kPlanThreads) {
-      const int64_t len = s.cu(n + 1) - s.cu(n);
-      acc += static_cast<unsigned long long>(segments_of(len > 0 ? (len + C - 1) / C : 0, seg));
-    }
+  // sequences outer, candidates inner: each thread reads its sequences' lengths once (the
+  // other order reloaded them per candidate, a dependent global round trip each)
+  for (int64_t base = 0; base < s.N; base += kThreads) {
+    const int64_t n = base + threadIdx.x;
+    const int64_t chunks = n < s.N ? chunks_of(n) : -1;
+    for (int k = 0; k < nk; ++k) {
+      unsigned long long acc =
+          chunks >= 0 ? static_cast<unsigned long long>(segments_of(chunks, sc.seg[k])) : 0;
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) acc += __shfl_down_sync(0xffffffffu, acc, o);
-    if (lane == 0 && acc != 0) atomicAdd(&sc.segs[k], acc);
+      for (int o = 16; o > 0; o /= 2) acc += __shfl_down_sync(0xffffffffu, acc, o);
+      if (lane == 0 && acc != 0) atomicAdd(&sc.segs[k], acc);
+    }
   }
   __syncthreads();
   {
@@ -120,8 +131,7 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longe
     st0.total = static_cast<double>(total);
     st0.segs = static_cast<double>(s.N);  // unsplit: one segment per sequence
     const int ncand = 3 * (1 + nk);
-    static_assert(kMaxPlanCandidates <= kPlanThreads, "one candidate a thread");
-    for (int i = threadIdx.x; i < ncand; i += kPlanThreads) {
+    for (int i = threadIdx.x; i < ncand; i += kThreads) {
       const int bw = bws[i % 3], k = i / 3 - 1;  // k < 0: unsplit
       double seq = 1e300, ov = 1e300;
       if (candidate(bw) && k < 0) {
@@ -178,12 +188,21 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, int64_t longe
   return sc.chosen;
 }
 
-__global__ void __launch_bounds__(kPlanThreads)
+// What one plan_kernel launch does: all of it, or (where the choice runs beside wy_kernel,
+// see run_planner) the chunk table and the error flag, then in a second launch the choice
+// and the segment tables.
+enum class PlanPart : int { All = 0, Table = 1, Segments = 2 };
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
     plan_kernel(SeqLayout s, int64_t total_tokens, int64_t seg_chunks, int64_t* chunk_offsets,
                 int64_t* seg_offsets, int64_t* split_seqs, int64_t* seg_items, int* error,
-                DeviceSegChoice choice) {
-  using Scan = cub::BlockScan<int64_t, kPlanThreads>;
-  using Reduce = cub::BlockReduce<int64_t, kPlanThreads>;
+                DeviceSegChoice choice, PlanPart part) {
+  static_assert(kThreads >= kMaxSegCandidates && kThreads % 32 == 0, "a thread a length");
+  const bool table = part != PlanPart::Segments;
+  if (part == PlanPart::Table) seg_offsets = nullptr, choice.chosen = nullptr;
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  using Reduce = cub::BlockReduce<int64_t, kThreads>;
   __shared__ union {
     typename Scan::TempStorage scan;
     typename Reduce::TempStorage reduce;
@@ -193,26 +212,34 @@ __global__ void __launch_bounds__(kPlanThreads)
   __shared__ ChoiceScratch choose;
   if (threadIdx.x == 0) {
     bad = (s.cu(0) != 0 || s.cu(s.N) != total_tokens) ? 1 : 0;
-    chunk_offsets[0] = 0;
+    if (table) chunk_offsets[0] = 0;
     if (seg_offsets) seg_offsets[0] = 0;
   }
   __syncthreads();
-  auto chunks_of = [&](int64_t n) -> int64_t {
+  // Where every sequence has a thread (N <= kThreads) its chunk count is read once and
+  // kept in a register for the choice and the segment tables (each read of cu_seqlens is a
+  // dependent global round trip)
+  const bool one_pass = s.N <= kThreads;
+  int64_t mine = 0;
+  auto load_chunks = [&](int64_t n) -> int64_t {
     const int64_t len = s.cu(n + 1) - s.cu(n);
     return len > 0 ? (len + C - 1) / C : 0;
   };
+  auto chunks_of = [&](int64_t n) -> int64_t { return one_pass ? mine : load_chunks(n); };
   int64_t carry = 0, longest = 0;
-  for (int64_t base = 0; base < s.N; base += kPlanThreads) {
+  for (int64_t base = 0; base < s.N; base += kThreads) {
     const int64_t n = base + threadIdx.x;
     int64_t count = 0;
     if (n < s.N) {
-      if (s.cu(n + 1) - s.cu(n) < 0) bad = 1;
-      count = chunks_of(n);
+      const int64_t len = s.cu(n + 1) - s.cu(n);
+      if (len < 0) bad = 1;
+      count = len > 0 ? (len + C - 1) / C : 0;
+      mine = count;
       longest = count > longest ? count : longest;
     }
     int64_t incl, total;
     Scan(tmp.scan).InclusiveSum(count, incl, total);
-    if (n < s.N) chunk_offsets[n + 1] = carry + incl;
+    if (table && n < s.N) chunk_offsets[n + 1] = carry + incl;
     carry += total;
     __syncthreads();
   }
@@ -222,11 +249,11 @@ __global__ void __launch_bounds__(kPlanThreads)
     __syncthreads();
     longest = seg_shared;
     __syncthreads();
-    seg_chunks = choose_plan(s, longest, carry, seg_chunks, choice, choose);
+    seg_chunks = choose_plan<kThreads>(s, chunks_of, longest, carry, seg_chunks, choice, choose);
   }
   if (seg_offsets) {
     int64_t seg_carry = 0, split_carry = 0;
-    for (int64_t base = 0; base < s.N; base += kPlanThreads) {
+    for (int64_t base = 0; base < s.N; base += kThreads) {
       const int64_t n = base + threadIdx.x;
       const int64_t count = n < s.N ? chunks_of(n) : 0;
       const int64_t segs = n < s.N ? segments_of(count, seg_chunks) : 0;
@@ -257,7 +284,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) *error = bad;
+  if (table && threadIdx.x == 0) *error = bad;
 }
 
 // The outputs poison_kernel overwrites: up to kPoisonMax arrays of n elements of a dtype.
