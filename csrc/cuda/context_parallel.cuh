@@ -25,6 +25,7 @@
 //
 // seg_combine_kernel  grid (sequence slots, H_v, 128 / kCombineCols): see its definition.
 // sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kSubCols): likewise.
+// seg_scan_kernel     grid (segments, 4, H_v / kScanHeads), one launch per level: likewise.
 // seg_correct_kernel  grid (chunks, H_v): likewise.
 #pragma once
 
@@ -511,6 +512,83 @@ constexpr int kSubCols = 64;
 constexpr int kSubLd = kSubCols + 8;  // rows 144 B apart: ldmatrix's 8 rows in distinct banks
 constexpr size_t kSubStartSmem = 2 * sizeof(__half) * D * kSubLd;
 
+// acc += A X[:, x0 .. x0 + kSubCols) for A, X fp32 [D][D] in global memory (rows D apart), on
+// fp16 m16n8k16 tensor cores at fp32's accuracy: the two-term splits (split_half2) of both
+// operands, A X = Al Xh + Ah Xl + Ah Xh up to the Al Xl term (~2^-22 of the product), fp32
+// accumulators. Warp w holds rows 16 w .. + 15 of the result (acc[n8 tile][4], the m16n8
+// accumulator layout). A's fragments go from global memory straight into registers; X's
+// columns are staged in shared memory as hi and lo tiles Xh, Xl [key][kSubLd] (B fragments by
+// ldmatrix.trans). Every thread of the block calls it (one barrier; the caller's barrier
+// must close earlier reads of Xh, Xl). sub_start_kernel's and seg_scan_kernel's product.
+__device__ __forceinline__ void add_split_product(float (&acc)[kSubCols / 8][4], const float* A,
+                                                  const float* X, int x0, __half* Xh,
+                                                  __half* Xl) {
+  const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * warp;
+  // A's fragments, fp32: i = 0..3 are a0..a3 (rows g, g + 8; keys 2t, 2t + 8 of step kk)
+  float2 ma[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      ma[kk][i] = __ldcg(reinterpret_cast<const float2*>(A + (r0 + g + (i & 1) * 8) * D +
+                                                         16 * kk + 2 * t + (i >> 1) * 8));
+  for (int e = threadIdx.x; e < D * kSubCols / 4; e += NT) {
+    const int row = e / (kSubCols / 4), c4 = 4 * (e % (kSubCols / 4));
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(X + row * D + x0 + c4));
+    uint2 hi, lo;
+    split_half2(x.x, x.y, hi.x, lo.x);
+    split_half2(x.z, x.w, hi.y, lo.y);
+    *reinterpret_cast<uint2*>(Xh + row * kSubLd + c4) = hi;
+    *reinterpret_cast<uint2*>(Xl + row * kSubLd + c4) = lo;
+  }
+  __syncthreads();
+  constexpr int kNT = kSubCols / 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t ah[4], al[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split_half2(ma[kk][i].x, ma[kk][i].y, ah[i], al[i]);
+#pragma unroll
+    for (int jp = 0; jp < kNT / 2; ++jp) {
+      uint32_t bh0[2], bh1[2], bl0[2], bl1[2];
+      frag_b16_trans2(bh0, bh1, Xh, kSubLd, 16 * jp, 16 * kk);
+      frag_b16_trans2(bl0, bl1, Xl, kSubLd, 16 * jp, 16 * kk);
+      mma_f16(acc[2 * jp], al, bh0);  // the small terms first
+      mma_f16(acc[2 * jp], ah, bl0);
+      mma_f16(acc[2 * jp], ah, bh0);
+      mma_f16(acc[2 * jp + 1], al, bh1);
+      mma_f16(acc[2 * jp + 1], ah, bl1);
+      mma_f16(acc[2 * jp + 1], ah, bh1);
+    }
+  }
+}
+
+// The warp's rows of a [D][D] fp32 matrix's columns x0 .. x0 + kSubCols in (load) or out of
+// (store) the accumulator layout of add_split_product.
+__device__ __forceinline__ void load_cols_acc(float (&acc)[kSubCols / 8][4], const float* src,
+                                              int x0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * (threadIdx.x >> 5);
+#pragma unroll
+  for (int jn = 0; jn < kSubCols / 8; ++jn)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float2 l = __ldcg(reinterpret_cast<const float2*>(src + (r0 + g + 8 * hf) * D + x0 +
+                                                              8 * jn + 2 * t));
+      acc[jn][2 * hf] = l.x;
+      acc[jn][2 * hf + 1] = l.y;
+    }
+}
+__device__ __forceinline__ void store_cols_acc(const float (&acc)[kSubCols / 8][4], float* dst,
+                                               int x0) {
+  const int g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * (threadIdx.x >> 5);
+#pragma unroll
+  for (int jn = 0; jn < kSubCols / 8; ++jn)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      __stcg(reinterpret_cast<float2*>(dst + (r0 + g + 8 * hf) * D + x0 + 8 * jn + 2 * t),
+             make_float2(acc[jn][2 * hf], acc[jn][2 * hf + 1]));
+}
+
 __global__ void __launch_bounds__(NT, 2) sub_start_kernel(SegParams p) {
   PdlCompletion pdl_completion;  // see its definition (mma.cuh)
   pdl_trigger();
@@ -528,63 +606,113 @@ __global__ void __launch_bounds__(NT, 2) sub_start_kernel(SegParams p) {
   __half* Sh = reinterpret_cast<__half*>(smem_raw);  // [D keys][kSubLd] S_in's columns, hi
   __half* Sl = Sh + D * kSubLd;                      // ... lo
   const int vb = blockIdx.z * kSubCols;
-  const float* M = p.sub_M + sub_offset(p, z, h, s);
-  const float* S_in = p.seg_in + static_cast<size_t>(z * p.Hv + h) * D * D;
   float* L = p.sub_L + sub_offset(p, z, h, s);
-  const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * warp;
-  // M's A fragments, fp32: i = 0..3 are a0..a3 (rows g, g + 8; keys 2t, 2t + 8 of step kk)
-  float2 ma[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      ma[kk][i] = __ldcg(reinterpret_cast<const float2*>(M + (r0 + g + (i & 1) * 8) * D +
-                                                         16 * kk + 2 * t + (i >> 1) * 8));
-  constexpr int kNT = kSubCols / 8;  // n8 tiles of the warp's rows
-  float acc[kNT][4];
-#pragma unroll
-  for (int jn = 0; jn < kNT; ++jn)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const float2 l = __ldcg(reinterpret_cast<const float2*>(L + (r0 + g + 8 * hf) * D + vb +
-                                                              8 * jn + 2 * t));
-      acc[jn][2 * hf] = l.x;
-      acc[jn][2 * hf + 1] = l.y;
-    }
-  for (int e = threadIdx.x; e < D * kSubCols / 4; e += NT) {
-    const int row = e / (kSubCols / 4), c4 = 4 * (e % (kSubCols / 4));
-    const float4 x = __ldcg(reinterpret_cast<const float4*>(S_in + row * D + vb + c4));
-    uint2 hi, lo;
-    split_half2(x.x, x.y, hi.x, lo.x);
-    split_half2(x.z, x.w, hi.y, lo.y);
-    *reinterpret_cast<uint2*>(Sh + row * kSubLd + c4) = hi;
-    *reinterpret_cast<uint2*>(Sl + row * kSubLd + c4) = lo;
+  float acc[kSubCols / 8][4];  // from L_s
+  load_cols_acc(acc, L, vb);
+  add_split_product(acc, p.sub_M + sub_offset(p, z, h, s),
+                    p.seg_in + static_cast<size_t>(z * p.Hv + h) * D * D, vb, Sh, Sl);
+  store_cols_acc(acc, L, vb);
+}
+
+// seg_scan_kernel  grid (segments, 4, H_v / kScanHeads), 256 threads, 37 KB smem (2 blocks
+//   per SM), one
+//   launch per level of a log-depth scan (launch.cu launch_seg_scan; the forward's
+//   replacement of seg_combine_kernel's walk where the plan has at most kScanMaxLevels levels)
+//   The combine's chain S_in(j + 1) = A_j(S_in(j)), A_j(S) = M_j S + L_j where segment j
+//   starts exact, else the constant L_j (segment 0: from h0, inside L_0), is a composition of
+//   affine maps: S_in(j + 1) = A_j o ... o A_0. Level ell (offset d = 2^ell) replaces each
+//   P_j (the composition of A over [j - d + 1, j], as far as 0) by P_j o P_{j-d}, a Hillis-
+//   Steele scan: ceil(log2(segments - 1)) levels of independent products instead of
+//   segments - 1 dependent steps. P is constant (no M) once its range holds segment 0 or a
+//   segment that does not start exact; a constant P_j is S_in(j + 1) and goes to seg_in
+//   (where segment j + 1 starts exact: only then is it read), the others ping-pong between
+//   (src_M, src_L) and (dst_M, dst_L) (level 0 reads phase 1's seg_M, seg_L).
+//   Block (z, part, head group): segment z's step j (sequence n, to its segment j + 1) for
+//   kScanHeads heads in turn; part 0, 1: columns 0..63, 64..127 of the new M_j = M_j M_{j-d},
+//   part 2, 3: of the new L_j = M_j L_{j-d} + L_j. Which segments start exact (segment_start,
+//   a thread each over the 2d + 1 segments the level looks at, for every head of the block)
+//   decides what it does for each head; most heads' steps (the decaying heads') need
+//   nothing. Heads by groups, not a block each: a block a head took ~10 us a level at 2/8
+//   heads x 16384 tokens (H100, 2026-11-25: 352 blocks, most returning after segment_start,
+//   in ~3 waves of the SMs the warm-started blocks leave), the walk's 4.5 us a step the
+//   same 45 us. Products on tensor cores at fp32's accuracy (add_split_product).
+//   Each level is its predecessor's programmatic dependent (launch.cu launch_kernel).
+//   reads  Lb, seg_L, seg_M (level 0), src_M, src_L, seg_in (constant P of earlier levels)
+//   writes dst_M, dst_L, seg_in
+constexpr int kScanMaxLevels = 7;  // offsets up to 64
+constexpr int kScanHeads = 4;      // value heads a block takes
+
+__global__ void __launch_bounds__(NT, 2)
+    seg_scan_kernel(SegParams p, int level, const float* src_M, const float* src_L, float* dst_M,
+                    float* dst_L) {
+  PdlCompletion pdl_completion;  // see its definition (mma.cuh)
+  pdl_trigger();
+  if (p.seqs.failed()) return;
+  const int64_t z = blockIdx.x, d = int64_t{1} << level;
+  const int part = static_cast<int>(blockIdx.y);
+  const int64_t h0 = static_cast<int64_t>(blockIdx.z) * kScanHeads;
+  const int nh = static_cast<int>(p.Hv - h0 < kScanHeads ? p.Hv - h0 : kScanHeads);
+  int64_t n, j, z0, count;
+  if (!locate_segment(p, z, n, j)) return;
+  sequence_segments(p, n, z0, count);
+  if (j >= count - 1) return;  // the last segment: no step after it
+  const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
+  // per head of the block: [0] segment j + 1 starts exact (else S_in(j + 1) is not needed,
+  // nor P_j by a later step), [1] a segment of P_j's range [j - d + 1, j] does not (or the
+  // range holds segment 0: P_j is constant), [2] the same for P_{j-d}'s [j - 2d + 1, j - d]
+  __shared__ int flags[3][kScanHeads];
+  if (threadIdx.x < 3 * kScanHeads) flags[threadIdx.x / kScanHeads][threadIdx.x % kScanHeads] = 0;
+  __syncthreads();
+  const int span = static_cast<int>(2 * d + 1);  // segments j + 1 - u, u = 0 .. 2d
+  for (int e = threadIdx.x; e < nh * span; e += NT) {
+    const int hh = e / span, u = e % span;
+    const int64_t i = j + 1 - u;
+    const bool ex = i >= 1 && segment_start(p, chunk0, nch, h0 + hh, i).src == SegSource::Exact;
+    if (u == 0 ? ex : !ex) atomicOr(&flags[u == 0 ? 0 : u <= d ? 1 : 2][hh], 1);
   }
   __syncthreads();
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t ah[4], al[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) split_half2(ma[kk][i].x, ma[kk][i].y, ah[i], al[i]);
-#pragma unroll
-    for (int jp = 0; jp < kNT / 2; ++jp) {
-      uint32_t bh0[2], bh1[2], bl0[2], bl1[2];
-      frag_b16_trans2(bh0, bh1, Sh, kSubLd, 16 * jp, 16 * kk);
-      frag_b16_trans2(bl0, bl1, Sl, kSubLd, 16 * jp, 16 * kk);
-      mma_f16(acc[2 * jp], al, bh0);  // the small terms first
-      mma_f16(acc[2 * jp], ah, bl0);
-      mma_f16(acc[2 * jp], ah, bh0);
-      mma_f16(acc[2 * jp + 1], al, bh1);
-      mma_f16(acc[2 * jp + 1], ah, bl1);
-      mma_f16(acc[2 * jp + 1], ah, bh1);
+  const size_t mat = static_cast<size_t>(D) * D;
+  const int x0 = (part & 1) * kSubCols;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* Xh = reinterpret_cast<__half*>(smem_raw);  // [D keys][kSubLd], hi
+  __half* Xl = Xh + D * kSubLd;                      // ... lo
+  for (int hh = 0; hh < nh; ++hh) {  // block-uniform branches: flags are shared
+    if (!flags[0][hh]) continue;
+    const bool cur_const = flags[1][hh] != 0, prev_const = flags[2][hh] != 0;
+    const int64_t h = h0 + hh;
+    auto at = [&](int64_t i) { return static_cast<size_t>((z0 + i) * p.Hv + h) * mat; };
+    float* out_in = p.seg_in + at(j + 1);
+    if (cur_const) {  // final since an earlier level; level 0 copies the constant A_j = L_j
+      if (level != 0 || part < 2) continue;
+      pdl_wait();
+      for (int e = threadIdx.x; e < D * kSubCols / 4; e += NT) {
+        const int row = e / (kSubCols / 4), c4 = x0 + 4 * (e % (kSubCols / 4));
+        __stcg(reinterpret_cast<float4*>(out_in + row * D + c4),
+               __ldcg(reinterpret_cast<const float4*>(src_L + at(j) + row * D + c4)));
+      }
+      continue;
     }
+    // P_j o P_{j-d}: M_j (M_{j-d}, L_{j-d}) + (0, L_j); with P_{j-d} constant only the L
+    // part, and the result is final. P_{j-d}'s constant value: seg_in (level 0: phase 1's L)
+    if (prev_const && part < 2) continue;
+    pdl_wait();  // the previous level's (or phase 1's) results are complete from here on
+    const float* X = part < 2      ? src_M + at(j - d)
+                     : !prev_const ? src_L + at(j - d)
+                     : level == 0  ? src_L + at(j - 1)
+                                   : p.seg_in + at(j - d + 1);
+    float acc[kSubCols / 8][4];
+    if (part < 2) {
+#pragma unroll
+      for (int jn = 0; jn < kSubCols / 8; ++jn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[jn][e] = 0.f;
+    } else {
+      load_cols_acc(acc, src_L + at(j), x0);
+    }
+    add_split_product(acc, src_M + at(j), X, x0, Xh, Xl);
+    store_cols_acc(acc, prev_const ? out_in : (part < 2 ? dst_M : dst_L) + at(j), x0);
+    __syncthreads();  // Xh, Xl are restaged for the next head
   }
-#pragma unroll
-  for (int jn = 0; jn < kNT; ++jn)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-      __stcg(reinterpret_cast<float2*>(L + (r0 + g + 8 * hf) * D + vb + 8 * jn + 2 * t),
-             make_float2(acc[jn][2 * hf], acc[jn][2 * hf + 1]));
 }
 
 // seg_correct_kernel  grid (max_chunks, H_v), 256 threads, 104 KB smem (2 blocks per SM)

@@ -133,6 +133,7 @@ struct FwdBuffers {
   float *o_loc, *q_eff;            // SegParams::corr: exact segments' local outputs, Q_eff
   int nsub;                        // FLASHGDN_CP_SUB: sub-segments of exact segments (0: none)
   float *sub_L, *sub_M;            //   their records (SegParams::sub_L, sub_M)
+  float *scan_M, *scan_L;          // seg_scan_kernel's second buffers (scan_levels), else null
   int64_t* seg_chunks;             // varlen: the device's [segment length, column block,
                                    //   schedule] (plan_kernel)
   int* redo;                       // FLASHGDN_FWD_PASS=auto: per-block redo flags
@@ -203,6 +204,26 @@ bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward) {
          !cols_wgmma();
 }
 
+// Levels of the log-depth scan (seg_scan_kernel) that replaces the combine's walk in the
+// forward's state pass (and the backward's recomputation): ceil(log2(steps)) for the most
+// steps (segments - 1) a sequence of the plan can have; 0 (the walk) for one step, more than
+// kScanMaxLevels levels, or FLASHGDN_CP_SCAN=0. Packed sequences: from the longest one as
+// far as the host knows it (cu_seqlens_cpu's hint, else all tokens); levels past the
+// actual lengths' find every step done and return.
+int scan_levels(const Problem& p, const SegmentPlan& plan) {
+  if (!plan.split || env_int_or("FLASHGDN_CP_SCAN", 1) == 0) return 0;
+  int64_t longest = (p.T + C - 1) / C;
+  if (p.varlen()) {
+    longest = p.max_chunks();
+    if (p.max_seqlen > 0) longest = std::min(longest, (p.max_seqlen + C - 1) / C);
+  }
+  const int64_t steps = segments_of(longest, plan.seg_chunks) - 1;
+  if (steps < 2) return 0;
+  int levels = 1;
+  while ((int64_t{1} << levels) < steps) ++levels;
+  return levels <= kScanMaxLevels ? levels : 0;
+}
+
 FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
                      bool backward = false, bool p16 = false) {
   FwdBuffers b = carve_common(p, backward, p16, c);
@@ -226,6 +247,10 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
     if (b.nsub > 1) {
       b.sub_L = c.take<float>(segheads * (b.nsub - 1) * D * D);
       b.sub_M = c.take<float>(segheads * (b.nsub - 1) * D * D);
+    }
+    if (scan_levels(p, plan) > 0 && b.o_loc == nullptr) {
+      b.scan_M = c.take<float>(segheads * D * D);
+      b.scan_L = c.take<float>(segheads * D * D);
     }
   }
   if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(3);
@@ -605,6 +630,29 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
                 reverse);
 }
 
+// The forward's combine as a log-depth scan (seg_scan_kernel, scan_levels): one launch per
+// level, each its predecessor's programmatic dependent (the first phase 1's), ping-ponging
+// between phase 1's (seg_M, seg_L) and (scan_M, scan_L). False (nothing launched) where the
+// plan takes the combine's walk.
+bool launch_seg_scan(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b,
+                     const SegParams& f, cudaStream_t st) {
+  const int levels = scan_levels(p, plan);
+  if (levels == 0 || b.scan_M == nullptr || f.corr) return false;
+  static std::once_flag once;
+  std::call_once(once, [] { set_smem(seg_scan_kernel, kSubStartSmem); });
+  const dim3 grid(static_cast<unsigned>(plan.max_segments), 4,
+                  static_cast<unsigned>((p.Hv + kScanHeads - 1) / kScanHeads));
+  float* bufs[2][2] = {{f.seg_M, f.seg_L}, {b.scan_M, b.scan_L}};
+  for (int l = 0; l < levels; ++l) {
+    float** src = bufs[l & 1];
+    float** dst = bufs[(l + 1) & 1];
+    launch_kernel(seg_scan_kernel, grid, kSubStartSmem, st, true, "seg_scan_kernel launch", f, l,
+                  static_cast<const float*>(src[0]), static_cast<const float*>(src[1]), dst[0],
+                  dst[1]);
+  }
+  return true;
+}
+
 template <typename In>
 void launch_seg_correct(const Problem& p, const FwdParams& f, cudaStream_t st) {
   if (!f.corr || p.max_chunks() == 0) return;
@@ -909,7 +957,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   if (p.N == 0) return;
   run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(plan), f, st, launch,
              [&](cudaStream_t s) {
-               launch_seg_combine(p, f, false, s, true);
+               if (!launch_seg_scan(p, plan, b, f, s)) launch_seg_combine(p, f, false, s, true);
                launch_seg_correct<In>(p, f, s);
                launch_sub_start(p, plan, f, s);
              });
