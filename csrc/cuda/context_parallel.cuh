@@ -487,7 +487,7 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
 }
 
 // sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kSubCols), 256 threads,
-//   37 KB smem (2 blocks per SM)
+//   72 KB smem (2 blocks per SM)
 //   Sub-segments (FLASHGDN_CP_SUB): the state entering sub-segment s >= 1 of an exact
 //   segment, S = M_s S_in + L_s, for kSubCols state columns (S_in from seg_combine_kernel,
 //   M_s and L_s recorded by phase 1), written over L_s. Every block is independent (no
@@ -510,7 +510,9 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
 //   waited for SMs in two waves beside the warm-started blocks (x 16384 224 -> 231 us).
 constexpr int kSubCols = 64;
 constexpr int kSubLd = kSubCols + 8;  // rows 144 B apart: ldmatrix's 8 rows in distinct banks
-constexpr size_t kSubStartSmem = 2 * sizeof(__half) * D * kSubLd;
+constexpr int kSubXLd = kSubCols + 4;  // X's fp32 staging [key][kSubXLd]
+// Xh, Xl (fp16 [D][kSubLd] each), then X's fp32 staging
+constexpr size_t kSubStartSmem = 2 * sizeof(__half) * D * kSubLd + sizeof(float) * D * kSubXLd;
 
 // acc += A X[:, x0 .. x0 + kSubCols) for A, X fp32 [D][D] in global memory (rows D apart), on
 // fp16 m16n8k16 tensor cores at fp32's accuracy: the two-term splits (split_half2) of both
@@ -518,12 +520,21 @@ constexpr size_t kSubStartSmem = 2 * sizeof(__half) * D * kSubLd;
 // accumulators. Warp w holds rows 16 w .. + 15 of the result (acc[n8 tile][4], the m16n8
 // accumulator layout). A's fragments go from global memory straight into registers; X's
 // columns are staged in shared memory as hi and lo tiles Xh, Xl [key][kSubLd] (B fragments by
-// ldmatrix.trans). Every thread of the block calls it (one barrier; the caller's barrier
-// must close earlier reads of Xh, Xl). sub_start_kernel's and seg_scan_kernel's product.
+// ldmatrix.trans), after X's fp32 columns came in by cp.async into Xf [key][kSubXLd] while
+// A's loads were in flight: one round trip to L2 (the loop of plain loads before, each
+// converted and stored before the next, waited on each of its 8 in turn). Every thread of the
+// block calls it (two barriers; the caller's barrier must close earlier reads of Xh, Xl).
+// sub_start_kernel's and seg_scan_kernel's product.
 __device__ __forceinline__ void add_split_product(float (&acc)[kSubCols / 8][4], const float* A,
                                                   const float* X, int x0, __half* Xh,
                                                   __half* Xl) {
   const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * warp;
+  float* Xf = reinterpret_cast<float*>(Xl + D * kSubLd);
+  for (int e = threadIdx.x; e < D * kSubCols / 4; e += NT) {
+    const int row = e / (kSubCols / 4), c4 = 4 * (e % (kSubCols / 4));
+    cp_async16(Xf + row * kSubXLd + c4, X + row * D + x0 + c4, true);
+  }
+  cp_async_commit();
   // A's fragments, fp32: i = 0..3 are a0..a3 (rows g, g + 8; keys 2t, 2t + 8 of step kk)
   float2 ma[D / 16][4];
 #pragma unroll
@@ -532,9 +543,11 @@ __device__ __forceinline__ void add_split_product(float (&acc)[kSubCols / 8][4],
     for (int i = 0; i < 4; ++i)
       ma[kk][i] = __ldcg(reinterpret_cast<const float2*>(A + (r0 + g + (i & 1) * 8) * D +
                                                          16 * kk + 2 * t + (i >> 1) * 8));
+  cp_async_wait<0>();
+  __syncthreads();
   for (int e = threadIdx.x; e < D * kSubCols / 4; e += NT) {
     const int row = e / (kSubCols / 4), c4 = 4 * (e % (kSubCols / 4));
-    const float4 x = __ldcg(reinterpret_cast<const float4*>(X + row * D + x0 + c4));
+    const float4 x = *reinterpret_cast<const float4*>(Xf + row * kSubXLd + c4);
     uint2 hi, lo;
     split_half2(x.x, x.y, hi.x, lo.x);
     split_half2(x.z, x.w, hi.y, lo.y);
@@ -614,7 +627,7 @@ __global__ void __launch_bounds__(NT, 2) sub_start_kernel(SegParams p) {
   store_cols_acc(acc, L, vb);
 }
 
-// seg_scan_kernel  grid (segments, 4, H_v / kScanHeads), 256 threads, 37 KB smem (2 blocks
+// seg_scan_kernel  grid (segments, 4, H_v / kScanHeads), 256 threads, 72 KB smem (2 blocks
 //   per SM), one
 //   launch per level of a log-depth scan (launch.cu launch_seg_scan; the forward's
 //   replacement of seg_combine_kernel's walk where the plan has at most kScanMaxLevels levels)
