@@ -1,7 +1,7 @@
 // Intra-card context parallelism of the sequential passes (docs/algorithm.md; the plan
 // comes from csrc/planner.h and plan_kernel): the segments a sequence is split into, where
 // the state entering each one comes from, which block of a pass runs which segment, and
-// the two kernels between the passes' phases.
+// the kernels between the passes' phases.
 //
 // A segment that does not start the sequence starts from a warm-up of a few chunks from a
 // zero state when the product of the skipped chunks' bounds exp(sum Lb) is below
@@ -9,8 +9,10 @@
 // three launches: phase 1 of a pass gives each segment that an exact one follows its
 // summary (the state leaving it from its own start, L, and, if it is exact itself, its
 // transition M: the same pass run on the identity without inputs, no outputs);
-// seg_combine_kernel chains the summaries, S_in(j+1) = M_j S_in(j) + L_j; phase 0 then runs
-// every segment with outputs. The backward's reverse pass does the same last to first.
+// seg_combine_kernel chains the summaries, S_in(j+1) = M_j S_in(j) + L_j (the forward takes
+// that chain as a log-depth scan, seg_scan_kernel, where the plan allows: launch.cu
+// scan_levels); phase 0 then runs every segment with outputs. The backward's reverse pass
+// does the same last to first.
 // The overlapped schedule (launch.cu run_phases; the planner's choice where its blocks fit
 // in one wave, FLASHGDN_CP_OVERLAP overrides) runs the phase 0 of segments that do not
 // start exact beside the exact chain on a second stream (SegParams::starts); sub-segments
