@@ -158,6 +158,19 @@ inline FLASHGDN_HD int64_t segments_of(int64_t chunks, int64_t seg) {
   return chunks > seg ? (chunks + seg - 1) / seg : 1;
 }
 
+// Levels of the log-depth scan that forms the exact segments' entering states (the
+// forward's seg_scan_kernel, launch.cu scan_levels) for a sequence of `longest` chunks cut
+// every `seg` chunks: level l composes each step's prefix with the one 2^l steps before, so
+// ceil(log2(steps)) levels (at least 1) cover the segments - 1 steps. 0 (the combine's walk
+// instead) for a single step, or beyond max_levels.
+inline int scan_levels_for(int64_t longest, int64_t seg, int max_levels) {
+  const int64_t steps = segments_of(longest, seg > 0 ? seg : 1) - 1;
+  if (steps < 2) return 0;
+  int levels = 1;
+  while ((int64_t{1} << levels) < steps) ++levels;
+  return levels <= max_levels ? levels : 0;
+}
+
 // Column block of an unsplit sequential pass: 16 columns when 16-column blocks of all
 // (sequence, head) pairs still fit in one wave of the SMs, else 32.
 inline int unsplit_col_block(int64_t N, int64_t Hv, int sms) {

@@ -217,11 +217,7 @@ int scan_levels(const Problem& p, const SegmentPlan& plan) {
     longest = p.max_chunks();
     if (p.max_seqlen > 0) longest = std::min(longest, (p.max_seqlen + C - 1) / C);
   }
-  const int64_t steps = segments_of(longest, plan.seg_chunks) - 1;
-  if (steps < 2) return 0;
-  int levels = 1;
-  while ((int64_t{1} << levels) < steps) ++levels;
-  return levels <= kScanMaxLevels ? levels : 0;
+  return scan_levels_for(longest, plan.seg_chunks, kScanMaxLevels);
 }
 
 FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,

@@ -554,3 +554,28 @@ TEST(Planner, BackwardColumnBlockRule) {
   EXPECT_FALSE(backward_cols(8, 160, 64, 132));
   EXPECT_TRUE(backward_cols(8, 160, 64, 66));
 }
+
+// The forward's log-depth scan (seg_scan_kernel): ceil(log2(segments - 1)) levels, the walk
+// (0) for one step or more levels than allowed.
+TEST(Planner, ScanLevels) {
+  using flashgdn::scan_levels_for;
+  EXPECT_EQ(scan_levels_for(24, 24, 7), 0);    // one segment
+  EXPECT_EQ(scan_levels_for(48, 24, 7), 0);    // two: one step, the walk
+  EXPECT_EQ(scan_levels_for(49, 24, 7), 1);    // three: steps 0, 1 in one level
+  EXPECT_EQ(scan_levels_for(96, 24, 7), 2);    // four: three steps
+  EXPECT_EQ(scan_levels_for(120, 24, 7), 2);   // five: four steps
+  EXPECT_EQ(scan_levels_for(121, 24, 7), 3);   // six: five steps
+  EXPECT_EQ(scan_levels_for(256, 24, 7), 4);   // 2/8 x 16384: 11 segments, 10 steps
+  EXPECT_EQ(scan_levels_for(512, 40, 7), 4);   // 2/8 x 32768: 13 segments
+  EXPECT_EQ(scan_levels_for(512, 64, 7), 3);   // 4/16 x 32768: 8 segments
+  EXPECT_EQ(scan_levels_for(129, 1, 7), 7);    // 129 segments: 128 steps
+  EXPECT_EQ(scan_levels_for(130, 1, 7), 0);    // 129 steps: past 7 levels
+  EXPECT_EQ(scan_levels_for(130, 1, 8), 8);
+  EXPECT_EQ(scan_levels_for(100, 0, 7), 7);    // seg 0 taken as 1: 99 steps
+  // every level count covers its steps and no fewer would
+  for (int64_t segs = 3; segs <= 129; ++segs) {
+    const int l = scan_levels_for(segs, 1, 7);
+    EXPECT_GE(int64_t{1} << l, segs - 1) << segs;
+    EXPECT_LT(int64_t{1} << (l - 1), segs - 1) << segs;
+  }
+}
