@@ -186,6 +186,27 @@ def test_scan_matches_walk(case: Case, seg: int):
         assert e_o < 1.25 * e_ref + 1e-4, f"head {h}: scan o error {e_o:.2e} vs {e_ref:.2e}"
 
 
+def test_scan_levels_do_not_trust_the_hint():
+    """cu_seqlens_cpu only steers the planner's estimates: a wrong (well-formed) copy that
+    claims sequences of 6656 tokens where one has 12288 must not shorten the scan (levels
+    from that claim, 6, would leave the later segments' entering states unformed where 7
+    are needed: 96 segments of 2 chunks). Forced split at 128 columns: the same plan either
+    way, so the same bits, and the reference's accuracy."""
+    case = Case("hint_scan", [12288, 1024], 1, 4, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=29)
+    total = sum(case.lens)
+    wrong = torch.tensor([0, total // 2, total], dtype=torch.int64)
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2", "FLASHGDN_FWD_BW": "128"}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_w, ht_w = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                                    cu_seqlens_cpu=wrong)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_w) and torch.equal(ht, ht_w), "the hint changed the result"
+    ro, rh = reference(inp)
+    print(f"wrong hint: o {rel_err(o_w, ro):.2e} state {rel_err(ht_w, rh):.2e}")
+    assert rel_err(o_w, ro) < O_TOL and rel_err(ht_w, rh) < STATE_TOL
+
+
 def test_cp_auto_engages_on_long_single_sequence():
     """Auto mode on a TP8-sized input (2/8 heads, 8192 tokens) splits the sequence; the
     result must equal the unsplit pass within rounding, as exact on g == 0 heads."""

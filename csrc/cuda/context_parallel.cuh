@@ -671,6 +671,9 @@ __global__ void __launch_bounds__(NT, 2)
   if (!locate_segment(p, z, n, j)) return;
   sequence_segments(p, n, z0, count);
   if (j >= count - 1) return;  // the last segment: no step after it
+  // P_j's range [j - d + 1, j] holds segment 0: constant since an earlier level (levels past
+  // what a sequence's segments need, e.g. the host's bound for packed sequences, return here)
+  if (level > 0 && j + 1 <= d) return;
   const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
   // per head of the block: [0] segment j + 1 starts exact (else S_in(j + 1) is not needed,
   // nor P_j by a later step), [1] a segment of P_j's range [j - d + 1, j] does not (or the

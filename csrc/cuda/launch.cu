@@ -207,16 +207,13 @@ bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward) {
 // Levels of the log-depth scan (seg_scan_kernel) that replaces the combine's walk in the
 // forward's state pass (and the backward's recomputation): ceil(log2(steps)) for the most
 // steps (segments - 1) a sequence of the plan can have; 0 (the walk) for one step, more than
-// kScanMaxLevels levels, or FLASHGDN_CP_SCAN=0. Packed sequences: from the longest one as
-// far as the host knows it (cu_seqlens_cpu's hint, else all tokens); levels past the
-// actual lengths' find every step done and return.
+// kScanMaxLevels levels, or FLASHGDN_CP_SCAN=0. Packed sequences: from all their chunks (a
+// bound whatever the lengths; not the caller's max_seqlen hint, which only steers cost
+// estimates: too few levels would leave entering states unformed); levels past the actual
+// lengths' return at once (seg_scan_kernel).
 int scan_levels(const Problem& p, const SegmentPlan& plan) {
   if (!plan.split || env_int_or("FLASHGDN_CP_SCAN", 1) == 0) return 0;
-  int64_t longest = (p.T + C - 1) / C;
-  if (p.varlen()) {
-    longest = p.max_chunks();
-    if (p.max_seqlen > 0) longest = std::min(longest, (p.max_seqlen + C - 1) / C);
-  }
+  const int64_t longest = p.varlen() ? p.max_chunks() : (p.T + C - 1) / C;
   return scan_levels_for(longest, plan.seg_chunks, kScanMaxLevels);
 }
 
