@@ -630,9 +630,9 @@ __global__ void __launch_bounds__(NT, 2) sub_start_kernel(SegParams p) {
 }
 
 // seg_scan_kernel  grid (segments, 4, H_v / kScanHeads), 256 threads, 72 KB smem (2 blocks
-//   per SM), one
-//   launch per level of a log-depth scan (launch.cu launch_seg_scan; the forward's
-//   replacement of seg_combine_kernel's walk where the plan has at most kScanMaxLevels levels)
+//   per SM), one launch per level of a log-depth scan (launch.cu launch_seg_scan; the
+//   forward's replacement of seg_combine_kernel's walk where the plan has at most
+//   kScanMaxLevels levels)
 //   The combine's chain S_in(j + 1) = A_j(S_in(j)), A_j(S) = M_j S + L_j where segment j
 //   starts exact, else the constant L_j (segment 0: from h0, inside L_0), is a composition of
 //   affine maps: S_in(j + 1) = A_j o ... o A_0. Level ell (offset d = 2^ell) replaces each
