@@ -772,6 +772,16 @@ bool device_schedule(const SegmentPlan& plan) {
 struct ChainStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
+  // the chain stream's next work waits for what `st` has so far (fork_from), and `st`'s for
+  // what the chain stream has (join_into): events, so graph-capturable
+  void fork_from(cudaStream_t st) const {
+    check_cuda(cudaEventRecord(fork, st), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream, fork, 0), "cudaStreamWaitEvent");
+  }
+  void join_into(cudaStream_t st) const {
+    check_cuda(cudaEventRecord(join, stream), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(st, join, 0), "cudaStreamWaitEvent");
+  }
 };
 ChainStream* chain_stream(int device, cudaStream_t st) {
   thread_local ChainStream cache[64];
@@ -805,8 +815,7 @@ void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st
                 Launch&& launch, Between&& between) {
   const ChainStream* cs = split && overlap ? chain_stream(device, st) : nullptr;
   if (cs != nullptr) {
-    check_cuda(cudaEventRecord(cs->fork, st), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(cs->stream, cs->fork, 0), "cudaStreamWaitEvent");
+    cs->fork_from(st);
     f.phase = 0;
     f.starts = 1;  // segments from h0 / dht or a warm-up
     launch(st, false);
@@ -818,8 +827,7 @@ void run_phases(int device, bool split, bool overlap, Params& f, cudaStream_t st
     f.starts = 2;  // exact segments, from seg_in (or their sub-segments' records)
     launch(cs->stream, true);
     f.starts = 0;
-    check_cuda(cudaEventRecord(cs->join, cs->stream), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(st, cs->join, 0), "cudaStreamWaitEvent");
+    cs->join_into(st);
     return;
   }
   if (split) {  // exact entering states of the segments that need them
@@ -920,12 +928,10 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
       p.varlen() && choice.chosen != nullptr ? chain_stream(p.device_id, st) : nullptr;
   if (cs != nullptr) {
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, st, PlanPart::Table);
-    check_cuda(cudaEventRecord(cs->fork, st), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(cs->stream, cs->fork, 0), "cudaStreamWaitEvent");
+    cs->fork_from(st);
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, cs->stream, PlanPart::Segments);
-    check_cuda(cudaEventRecord(cs->join, cs->stream), "cudaEventRecord");
     launch_wy<In>(p, f, st);
-    check_cuda(cudaStreamWaitEvent(st, cs->join, 0), "cudaStreamWaitEvent");
+    cs->join_into(st);
   } else {
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);
     launch_wy<In>(p, f, st);
