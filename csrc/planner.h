@@ -335,10 +335,15 @@ constexpr int64_t kMinCorrSegChunks = 12;
 // one block per SM can fill their wave: 2/8 heads x 32768 tokens, H100, 2026-11-25, the
 // overlapped schedule in 13 segments of 40 chunks 0.338 ms, 12 of 43 0.348; the steps of
 // 4/3 and 3/2 before, 24, 32, 48, 64, ..., had no length between 32 and 48).
-inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
-  int64_t e = 1;  // seg = m e with m in 4 .. 7 (any other length: the next power of two up)
+// The power of two e with seg = m e, m in 1 .. 7 (m in 4 .. 7 for lengths of the grid).
+inline FLASHGDN_HD int64_t seg_scale(int64_t seg) {
+  int64_t e = 1;
   while (seg >= 8 * e) e *= 2;
-  const int64_t m = seg / e;
+  return e;
+}
+inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
+  // seg = m e with m in 4 .. 7 (any other length: the next power of two up)
+  const int64_t e = seg_scale(seg), m = seg / e;
   return m < 4 ? 4 * e : m < 7 ? (m + 1) * e : 8 * e;
 }
 
@@ -352,9 +357,8 @@ inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
 inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest,
                                           bool fine = false) {
   if (bw != 128) return (seg & (seg - 1)) == 0;
-  int64_t e = 1;
-  while (seg >= 8 * e) e *= 2;
-  if (!fine && seg / e != 4 && seg / e != 6) return false;
+  const int64_t m = seg / seg_scale(seg);
+  if (!fine && m != 4 && m != 6) return false;
   return seg >= 32 || longest >= 128;
 }
 
