@@ -173,8 +173,9 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   }
   // Auto: the cheapest of the unsplit plans and the splits into segments of 32, 64, 128, ...
   // chunks, for each column block; a split must save at least min_gain.
-  SegmentPlan best_unsplit, best_split, best_overlapped, best_corr;
-  best_unsplit.est_us = best_split.est_us = best_overlapped.est_us = best_corr.est_us = 1e300;
+  SegmentPlan best_unsplit, best_split, best_overlapped, best_corr, best_saturated;
+  best_unsplit.est_us = best_split.est_us = best_overlapped.est_us = best_corr.est_us =
+      best_saturated.est_us = 1e300;
   // exact outputs by correction: host-made splits only (not the device's, packed sequences),
   // and only with the overlapped schedule (its estimate runs phase 0 beside the chain)
   const bool corr = cost.corr && cost.overlap && !(q.fixed_chunks < 0 && q.N > 1);
@@ -224,6 +225,21 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   // enough to survive its overstatement (ForwardCost::overlap_margin)
   if (best_overlapped.est_us <= cost.overlap_margin * best_split.est_us)
     best_split = best_overlapped;
+  // More blocks than one wave: the best sequential split's segments on the overlapped
+  // schedule without sub-segments (ForwardCost::overlap_saturated; lengths the host knows
+  // only, the device's choice for packed sequences stays its own). Only at those segments:
+  // where fewer, longer segments would make the exact chain the bound, the estimate is
+  // unmeasured.
+  if (cost.overlap && best_split.split && !best_split.overlap && best_split.col_block == 128 &&
+      q.fixed_chunks > 0) {
+    best_saturated = best_split;
+    best_saturated.est_us = estimate_saturated_overlap_us(
+        cost, load_stats(q, best_split), static_cast<double>(q.Hv), q.sms,
+        static_cast<double>(best_split.seg_chunks));
+    best_saturated.overlap = true;
+    best_saturated.nsub = 1;
+    if (best_saturated.est_us <= cost.sat_margin * best_split.est_us) best_split = best_saturated;
+  }
   if (best_corr.est_us < best_split.est_us) best_split = best_corr;
   const bool lengths_unknown = q.fixed_chunks < 0 && q.N > 1 && !forced_bw;
   // The host's estimates take the worst case (one sequence holding every chunk, the most

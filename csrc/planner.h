@@ -138,6 +138,23 @@ struct ForwardCost {
   // H100, 2/8 heads 28672 + 4096 tokens in segments of 40: 88 + 48 blocks for 132 SMs,
   // 0.340 ms against 0.385 in the segments of 48 the exact test let the device take).
   double overlap_fit = 1.04;
+  // The overlapped schedule where its blocks do not fit in one wave (host-made plans of known
+  // lengths only, no sub-segments: estimate_saturated_overlap_us; opt-in, FLASHGDN_CP_SAT=1).
+  // With more blocks than SMs the pass is bound by its block-steps, and running the
+  // warm-started blocks beside the exact chain lets them fill the SMs the chain leaves idle
+  // (H200, 2026-11-25, forward, sequential -> saturated at the sequential plan's segments:
+  // 4/16 heads x 32768 tokens 587 -> 565 us, 8/32 x 32768 1033 -> 1012, x 16384 571 -> 546,
+  // 16/48 x 16384 884 -> 839, x 8192 462 -> 444, 16/64 x 4096 355 -> 330). Not the default:
+  // where the warm-started blocks take the SMs the chain's scan levels and exact segments
+  // then wait for (1 block per SM), it loses: 8/24 x 32768 811 -> 932, x 16384 474 -> 496,
+  // 8/32 x 8192 336 -> 342, 16/64 x 8192 557 -> 599 (without PDL on the chain 542, but the
+  // winners lose 2-6% then), and no rule in these sizes (segments, blocks, waves, the
+  // chain's share) separates the two groups. sat_factor: measured over modelled block-steps
+  // (0.98 and 1.08 on the first two rows); taken where its estimate is at most sat_margin
+  // of the best sequential split's.
+  bool overlap_saturated = false;
+  double sat_factor = 1.05;
+  double sat_margin = 0.99;
   // Exact segments' outputs by correction (SegmentPlan::corr; host-made splits of the
   // forward's fp16 pass at 16 or 32 columns, estimate_corr_us): a phase-1 step with outputs
   // relative to a phase-0 step (H100, 2026-11-24, 2/8 x 4096, segments of 24 at 32 columns:
@@ -300,6 +317,31 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
   if (ov >= sequential) return sequential;
   if (overlapped != nullptr) *overlapped = true;
   return ov;
+}
+
+// Estimated time (us) of a split 128-column pass on the overlapped schedule without
+// sub-segments where its blocks exceed one wave (ForwardCost::overlap_saturated; 1e300 where
+// it does not apply): the larger of the exact chain (summaries, combine, the exact segments'
+// phase 0), a warm-started segment, and the block-steps of both phases spread over the SMs.
+inline double estimate_saturated_overlap_us(const ForwardCost& c, const LoadStats& s,
+                                            double heads, int sms, double seg) {
+  if (!c.overlap || !c.overlap_saturated || seg <= 0) return 1e300;
+  const double t = step_us(c, 128), nsm = sms > 0 ? sms : 1;
+  const double len = seg < s.longest ? seg : s.longest;
+  const double blocks =
+      (s.seg_blocks > ceil_pos(s.total / len) ? s.seg_blocks : ceil_pos(s.total / len)) * heads;
+  const double exact_blocks =
+      c.exact_share * (s.seg_blocks > 0 && s.seqs > 0 ? blocks - s.seqs * heads : blocks);
+  const double warm_blocks = blocks - exact_blocks;
+  if (warm_blocks + 2.0 * exact_blocks <= c.overlap_fit * nsm) return 1e300;  // one wave
+  const double work = s.total * heads * t / nsm;
+  const double work0 = (s.total + c.warm_chunks * s.segs) * heads * t / nsm;
+  const double work1 = c.exact_share * 2.0 * work * c.summary_factor;
+  const double chain = len * t * c.summary_factor + c.combine_us * s.max_segs_per_seq + len * t;
+  const double crit0 = (len + c.warm_chunks) * t;
+  const double bound = (work0 + work1) * c.sat_factor;
+  const double m = chain > crit0 ? chain : crit0;
+  return m > bound ? m : bound;
 }
 
 // Estimated time (us) of a split state pass whose exact segments' outputs come by correction

@@ -25,7 +25,7 @@ STATE_TOL = 3.7e-3
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
-            "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN")
+            "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT")
 
 
 @contextmanager
@@ -225,6 +225,34 @@ def test_cp_auto_engages_on_long_single_sequence():
     ro, rh = reference(inp)
     for h in range(0, 8, 4):
         assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
+
+
+def test_saturated_overlap_opt_in():
+    """FLASHGDN_CP_SAT=1 (planner.h estimate_saturated_overlap_us): on 132 SMs 8/32 heads x
+    8192 tokens keep the sequential plan's 4 segments of 32 chunks (128 blocks of 128 columns
+    plus the exact heads' 48 summaries: more than a wave) and run the warm-started ones
+    beside the exact heads' chain, without sub-segments (test_planner.cpp,
+    SaturatedOverlapAtTheSequentialSegments). The same blocks at the same segments: the
+    default's bits (where the SM count gives both the same segments) and the float64
+    reference's accuracy, as exact as unsplit on the g == 0 heads, also from a CUDA graph."""
+    case = Case("saturated", [8192], 8, 32, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=31)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with cp_env("auto"):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP_SAT": "1"}):
+        o_s, h_s = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o_s, o_g) and torch.equal(h_s, h_g), "graph replay differs"
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert torch.equal(o, o_s) and torch.equal(ht, h_s), "saturated schedule changed bits"
+    ro, rh = reference(inp)
+    print(f"saturated: o {rel_err(o_s, ro):.2e} state {rel_err(h_s, rh):.2e}")
+    assert rel_err(o_s, ro) < O_TOL and rel_err(h_s, rh) < STATE_TOL
+    for h in range(0, 32, 4):
+        assert_as_exact(h, o_s, h_s, o_ref, h_ref, ro, rh)
 
 
 def test_cp_auto_takes_correction_on_short_tp_sequence():

@@ -472,7 +472,9 @@ bool bwd_cols(const Problem& p) {
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
 // are the 128-column kernel's): not a candidate for the backward's plans, nor with
-// FLASHGDN_CP_OVERLAP=0; FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of
+// FLASHGDN_CP_OVERLAP=0 (its saturated form, more blocks than a wave, opt-in:
+// FLASHGDN_CP_SAT=1);
+// FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of
 // 16 and 32 columns are the forward's fp16 pass's.
 ForwardCost plan_cost(bool backward) {
   ForwardCost c;
@@ -481,6 +483,7 @@ ForwardCost plan_cost(bool backward) {
     c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
   }
   c.overlap = !backward && env_int_or("FLASHGDN_CP_OVERLAP", -1) != 0;
+  c.overlap_saturated = env_int_or("FLASHGDN_CP_SAT", 0) == 1;
   const int n = env_int_or("FLASHGDN_CP_SUB", c.nsub);
   c.nsub = n >= 2 && n <= 8 ? n : 1;
   c.corr = !backward && fwd_pass() == FwdPass::F16 && env_int_or("FLASHGDN_CP_CORR", -1) != 0 &&

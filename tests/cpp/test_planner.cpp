@@ -296,8 +296,9 @@ TEST(Planner, OverlappedScheduleOnlyWhereItFitsOneWave) {
   EXPECT_TRUE(plan_segments(q).overlap);
   EXPECT_EQ(plan_segments(q).seg_chunks, 40);
   q = query(1, 512, 16);  // 4/16 heads: 6 segments of 86 overlapped, 0.611 against 0.616:
-  q.allow_cols = true;    // the model does not take it
-  EXPECT_FALSE(plan_segments(q).overlap);
+  q.allow_cols = true;    // the model does not take it (with sub-segments, in one wave)
+  EXPECT_FALSE(plan_segments(q).overlap);  // (the saturated schedule is opt-in)
+  EXPECT_EQ(plan_segments(q).seg_chunks, 32);
   // packed sequences whose lengths the device sees: never the host's schedule (the device
   // picks it: DeviceOverlapForFewPackedSequences)
   q = query(4, 512, 8, /*varlen=*/true);
@@ -557,6 +558,59 @@ TEST(Planner, BackwardColumnBlockRule) {
 
 // The forward's log-depth scan (seg_scan_kernel): ceil(log2(segments - 1)) levels, the walk
 // (0) for one step or more levels than allowed.
+TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
+  // 4/16 heads x 32768 tokens: the sequential split's 16 segments of 32 (256 blocks, two
+  // waves) run overlapped without sub-segments (H200, 2026-11-25: state pass 434 -> 410 us)
+  // (opt-in: FLASHGDN_CP_SAT=1, ForwardCost::overlap_saturated)
+  auto q = query(1, 512, 16);
+  q.allow_cols = true;
+  flashgdn::ForwardCost off, on;
+  on.overlap_saturated = true;
+  const auto seq = plan_segments(q, off), p = plan_segments(q, on);
+  EXPECT_TRUE(seq.split && !seq.overlap);
+  EXPECT_TRUE(p.split && p.overlap);
+  EXPECT_EQ(p.seg_chunks, seq.seg_chunks);
+  EXPECT_EQ(p.nsub, 1);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_LT(p.est_us, seq.est_us);
+  // 8/32 x 32768: 8 segments of 64 (706 against 729 us)
+  q = query(1, 512, 32);
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q, on).overlap);
+  EXPECT_EQ(plan_segments(q, on).nsub, 1);
+  EXPECT_EQ(plan_segments(q, on).seg_chunks, plan_segments(q, off).seg_chunks);
+  // 16/64 x 32768: the block-steps (the warm-up chunks of 64 heads and the summaries) exceed
+  // the sequential estimate; sequential
+  q = query(1, 512, 64);
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q, on).overlap);
+  // where the plan fits one wave the one-wave schedule is unchanged (2/8 x 32768: 13
+  // segments of 40, 4 sub-segments)
+  q = query(1, 512, 8);
+  q.allow_cols = true;
+  EXPECT_EQ(plan_segments(q, on).nsub, 4);
+  // packed sequences: the device's choice, never the host's saturated schedule
+  q = query(2, 256, 16, /*varlen=*/true);
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q, on).overlap);
+  // the default: sequential (4/16 x 32768 above)
+  q = query(1, 512, 32);
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).split);
+  EXPECT_FALSE(plan_segments(q).overlap);
+  // the estimate itself: no value where the blocks fit one wave, and never below the block-
+  // steps of both phases
+  flashgdn::ForwardCost c = on;
+  flashgdn::LoadStats st;
+  st.longest = st.total = 512;
+  st.segs = st.max_segs_per_seq = 16;
+  EXPECT_GT(flashgdn::estimate_saturated_overlap_us(c, st, 2.0, 132, 32.0), 1e299);
+  const double sat = flashgdn::estimate_saturated_overlap_us(c, st, 16.0, 132, 32.0);
+  const double work0 = (512.0 + c.warm_chunks * 16) * 16 * c.step_us_bw128 / 132;
+  EXPECT_GE(sat, work0);
+  EXPECT_LT(sat, 1e299);
+}
+
 TEST(Planner, ScanLevels) {
   using flashgdn::scan_levels_for;
   EXPECT_EQ(scan_levels_for(24, 24, 7), 0);    // one segment
