@@ -254,6 +254,47 @@ inline FLASHGDN_HD double wave_step_us(const ForwardCost& c, int bw) {
   return bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
 }
 
+// The terms of a split state pass's estimate shared by its schedules (estimate_state_pass_us,
+// estimate_saturated_overlap_us): column block bw, segments of seg chunks (> 0).
+struct SplitTerms {
+  double t, nsm, len;
+  double crit0;         // a warm-started segment's chunk steps (one wave)
+  double blocks;        // 128 columns: the segments' blocks (one per SM); 0 otherwise
+  double work, work0;   // block-steps over the SMs: all chunks once; phase 0 with warm-ups
+  double crit1, work1;  // phase 1 (the exact heads' summaries): a segment, its block-steps
+  double combine;
+  double exact_blocks, warm_blocks;  // 128 columns: segments that start exact, the others
+};
+inline FLASHGDN_HD SplitTerms split_terms(const ForwardCost& c, const LoadStats& s, double heads,
+                                          int sms, int bw, double seg) {
+  SplitTerms r;
+  r.t = step_us(c, bw);
+  const double cbn = 128.0 / bw;
+  r.nsm = sms > 0 ? sms : 1;
+  r.work = s.total * heads * cbn * r.t / r.nsm;
+  r.len = seg < s.longest ? seg : s.longest;
+  r.crit0 = (r.len + c.warm_chunks) * r.t;
+  r.blocks = 0.0;
+  if (bw == 128) {
+    // one block of 128 columns per SM (255 registers a thread): the segments run in waves
+    // of nsm blocks, each wave as long as a full segment (packed sequences: counted as the
+    // equivalent number of full segments, or their actual count where known)
+    r.blocks = ceil_pos(s.total / r.len);
+    r.blocks = (s.seg_blocks > r.blocks ? s.seg_blocks : r.blocks) * heads;
+  }
+  r.work0 = (s.total + c.warm_chunks * s.segs) * heads * cbn * r.t / r.nsm;
+  const double ts = r.t * c.summary_factor;
+  r.crit1 = r.len * ts;
+  r.work1 = c.exact_share * 2.0 * r.work * c.summary_factor;
+  r.combine = c.combine_us * s.max_segs_per_seq;
+  // exact: a share of the segments, of those that do not start a sequence where the
+  // segments are known
+  r.exact_blocks =
+      c.exact_share * (s.seg_blocks > 0 && s.seqs > 0 ? r.blocks - s.seqs * heads : r.blocks);
+  r.warm_blocks = r.blocks - r.exact_blocks;
+  return r;
+}
+
 // Estimated time (us) of the state pass with column block bw, split into segments of seg
 // chunks (seg = 0: unsplit): per launch, the larger of the critical path and the
 // block-steps spread over the SMs; split plans add the summary pass and the combine. For a
@@ -264,56 +305,38 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
                                                  double heads, int sms, int bw, double seg,
                                                  bool* overlapped = nullptr) {
   if (overlapped != nullptr) *overlapped = false;
-  const double t = step_us(c, bw);
-  const double cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
-  const double work = s.total * heads * cbn * t / nsm;
   if (seg <= 0) {
     // unsplit, s.segs sequences: one wave of 16- or 32-column blocks (each alone on its
     // SM, so the longest sequence's blocks are the whole cost) steps faster than the
     // block-steps of a full GPU suggest
+    const double t = step_us(c, bw), cbn = 128.0 / bw, nsm = sms > 0 ? sms : 1;
+    const double work = s.total * heads * cbn * t / nsm;
     const double tw = wave_step_us(c, bw);
     if (tw > 0.0 && s.segs > 0 && s.segs * heads * cbn <= nsm &&
         s.longest <= ForwardCost::kWaveChunks)
       return s.longest * tw;
     return s.longest * t > work ? s.longest * t : work;
   }
-  const double len = seg < s.longest ? seg : s.longest;
-  double crit0 = (len + c.warm_chunks) * t;
-  double blocks = 0.0;
-  if (bw == 128) {
-    // one block of 128 columns per SM (255 registers a thread): the segments run in waves
-    // of nsm blocks, each wave as long as a full segment (packed sequences: counted as the
-    // equivalent number of full segments, or their actual count where known)
-    blocks = ceil_pos(s.total / len);
-    blocks = (s.seg_blocks > blocks ? s.seg_blocks : blocks) * heads;
-    crit0 *= blocks > nsm ? ceil_pos(blocks / nsm) : 1.0;
-  }
-  const double work0 = (s.total + c.warm_chunks * s.segs) * heads * cbn * t / nsm;
-  const double ts = t * c.summary_factor;
-  const double crit1 = len * ts, work1 = c.exact_share * 2.0 * work * c.summary_factor;
-  const double combine = c.combine_us * s.max_segs_per_seq;
-  const double sequential = (crit0 > work0 ? crit0 : work0) + (crit1 > work1 ? crit1 : work1) +
-                            combine;
+  const SplitTerms r = split_terms(c, s, heads, sms, bw, seg);
+  const double crit0 = r.crit0 * (r.blocks > r.nsm ? ceil_pos(r.blocks / r.nsm) : 1.0);
+  const double sequential = (crit0 > r.work0 ? crit0 : r.work0) +
+                            (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
   // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
-  // blocks each: L and M), then their nsub sub-segments. Exact: a share of the segments, of
-  // those that do not start a sequence where the segments are known.
+  // blocks each: L and M), then their nsub sub-segments.
   const double ns = c.nsub > 1 ? c.nsub : 1.0;
-  const double exact_blocks =
-      c.exact_share * (s.seg_blocks > 0 && s.seqs > 0 ? blocks - s.seqs * heads : blocks);
-  const double warm_blocks = blocks - exact_blocks;
   // The summaries must fit beside the warm-started blocks, and the sub-segments in a wave of
   // their own; where they do not fit beside the warm-started blocks as well, they start when
   // those end (H100, 2/8 heads x 16384 tokens, segments of 24 chunks: 66 warm-started blocks
   // and 20 exact segments of 4 sub-segments, 0.245 ms against 0.259 at segments of 32,
   // which fit beside each other)
-  if (bw != 128 || !c.overlap || warm_blocks + 2.0 * exact_blocks > c.overlap_fit * nsm ||
-      exact_blocks * ns > nsm)
+  if (bw != 128 || !c.overlap || r.warm_blocks + 2.0 * r.exact_blocks > c.overlap_fit * r.nsm ||
+      r.exact_blocks * ns > r.nsm)
     return sequential;
-  double chain = crit1 + combine + (ns > 1.0 ? c.sub_start_us : 0.0);
-  if (warm_blocks + exact_blocks * ns > nsm && chain < crit0) chain = crit0;
-  chain += ceil_pos(len / ns) * t;
+  double chain = r.crit1 + r.combine + (ns > 1.0 ? c.sub_start_us : 0.0);
+  if (r.warm_blocks + r.exact_blocks * ns > r.nsm && chain < crit0) chain = crit0;
+  chain += ceil_pos(r.len / ns) * r.t;
   const double crit = crit0 > chain ? crit0 : chain;
-  const double ov = crit > work0 + work1 ? crit : work0 + work1;
+  const double ov = crit > r.work0 + r.work1 ? crit : r.work0 + r.work1;
   if (ov >= sequential) return sequential;
   if (overlapped != nullptr) *overlapped = true;
   return ov;
@@ -326,21 +349,11 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
 inline double estimate_saturated_overlap_us(const ForwardCost& c, const LoadStats& s,
                                             double heads, int sms, double seg) {
   if (!c.overlap || !c.overlap_saturated || seg <= 0) return 1e300;
-  const double t = step_us(c, 128), nsm = sms > 0 ? sms : 1;
-  const double len = seg < s.longest ? seg : s.longest;
-  const double blocks =
-      (s.seg_blocks > ceil_pos(s.total / len) ? s.seg_blocks : ceil_pos(s.total / len)) * heads;
-  const double exact_blocks =
-      c.exact_share * (s.seg_blocks > 0 && s.seqs > 0 ? blocks - s.seqs * heads : blocks);
-  const double warm_blocks = blocks - exact_blocks;
-  if (warm_blocks + 2.0 * exact_blocks <= c.overlap_fit * nsm) return 1e300;  // one wave
-  const double work = s.total * heads * t / nsm;
-  const double work0 = (s.total + c.warm_chunks * s.segs) * heads * t / nsm;
-  const double work1 = c.exact_share * 2.0 * work * c.summary_factor;
-  const double chain = len * t * c.summary_factor + c.combine_us * s.max_segs_per_seq + len * t;
-  const double crit0 = (len + c.warm_chunks) * t;
-  const double bound = (work0 + work1) * c.sat_factor;
-  const double m = chain > crit0 ? chain : crit0;
+  const SplitTerms r = split_terms(c, s, heads, sms, 128, seg);
+  if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
+  const double chain = r.crit1 + r.combine + r.len * r.t;
+  const double bound = (r.work0 + r.work1) * c.sat_factor;
+  const double m = chain > r.crit0 ? chain : r.crit0;
   return m > bound ? m : bound;
 }
 
