@@ -209,15 +209,21 @@ def test_scan_levels_do_not_trust_the_hint():
     assert rel_err(o_w, ro) < O_TOL and rel_err(ht_w, rh) < STATE_TOL
 
 
-def test_cp_auto_engages_on_long_single_sequence():
-    """Auto mode on a TP8-sized input (2/8 heads, 8192 tokens) splits the sequence; the
-    result must equal the unsplit pass within rounding, as exact on g == 0 heads."""
-    case = Case("auto", [8192], 2, 8, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=12)
+def off_and_auto(case: Case, seed: int):
+    """A case's inputs and its forward (o, final state) with CP off, then in auto mode."""
+    inp = make_inputs(case, "cuda", seed=seed)
     with cp_env("off"):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with cp_env("auto"):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    return inp, o_ref, h_ref, o, ht
+
+
+def test_cp_auto_engages_on_long_single_sequence():
+    """Auto mode on a TP8-sized input (2/8 heads, 8192 tokens) splits the sequence; the
+    result must equal the unsplit pass within rounding, as exact on g == 0 heads."""
+    case = Case("auto", [8192], 2, 8, gate="mixed")
+    inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=12)
     # the plan (csrc/planner.h) splits 128 chunks into 4 segments of 32: segments 2 and 3 of
     # the g == 0 heads chain transitions, which rounds differently from the unsplit pass
     assert not torch.equal(ht, h_ref), "auto mode did not split (state bit-equal to unsplit)"
@@ -236,11 +242,7 @@ def test_saturated_overlap_opt_in():
     default's bits (where the SM count gives both the same segments) and the float64
     reference's accuracy, as exact as unsplit on the g == 0 heads, also from a CUDA graph."""
     case = Case("saturated", [8192], 8, 32, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=31)
-    with cp_env("off"):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with cp_env("auto"):
-        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=31)
     with env_vars({"FLASHGDN_CP_SAT": "1"}):
         o_s, h_s = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         o_g, h_g = forward_from_graph(inp, replays=2)
@@ -262,11 +264,7 @@ def test_cp_auto_takes_correction_on_short_tp_sequence():
     forced, different from the unsplit pass, as exact on g == 0 heads; with
     FLASHGDN_CP_CORR=0 the planner keeps the unsplit pass (bit-identical to CP off)."""
     case = Case("auto_corr", [4096], 2, 8, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=14)
-    with cp_env("off"):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with cp_env("auto"):
-        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=14)
     with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "24", "FLASHGDN_FWD_BW": "32",
                    "FLASHGDN_CP_CORR": "1", "FLASHGDN_CP_OVERLAP": "1"}):
         o_f, ht_f = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
@@ -405,19 +403,11 @@ def test_cp_auto_varlen_device_choice():
     blocks of 128 columns): no split (bit-equal to CP off). One 28672-token sequence next to
     a 4096-token one at 2/8 heads: split."""
     case = Case("equal", [8192] * 4, 16, 32, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=14)
-    with cp_env("off"):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with cp_env("auto"):
-        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=14)
     assert torch.equal(o, o_ref) and torch.equal(ht, h_ref), "split equal-length sequences"
 
     case = Case("skewed", [28672, 4096], 2, 8, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=15)
-    with cp_env("off"):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with cp_env("auto"):
-        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=15)
     assert not torch.equal(ht, h_ref), "auto mode did not split the 28672-token sequence"
     assert rel_err(o, o_ref) < 2e-3 and rel_err(ht, h_ref) < 2e-3
     ro, rh = reference(inp)
