@@ -25,7 +25,7 @@ STATE_TOL = 3.7e-3
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
-            "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT")
+            "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING")
 
 
 @contextmanager
@@ -643,3 +643,39 @@ def test_device_picks_column_block_for_packed_sequences():
         "the backward did not take the 128-column passes"
     ro, rh = reference(inp)
     assert rel_err(auto[0], ro) < O_TOL and rel_err(auto[1], rh) < STATE_TOL
+
+
+PING_CASES = [
+    ("unsplit", CP_CASES[1], {"FLASHGDN_CP": "off"}),
+    ("split", CP_CASES[5], {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "3"}),
+    ("one_chunk_segments", CP_CASES[6], {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "1"}),
+    ("overlap_sub", CP_CASES[6], {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "8",
+                                  "FLASHGDN_CP_OVERLAP": "1", "FLASHGDN_CP_SUB": "4"}),
+    # packed split plans: slots walk several segments a block (the stages' use count
+    # carries over from one segment to the next)
+    ("slots", MANY_SPLIT, {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"}),
+    ("auto", Case("auto_long", [16384], 2, 8, gate="mixed"), {}),
+]
+
+
+@pytest.mark.parametrize("label,case,switches", PING_CASES, ids=[c[0] for c in PING_CASES])
+def test_ping_pong_bit_identical(label: str, case: Case, switches: dict):
+    """The 128-column forward pass's ping-pong schedule (the default; state_fwd_cols.cuh
+    kPing: no block barrier a chunk, one warpgroup issuing the copies, mbarriers per stage)
+    does the barrier-per-chunk schedule's arithmetic (FLASHGDN_COLS_PING=0): o and the final
+    state equal bit for bit, unsplit, split (phase 1's summaries too), with one-chunk
+    segments, sub-segments beside the overlapped schedule, packed slots walking several
+    segments, the planner's own choice at 2/8 x 16384; eagerly and from a CUDA graph."""
+    inp = make_inputs(case, "cuda", seed=23)
+    base = {"FLASHGDN_FWD_BW": "128", **switches} if switches else {}
+    with env_vars({**base, "FLASHGDN_COLS_PING": "0"}):
+        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars(base):
+        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{label}: ping-pong differs"
+    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{label}: graph replay differs"
+    ro, rh = reference(inp)
+    print(f"ping-pong {label}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
+    assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL

@@ -102,6 +102,10 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
 // forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
 bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
+// The forward's 128-column pass without a block barrier a chunk, its two warpgroups apart in
+// the chunk step (state_fwd_cols_segment's kPing; bit-identical): the default,
+// FLASHGDN_COLS_PING=0 the barrier-per-chunk schedule.
+bool cols_ping() { return env_int_or("FLASHGDN_COLS_PING", 1) != 0; }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
@@ -584,6 +588,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_kernel<In, true>, StateFwdColsSmem::kRecordBytes);
     set_smem(state_fwd_cols_kernel<In, false, true>, StateFwdColsSmem::kBytes);
+    set_smem(state_fwd_cols_kernel<In, false, false, true>, StateFwdColsSmem::ping_bytes(false));
+    set_smem(state_fwd_cols_kernel<In, true, false, true>, StateFwdColsSmem::ping_bytes(true));
+    set_smem(state_fwd_cols_kernel<In, false, true, true>, StateFwdColsSmem::ping_bytes(false));
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
@@ -593,17 +600,22 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
     const bool dep = pdl && fz.z_base == 0;  // only the first slice follows the chain's kernel
     const char* what = "state_fwd_cols_kernel launch";
+    auto go = [&](auto kernel, size_t bytes) {
+      launch_kernel(kernel, grid, bytes, st, dep, what, fz);
+    };
+    using Sm = StateFwdColsSmem;
+    const bool ping = cols_ping();
     if (f.h == nullptr && cols_wgmma())
-      launch_kernel(state_fwd_cols_wg_kernel<In>, grid, StateFwdColsWgSmem::kBytes, st, dep,
-                    what, fz);
+      go(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
     else if (f.corr && f.phase == 1)  // exact segments' outputs by correction
-      launch_kernel(state_fwd_cols_kernel<In, false, true>, grid, StateFwdColsSmem::kBytes, st,
-                    dep, what, fz);
+      ping ? go(state_fwd_cols_kernel<In, false, true, true>, Sm::ping_bytes(false))
+           : go(state_fwd_cols_kernel<In, false, true>, Sm::kBytes);
     else if (f.h != nullptr)  // the backward's recomputation (launch.cu bwd_cols)
-      launch_kernel(state_fwd_cols_kernel<In, true>, grid, StateFwdColsSmem::kRecordBytes, st,
-                    dep, what, fz);
+      ping ? go(state_fwd_cols_kernel<In, true, false, true>, Sm::ping_bytes(true))
+           : go(state_fwd_cols_kernel<In, true>, Sm::kRecordBytes);
     else
-      launch_kernel(state_fwd_cols_kernel<In>, grid, StateFwdColsSmem::kBytes, st, dep, what, fz);
+      ping ? go(state_fwd_cols_kernel<In, false, false, true>, Sm::ping_bytes(false))
+           : go(state_fwd_cols_kernel<In>, Sm::kBytes);
   });
 }
 

@@ -404,16 +404,18 @@ struct PdlCompletion {
 // tile with leading dimension LD, 16 bytes per cp.async, spread over the 256 threads of the
 // block. The shape is known at compile time, so each thread's row and column come from
 // its index once and every further piece costs one pointer increment (no divisions).
+// cp_async_tile_by: the same spread over NTHR threads (tid in [0, NTHR)), e.g. one warpgroup.
 constexpr int kTileThreads = 256;
-template <int ROWS, int COLS, int LD, typename T>
-__device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t stride, int L) {
+template <int ROWS, int COLS, int LD, int NTHR, typename T>
+__device__ __forceinline__ void cp_async_tile_by(T* dst, const T* src, int64_t stride, int L,
+                                                 int tid) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
   constexpr int kPerRow = COLS / kPer;  // 16-byte pieces per row
-  static_assert(COLS % kPer == 0 && kTileThreads % kPerRow == 0, "tile shape");
-  constexpr int kRowStep = kTileThreads / kPerRow;  // rows one pass covers
+  static_assert(COLS % kPer == 0 && NTHR % kPerRow == 0, "tile shape");
+  constexpr int kRowStep = NTHR / kPerRow;  // rows one pass covers
   constexpr int kPasses = (ROWS + kRowStep - 1) / kRowStep;
-  const int r0 = static_cast<int>(threadIdx.x) / kPerRow;
-  const int c = (static_cast<int>(threadIdx.x) % kPerRow) * kPer;
+  const int r0 = tid / kPerRow;
+  const int c = (tid % kPerRow) * kPer;
   const T* s = src + r0 * stride + c;
   T* d = dst + r0 * LD + c;
   const int64_t step = kRowStep * stride;
@@ -423,6 +425,40 @@ __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t stri
     if (ROWS % kRowStep == 0 || r < ROWS) cp_async16(d + i * kRowStep * LD, r < L ? s : src, r < L);
     s += step;
   }
+}
+template <int ROWS, int COLS, int LD, typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t stride, int L) {
+  cp_async_tile_by<ROWS, COLS, LD, kTileThreads>(dst, src, stride, L,
+                                                 static_cast<int>(threadIdx.x));
+}
+
+// mbarriers in shared memory (CTA scope): a phase completes when its count of arrivals is
+// in; waiters name the phase by its parity (the first phase has parity 0).
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar))
+               : "memory");
+}
+// an arrival of this thread once all its earlier cp.async copies have landed (counted in the
+// barrier's init count: .noinc)
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@
 // accumulator pairs are the m16k16 A fragment), and S^T stays in fp32 accumulators across
 // chunks. The shared operands K, Q, T diag(beta), P, V (fp16 / the input dtype) and the
 // per-token gate factors (e^G, e^{G_last - G}) of the next chunk are copied by cp.async while
-// the current one computes: one block barrier per chunk. Same segments, warm-ups, phases
+// the current one computes: by default without a block barrier (the ping-pong schedule,
+// kPing below: warpgroup 1 issues the copies, mbarriers per stage), else one block
+// barrier per chunk. Same segments, warm-ups, phases
 // (phase 1: summaries L and, on the identity with V = 0, M) as the other state passes
 // (fwd_kernels.cuh). The backward's recomputation (p.h set) records the state entering
 // every chunk and U as fp16 record blocks (mma.cuh: stmatrix into a warp's staging, one
@@ -41,6 +43,9 @@ struct StateFwdColsSmem {
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
   // the recomputation: each warp's staging of its records (mma.cuh) after the above
   static constexpr size_t kRecordBytes = kBytes + (NT / 32) * kRecStageBytes;
+  // the ping-pong schedule (kPing): its stages' mbarriers full[2], empty[2] after the above
+  static constexpr size_t bars_at(bool record) { return record ? kRecordBytes : kBytes; }
+  static constexpr size_t ping_bytes(bool record) { return bars_at(record) + 4 * sizeof(uint64_t); }
 };
 
 template <typename In>
@@ -139,8 +144,18 @@ __device__ __forceinline__ void store_o_cols(const FwdParams& p, const float (&o
 // cost ~330 register moves per chunk): chunk loop 1631 -> 1220 SASS instructions, H100
 // 1-2% faster on 18 of the 20 TP rows (perf-notes version 16).
 // One segment block of state_fwd_cols_kernel (for_each_segment_block).
-template <typename In, bool kRecord, bool kCorr>
-__device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const SegmentBlock& b) {
+// kPing (the default; FLASHGDN_COLS_PING=0 turns it off): the two warpgroups are not held
+// in step by a block barrier a chunk. Warpgroup 1 alone issues the copies (chunk ci + 1's at
+// the head of its chunk ci, once both warpgroups have released that stage: empty[s], one
+// arrival a warp), each of its threads signalling their landing on full[s]
+// (cp.async.mbarrier.arrive); both warpgroups wait on full[s]. Warpgroup 0, which issues
+// nothing, runs ahead by up to about a chunk less the copies' latency, so the two are in
+// different phases of the chunk step (the products of one beside the conversions and
+// dependent waits of the other) on each scheduler's pair of warps. n_used counts the chunks
+// this block ran before this segment (the stages' use index and so the phases' parities).
+template <typename In, bool kRecord, bool kCorr, bool kPing = false>
+__device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const SegmentBlock& b,
+                                                       uint32_t& n_used) {
   using Sm = StateFwdColsSmem;
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
@@ -162,32 +177,54 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   const bool corr_out = kCorr && corr_outputs(p, b);  // SegParams::corr: O_loc or Q_eff
   const bool want_o = ((p.phase == 0 && p.o != nullptr) || corr_out) && !(p.debug & 1);
   const bool record = kRecord && p.phase == 0 && p.h != nullptr;
+  // kPing: the stages' mbarriers; warpgroup 1 issues the copies
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + Sm::bars_at(kRecord));
+  uint64_t* empty = full + 2;
+  constexpr int kIssuers = kPing ? NT / 2 : NT;
+  const bool issuer = !kPing || threadIdx.x >= NT / 2;
+  const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
+  const uint32_t n0 = n_used;  // kPing: the use index of chunk ci is n0 + ci - c_first
 
   auto issue = [&](int64_t ci, int s) {
-    if (p.debug & 2) return;
-    const int64_t tok0 = start + ci * C;
-    const int L = chunk_rows(len, ci);
-    cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-    cp_async_tile<C, C, LDP>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
-    if (!identity)
-      cp_async_tile<C, D, LDH>(Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D,
-                               p.Hv * D, L);
-    if (want_o && ci >= c_begin) {
-      cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-      cp_async_tile<C, C, LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    if (!(p.debug & 2)) {
+      const int64_t tok0 = start + ci * C;
+      const int L = chunk_rows(len, ci);
+      cp_async_tile_by<C, D, LDH, kIssuers>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
+                                            L, itid);
+      cp_async_tile_by<C, C, LDP, kIssuers>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L,
+                                            itid);
+      if (!identity)
+        cp_async_tile_by<C, D, LDH, kIssuers>(
+            Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, L, itid);
+      if (want_o && ci >= c_begin) {
+        cp_async_tile_by<C, D, LDH, kIssuers>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
+                                              L, itid);
+        cp_async_tile_by<C, C, LDP, kIssuers>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C,
+                                              L, itid);
+      }
+      if (itid < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
+        const int r = itid < L ? itid : L - 1;
+        cp_async8(Est(s) + itid, p.EG + (tok0 + r) * p.Hv + h);
+      }
     }
-    if (threadIdx.x < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
-      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
-      cp_async8(Est(s) + threadIdx.x, p.EG + (tok0 + r) * p.Hv + h);
-    }
-    cp_async_commit();
+    if constexpr (kPing) cp_async_mbar_arrive(&full[s]);
+    else cp_async_commit();
+  };
+  // kPing: chunk ci's copies into stage s once its previous use (n - 2) is released
+  auto issue_use = [&](int64_t ci, uint32_t n) {
+    if (n >= 2) mbar_wait(&empty[n & 1], ((n >> 1) - 1) & 1);
+    issue(ci, static_cast<int>(n & 1));
   };
 
   // S^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); S is stored [key][value]
   float sacc[16][4];
   // wy_kernel's outputs are complete before the chain starts: the first chunk's copies go
   // out before the wait below
-  if (c_first < c_end) issue(c_first, 0);
+  if constexpr (kPing) {
+    if (c_first < c_end && issuer) issue_use(c_first, n0);
+  } else {
+    if (c_first < c_end) issue(c_first, 0);
+  }
   // an exact segment's entering state (seg_in, a sub-segment's) is the chain's: wait for
   // the kernel before (launch_kernel's pdl); the other blocks need nothing from it
   if (b.ss.src == SegSource::Exact) pdl_wait();
@@ -195,12 +232,25 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 
   for (int64_t ci = c_first; ci < c_end; ++ci) {
     if (ci + 1 == c_end) pdl_trigger();  // the chain's next kernel may start its prologue
-    const int s = static_cast<int>((ci - c_first) & 1);
+    const uint32_t n = n0 + static_cast<uint32_t>(ci - c_first);
+    const int s = kPing ? static_cast<int>(n & 1) : static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
-    cp_async_wait<0>();
-    __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
-    if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
+    if constexpr (kPing) {
+      if (issuer && ci + 1 < c_end) issue_use(ci + 1, n + 1);
+      mbar_wait(&full[s], (n >> 1) & 1);  // stage s landed
+    } else {
+      cp_async_wait<0>();
+      __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
+      if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
+    }
+    // kPing: this warp's reads of stage s are done (after the last product that reads it)
+    auto release = [&] {
+      if constexpr (kPing) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+      }
+    };
     const bool out = want_o && ci >= c_begin;
     if (float* dst = sub_record(p, b, ci)) store_state_cols(dst, sacc, v0);
     if (kRecord && record && ci >= c_begin && !(p.debug & 4)) {  // the state entering chunk ci
@@ -284,6 +334,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
           mma_f16(sacc[2 * jp + 1], ue[kt], b1);
         }
     }
+    if (!out) release();
     // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory: scale_by_eg and
     // store_o_cols written out (those helpers change this GPU-tested kernel's integer address
     // arithmetic; to be called here once it has run again)
@@ -306,6 +357,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
           mma_f16(o[2 * nt], ua[kt], b0);
           mma_f16(o[2 * nt + 1], ua[kt], b1);
         }
+      release();
       if (kCorr && corr_out) {  // fp32 [h][value][token]: a thread's token pairs adjacent
         float* dst = (identity ? p.q_eff : p.o_loc) + static_cast<size_t>(h) * D * p.corr_ld +
                      tok0;
@@ -345,16 +397,30 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   // the state leaving the segment: the final state, or this block's summary
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
   if (kRecord && lane == 0) bulk_wait();  // the records' bulk stores are complete
+  if (c_first < c_end) n_used = n0 + static_cast<uint32_t>(c_end - c_first);
 }
 
 // kCorr: phase 1 with SegParams::corr (its own instantiation: the fp32 output path costs
 // the phase-0 kernel ~32 bytes of spills)
-template <typename In, bool kRecord = false, bool kCorr = false>
+// kPing: the ping-pong schedule (state_fwd_cols_segment), StateFwdColsSmem::ping_bytes.
+template <typename In, bool kRecord = false, bool kCorr = false, bool kPing = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   PdlCompletion pdl_completion;  // a programmatic dependent in the chain (mma.cuh)
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  if constexpr (kPing) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + StateFwdColsSmem::bars_at(kRecord));
+    if (threadIdx.x == 0) {
+      mbar_init(&bars[0], NT / 2);  // full: one (cp.async) arrival per issuing thread
+      mbar_init(&bars[1], NT / 2);
+      mbar_init(&bars[2], NT / 32);  // empty: one arrival per warp
+      mbar_init(&bars[3], NT / 32);
+    }
+    __syncthreads();
+  }
+  uint32_t n_used = 0;
   for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-    state_fwd_cols_segment<In, kRecord, kCorr>(p, b);
+    state_fwd_cols_segment<In, kRecord, kCorr, kPing>(p, b, n_used);
   });
 }
 
