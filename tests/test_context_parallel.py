@@ -679,3 +679,30 @@ def test_ping_pong_bit_identical(label: str, case: Case, switches: dict):
     ro, rh = reference(inp)
     print(f"ping-pong {label}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
     assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+
+
+@pytest.mark.parametrize("label,case,seg", [
+    ("unsplit", Case("ping_bwd", [3000, 300], 1, 4, gate="mixed"), 0),
+    ("split", Case("ping_bwd_split", [3000, 300], 1, 4, gate="mixed"), 2),
+    ("slots", MANY_SPLIT, 2),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_ping_pong_bit_identical_backward(monkeypatch, label: str, case: Case, seg: int):
+    """The backward on the 128-column passes (FLASHGDN_BWD_COLS=1) with its recomputation
+    in state_fwd_cols_kernel (records of the state and U) on the ping-pong schedule (the
+    default) against FLASHGDN_COLS_PING=0: every gradient equal bit for bit, unsplit, split
+    and with packed slots walking several segments; and against the float64 reference
+    (test_backward's tolerance)."""
+    from test_backward import GRAD_TOL, run_grads
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    monkeypatch.setenv("FLASHGDN_CP", "on" if seg else "off")
+    if seg:
+        monkeypatch.setenv("FLASHGDN_CP_SEG", str(seg))
+    monkeypatch.setenv("FLASHGDN_COLS_PING", "0")
+    names, barrier, _, _ = run_grads(case, "cuda", seed=29)
+    monkeypatch.delenv("FLASHGDN_COLS_PING")
+    _, ping, refs, _ = run_grads(case, "cuda", seed=29)
+    for n, a, b, r in zip(names, ping, barrier, refs):
+        assert torch.equal(a, b), f"{label}: d{n} differs under the ping-pong schedule"
+        err = rel_err(a, r)
+        print(f"ping-pong backward {label}: d{n} {err:.2e}")
+        assert err < GRAD_TOL, f"{label}: d{n} {err:.2e} >= {GRAD_TOL:.1e}"

@@ -102,9 +102,12 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
 // forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
 bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
-// The forward's 128-column pass without a block barrier a chunk, its two warpgroups apart in
-// the chunk step (state_fwd_cols_segment's kPing; bit-identical): the default,
-// FLASHGDN_COLS_PING=0 the barrier-per-chunk schedule.
+// The forward's 128-column passes (and the backward's recomputation in them) without a block
+// barrier a chunk, their two warpgroups apart in the chunk step (state_fwd_cols_segment's
+// kPing; bit-identical): the default; FLASHGDN_COLS_PING=0 the barrier-per-chunk schedule.
+// The reverse pass (state_bwd_cols_kernel) keeps its barrier: the same schedule there, with
+// its per-token factors formed mid-step by the issuing warpgroup, measured slower (H100,
+// 16/32 x 32768: 735 -> 869 us; docs/perf-notes.md version 31).
 bool cols_ping() { return env_int_or("FLASHGDN_COLS_PING", 1) != 0; }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
