@@ -16,13 +16,12 @@
 // chunks. The shared operands K, Q, T diag(beta), P, V (fp16 / the input dtype) and the
 // per-token gate factors (e^G, e^{G_last - G}) of the next chunk are copied by cp.async while
 // the current one computes: by default without a block barrier (the ping-pong schedule,
-// kPing below: warpgroup 1 issues the copies, mbarriers per stage), else one block
-// barrier per chunk. Same segments, warm-ups, phases
-// (phase 1: summaries L and, on the identity with V = 0, M) as the other state passes
-// (fwd_kernels.cuh). The backward's recomputation (p.h set) records the state entering
-// every chunk and U as fp16 record blocks (mma.cuh: stmatrix into a warp's staging, one
-// bulk store a warp); it runs here where launch.cu's bwd_cols says, else in
-// state_fwd_f16_kernel (fp32 records).
+// kPing below: warpgroup 1 issues the copies, mbarriers per stage), else one block barrier
+// per chunk. Same segments, warm-ups, phases (phase 1: summaries L and, on the identity
+// with V = 0, M) as the other state passes (fwd_kernels.cuh). The backward's recomputation
+// (p.h set) records the state entering every chunk and U as fp16 record blocks (mma.cuh:
+// stmatrix into a warp's staging, one bulk store a warp); it runs here where launch.cu's
+// bwd_cols says, else in state_fwd_f16_kernel (fp32 records).
 // In phase 0 after the combine (or sub_start_kernel) it is launched as their programmatic
 // dependent (launch.cu launch_kernel): only the blocks of exact segments wait (pdl_wait),
 // after issuing their first chunk's copies, before loading their entering state.
