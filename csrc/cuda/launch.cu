@@ -480,9 +480,8 @@ bool bwd_cols(const Problem& p) {
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
 // are the 128-column kernel's): not a candidate for the backward's plans, nor with
 // FLASHGDN_CP_OVERLAP=0 (its saturated form, more blocks than a wave, opt-in:
-// FLASHGDN_CP_SAT=1);
-// FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of
-// 16 and 32 columns are the forward's fp16 pass's.
+// FLASHGDN_CP_SAT=1); FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of 16 and
+// 32 columns are the forward's fp16 pass's.
 ForwardCost plan_cost(bool backward) {
   ForwardCost c;
   if (!backward && fwd_pass() == FwdPass::F16) {

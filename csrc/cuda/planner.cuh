@@ -221,11 +221,10 @@ __global__ void __launch_bounds__(kThreads)
   // dependent global round trip)
   const bool one_pass = s.N <= kThreads;
   int64_t mine = 0;
-  auto load_chunks = [&](int64_t n) -> int64_t {
-    const int64_t len = s.cu(n + 1) - s.cu(n);
-    return len > 0 ? (len + C - 1) / C : 0;
+  auto chunks_for = [](int64_t len) -> int64_t { return len > 0 ? (len + C - 1) / C : 0; };
+  auto chunks_of = [&](int64_t n) -> int64_t {
+    return one_pass ? mine : chunks_for(s.cu(n + 1) - s.cu(n));
   };
-  auto chunks_of = [&](int64_t n) -> int64_t { return one_pass ? mine : load_chunks(n); };
   int64_t carry = 0, longest = 0;
   for (int64_t base = 0; base < s.N; base += kThreads) {
     const int64_t n = base + threadIdx.x;
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
     if (n < s.N) {
       const int64_t len = s.cu(n + 1) - s.cu(n);
       if (len < 0) bad = 1;
-      count = len > 0 ? (len + C - 1) / C : 0;
+      count = chunks_for(len);
       mine = count;
       longest = count > longest ? count : longest;
     }
