@@ -110,12 +110,13 @@ def out_of_fp16_range_inputs(seed: int):
     return case, inp
 
 
-def cotangents(o: torch.Tensor, ht: torch.Tensor, seed: int):
-    """Random cotangents (do in o's dtype, dht in fp32) for a backward through (o, ht),
-    drawn on the CPU from `seed` (do first) and moved to the outputs' device."""
+def cotangents(o: torch.Tensor, ht: torch.Tensor, seed: int, scale: float = 1.0):
+    """Random cotangents (do in o's dtype, dht in fp32), times `scale`, for a backward
+    through (o, ht), drawn on the CPU from `seed` (do first) and moved to the outputs'
+    device."""
     gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device)
-    dht = torch.randn(ht.shape, generator=gen).to(ht.device)
+    do = (scale * torch.randn(o.shape, generator=gen)).to(o.dtype).to(o.device)
+    dht = (scale * torch.randn(ht.shape, generator=gen)).to(ht.device)
     return do, dht
 
 

@@ -19,9 +19,7 @@ def run_grads(case: Case, device: str, seed: int = 0, do_scale: float = 1.0):
     leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None) for n in NAMES}
     o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
                                             output_final_state=True)
-    gen = torch.Generator().manual_seed(seed + 100)
-    do = (do_scale * torch.randn(o.shape, generator=gen)).to(o.dtype).to(device)
-    dht = (do_scale * torch.randn(ht.shape, generator=gen)).to(device)
+    do, dht = cotangents(o, ht, seed + 100, do_scale)
     wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
     ours = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
 
