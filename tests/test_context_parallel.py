@@ -25,7 +25,8 @@ STATE_TOL = 3.7e-3
 
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
-            "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING")
+            "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
+            "FLASHGDN_WY_BATCHED")
 
 
 @contextmanager
@@ -706,3 +707,53 @@ def test_ping_pong_bit_identical_backward(monkeypatch, label: str, case: Case, s
         err = rel_err(a, r)
         print(f"ping-pong backward {label}: d{n} {err:.2e}")
         assert err < GRAD_TOL, f"{label}: d{n} {err:.2e} >= {GRAD_TOL:.1e}"
+
+
+WY_CASES = [
+    # wy_heads 4 (one block a q/k head), odd lengths, an initial state, 25% g == 0 heads
+    Case("wy_h4", [1000, 77, 2100], 2, 8, gate="mixed"),
+    # wy_heads 4 with two blocks a q/k head (the fp16 copies from the first only)
+    Case("wy_h4x2", [700, 130], 1, 8, gate="normal"),
+    Case("wy_h3", [513, 64, 1], 2, 6, gate="very_negative"),  # wy_heads 3
+    Case("wy_h2_fp16", [600, 45], 4, 8, gate="zero_heads", dtype=torch.float16),  # wy_heads 2
+    Case("wy_auto_long", [16384], 4, 16, gate="mixed"),  # the planner's split plan
+]
+
+
+@pytest.mark.parametrize("case", WY_CASES, ids=lambda c: c.name)
+def test_wy_batched_bit_identical(case: Case):
+    """wy_batched_kernel (the default where a wy block takes several value heads: every phase
+    of the WY part over all the block's heads at once) does wy_kernel<In, true, true>'s
+    arithmetic (FLASHGDN_WY_BATCHED=0): o and the final state equal bit for bit, eagerly and
+    from a CUDA graph, with 2, 3 and 4 heads a block, two blocks a q/k head, bf16 and fp16."""
+    inp = make_inputs(case, "cuda", seed=31)
+    with env_vars({"FLASHGDN_WY_BATCHED": "0"}):
+        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({}):
+        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{case.name}: batched wy differs"
+    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
+    ro, rh = reference(inp)
+    print(f"wy batched {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
+    assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+
+
+@pytest.mark.parametrize("cols", [0, 1], ids=["bwd_default", "bwd_cols"])
+@pytest.mark.parametrize("case", [WY_CASES[0], WY_CASES[2]], ids=lambda c: c.name)
+def test_wy_batched_bit_identical_backward(monkeypatch, case: Case, cols: int):
+    """The backward's recomputation through wy_batched_kernel (T, fp32 P, Tv16 as the
+    backward asks) against FLASHGDN_WY_BATCHED=0: every gradient equal bit for bit, and
+    against the float64 reference (test_backward's tolerance)."""
+    from test_backward import GRAD_TOL, run_grads
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", str(cols))
+    monkeypatch.setenv("FLASHGDN_WY_BATCHED", "0")
+    names, before, _, _ = run_grads(case, "cuda", seed=37)
+    monkeypatch.delenv("FLASHGDN_WY_BATCHED")
+    _, after, refs, _ = run_grads(case, "cuda", seed=37)
+    for n, a, b, r in zip(names, after, before, refs):
+        assert torch.equal(a, b), f"{case.name}: d{n} differs with the batched wy_kernel"
+        err = rel_err(a, r)
+        print(f"wy batched backward {case.name}: d{n} {err:.2e}")
+        assert err < GRAD_TOL, f"{case.name}: d{n} {err:.2e} >= {GRAD_TOL:.1e}"

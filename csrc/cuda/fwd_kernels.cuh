@@ -545,6 +545,318 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
 }
 
 // ---------------------------------------------------------------------------------------
+// wy_batched_kernel  grid (max_chunks * H_v / wy_heads), 256 threads, 74 KB smem (3 blocks
+//   per SM); the default pass's wy_kernel<In, true, true> with the same outputs, bit for bit
+//   (tests/test_context_parallel.py test_wy_batched_bit_identical), from the same reads.
+//   There a block's value heads go through the epilogue, the substitution and the
+//   inverse's three block rows one after another, five block barriers a head, and in most
+//   of those phases most warps wait: the substitution is 64 threads' work, the block rows
+//   2, 4 and 6 warps'. Here every phase takes all of the block's heads at once (4 heads:
+//   the substitution is exactly 256 threads' work, the block rows 8, 16 and 24 warp tasks),
+//   eleven barriers a block instead of twenty-three. What makes the heads fit side by side:
+//   - each head keeps only the lower block triangle of A (ten 16 x 16 fp32 blocks,
+//     kWyBlk floats each), and T is formed in A's place (the substitution's diagonal
+//     blocks after a warp's reads, a block row's T_ij once every X of the row is formed);
+//   - P goes to global memory through a warp's own 1 KB scratch, not a block's staging tile.
+constexpr int kWyBLd = 24;  // a block's row stride (floats): A fragments' float2 loads conflict free
+constexpr int kWyBlk = 16 * kWyBLd;
+constexpr int kWyTri = 10;  // blocks of a 4 x 4 lower block triangle
+constexpr size_t kWyBatchedTiles = sizeof(float) * kWyMaxHeads * kWyTri * kWyBlk;
+static_assert(kWyBatchedTiles >= sizeof(uint16_t) * 2 * C * LDH, "the blocks cover the K, Q tiles");
+// A warp's scratch: the block rows' X [16][kXsLd] fp32, or the epilogue's P rows [16][kWyPLd]
+// fp16 (its 16 x 32 accumulator tile, restaged so that a store covers 64 bytes of 8 rows)
+constexpr int kWyPLd = 40;  // 80-byte rows: the accumulator layout's 32-bit writes conflict free
+constexpr int kWyScratch = 16 * kWyPLd / 2;  // floats
+static_assert(kWyScratch >= 16 * kXsLd, "X fits in a warp's scratch");
+constexpr size_t kWyBatchedSmem = kWyBatchedTiles + sizeof(float) * (NT / 32) * kWyScratch + kWyTail;
+
+// Block (i, j), j <= i, of value head h's lower block triangle.
+__device__ __forceinline__ float* wy_blk(float* base, int h, int i, int j) {
+  return base + (h * kWyTri + i * (i + 1) / 2 + j) * kWyBlk;
+}
+
+template <typename In>
+__global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
+  if (p.seqs.failed()) return;
+  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kWyMaxHeads
+  const uint32_t blocks_per_chunk = static_cast<uint32_t>(p.Hv) / static_cast<uint32_t>(nh);
+  const int64_t chunk = blockIdx.x / blocks_per_chunk,
+                h0 = (blockIdx.x % blocks_per_chunk) * static_cast<uint32_t>(nh),
+                hq = static_cast<uint32_t>(h0) / static_cast<uint32_t>(p.Hv / p.Hqk);
+  const ChunkRef ck = locate_chunk(p.seqs, chunk);
+  if (ck.L == 0) return;
+  const int L = ck.L;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH], then the heads' blocks over them
+  In* Qs = Ks + C * LDH;
+  float* Ab = reinterpret_cast<float*>(smem_raw);  // [heads][kWyTri][kWyBlk] A, then T
+  float* xs = Ab + kWyMaxHeads * kWyTri * kWyBlk;  // [warps][kWyScratch] (kWyScratch)
+  float* bs_all = reinterpret_cast<float*>(smem_raw + kWyBatchedSmem - kWyTail);  // [heads][C]
+  float* Gs_all = bs_all + kWyMaxHeads * C;                                      // [heads][C]
+  float* kn = Gs_all + kWyMaxHeads * C;  // [C] |k_r|^2
+
+  const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off0 = ck.tok0 * p.Hv + h0;
+  cp_async_tile<C, D, LDH>(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, L);
+  cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
+  cp_async_commit();
+  const int warp = threadIdx.x >> 5, lane = lane_id();
+  if (warp < 2 * nh) {  // cumulative gates: inclusive scan over the 64 rows (two warps a head)
+    const int i = warp >> 1, r = 32 * (warp & 1) + lane;
+    float* bs = bs_all + i * C;
+    float gv = 0.f;
+    if (r < L) {
+      gv = load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
+      bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
+    } else {
+      bs[r] = 0.f;
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, gv, o);
+      if (lane >= o) gv += y;
+    }
+    Gs_all[i * C + r] = gv;  // the second warp of a head still lacks the first's total
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (warp < 2 * nh && (warp & 1))
+    Gs_all[(warp >> 1) * C + 32 + lane] += Gs_all[(warp >> 1) * C + 31];
+  if (p.Kh_w != nullptr && h0 % (p.Hv / p.Hqk) == 0) {  // fp16 copies of bf16 k and q rows
+                                                        // (once a q/k head)
+    constexpr int kPieces = D / 8;
+    for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
+      const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
+      if (r >= L) continue;
+      const In* src = (which ? Qs : Ks) + r * LDH + c;
+      float f[8];
+      unpack8(f, *reinterpret_cast<const uint4*>(src), src);
+      const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
+                                   pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
+      *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
+    }
+  }
+  __syncthreads();
+
+  // K K^T and Q K^T on m16n8k16 (as wy_kernel): warp w rows 16 (w % 4) .. +16, columns
+  // 32 (w / 4) .. +32
+  const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+  float kk[4][4] = {}, qk[4][4] = {};
+  {
+    const __half* Kh = reinterpret_cast<const __half*>(Ks);
+    const __half* Qh = reinterpret_cast<const __half*>(Qs);
+#pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      uint32_t ak[4], aq[4];
+      frag_a16(ak, Kh, LDH, m0, k0);
+      frag_a16(aq, Qh, LDH, m0, k0);
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        uint32_t b0[2], b1[2];
+        frag_b16_pair(b0, b1, Kh, LDH, n0 + 16 * jp, k0);
+        mma_16(kk[2 * jp], ak, b0, Ks);
+        mma_16(kk[2 * jp + 1], ak, b1, Ks);
+        mma_16(qk[2 * jp], aq, b0, Ks);
+        mma_16(qk[2 * jp + 1], aq, b1, Ks);
+      }
+    }
+  }
+  __syncthreads();  // every read of K, Q done: the blocks go over them
+
+  // Epilogue, every head: A's lower blocks to shared memory, P (tf32-rounded, as wy_kernel)
+  // to global memory: fp16 through the warp's scratch (a 16-byte store a lane, 64 bytes of 8
+  // rows a warp store; the accumulator layout's would write 16 bytes of 8 rows), fp32 (the
+  // backward's) straight from the accumulators
+  {
+    constexpr float kL2e = 1.4426950408889634f;
+    const int ra = m0 + acc_row(0), ca = acc_col(0), bi = warp & 3;
+    __half* ps = reinterpret_cast<__half*>(xs + warp * kWyScratch);  // [16][kWyPLd]
+    for (int hi = 0; hi < nh; ++hi) {
+      const float* bs = bs_all + hi * C;
+      const float* Gs = Gs_all + hi * C;
+      const int64_t row_off = row_off0 + hi;
+      const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e}, br[2] = {bs[ra], bs[ra + 8]};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int s = n0 + 8 * j + ca;
+        float pv[2][2] = {};
+        if (n0 + 8 * j <= m0 + 15) {  // the tile meets the lower triangle (warp-uniform)
+          const float gs0 = Gs[s] * kL2e, gs1 = Gs[s + 1] * kL2e;
+          float* ab = wy_blk(Ab, hi, bi, (n0 + 8 * j) / 16) + (n0 + 8 * j) % 16 + ca;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int r = ra + 8 * i;
+            const float d0 = s <= r ? exp2f(gr[i] - gs0) : 0.f;
+            const float d1 = s + 1 <= r ? exp2f(gr[i] - gs1) : 0.f;
+            const float k0 = kk[j][2 * i], k1 = kk[j][2 * i + 1];
+            *reinterpret_cast<float2*>(ab + (acc_row(0) + 8 * i) * kWyBLd) =
+                make_float2(s < r ? br[i] * d0 * k0 : 0.f, s + 1 < r ? br[i] * d1 * k1 : 0.f);
+            pv[i][0] = round_tf32(qk[j][2 * i] * d0);
+            pv[i][1] = round_tf32(qk[j][2 * i + 1] * d1);
+            if (hi == 0) {
+              if (s == r) kn[r] = k0;
+              if (s + 1 == r) kn[r] = k1;
+            }
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = ra + 8 * i;
+          *reinterpret_cast<uint32_t*>(ps + (acc_row(0) + 8 * i) * kWyPLd + 8 * j + ca) =
+              pack_half2(pv[i][0], pv[i][1]);
+          if (p.Pmat != nullptr && r < L)
+            *reinterpret_cast<float2*>(p.Pmat + (row_off + r * p.Hv) * C + s) =
+                make_float2(pv[i][0], pv[i][1]);
+        }
+      }
+      __syncwarp();
+      if (p.P16 != nullptr) {
+#pragma unroll
+        for (int e = lane; e < 16 * 4; e += 32) {  // 16 rows of 4 pieces of 8 values
+          const int r = m0 + e / 4, c = 8 * (e % 4);
+          if (r < L)
+            *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + n0 + c) =
+                *reinterpret_cast<const uint4*>(ps + (e / 4) * kWyPLd + c);
+        }
+      }
+      __syncwarp();  // ps is rewritten for the next head
+    }
+  }
+  __syncthreads();
+
+  // Diagonal blocks of T by forward substitution, a thread a column of one head's block
+  // (4 heads: all 256 threads), T_ii over A_ii once the warp's reads are done
+  constexpr int B = 16;
+  if (threadIdx.x < nh * C) {  // whole warps
+    const int hi = threadIdx.x / C, b = (threadIdx.x % C) / B, jj = threadIdx.x % B;
+    float* a = wy_blk(Ab, hi, b, b);
+    float t[B];
+#pragma unroll
+    for (int r = 0; r < B; ++r) {
+      float acc = r == jj ? 1.f : 0.f;
+#pragma unroll
+      for (int s = 0; s < r; ++s) acc -= a[r * kWyBLd + s] * t[s];
+      t[r] = acc;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < B; ++r) a[r * kWyBLd + jj] = t[r];
+  }
+  __syncthreads();
+
+  // Block rows i = 1..3 of every head on TF32 mma.sync (inverse_block_rows_tc's products in
+  // its order): task (head, w), w < 2 i, takes the 8 columns c0 = 8 w of block column
+  // j = w / 2: X = sum_{k=j}^{i-1} A_ik T_kj[:, c0..], then T_ij[:, c0..] = -T_ii X over A_ij
+  // (after a barrier: A_ij is read by the row's X of every j' <= j)
+  {
+    const int g = lane >> 2, t = lane & 3;
+    float* xw = xs + warp * kWyScratch;
+    auto frag_b_kn = [&](uint32_t(&bf)[2], const float* m, int ld, int c, int k0) {
+      bf[0] = __float_as_uint(round_tf32(m[(k0 + 2 * t) * ld + c + g]));
+      bf[1] = __float_as_uint(round_tf32(m[(k0 + 2 * t + 1) * ld + c + g]));
+    };
+    constexpr int kMaxTasks = (kWyMaxHeads * 2 * (C / B - 1) + NT / 32 - 1) / (NT / 32);
+#pragma unroll
+    for (int bi = 1; bi < C / B; ++bi) {
+      const int ntask = nh * 2 * bi;
+      float x[kMaxTasks][4];
+#pragma unroll
+      for (int m = 0; m < kMaxTasks; ++m) {
+        const int q = warp + (NT / 32) * m;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[m][e] = 0.f;
+        if (q >= ntask) continue;
+        const int hi = q / (2 * bi), w = q % (2 * bi), bj = w / 2, c = 8 * (w & 1);
+        for (int kb = bj; kb < bi; ++kb) {
+          const float* a_ik = wy_blk(Ab, hi, bi, kb);
+          const float* t_kj = wy_blk(Ab, hi, kb, bj);
+#pragma unroll
+          for (int k0 = 0; k0 < B; k0 += 8) {
+            uint32_t a[4], bf[2];
+            frag_a_rna(a, a_ik, kWyBLd, 0, k0);
+            frag_b_kn(bf, t_kj, kWyBLd, c, k0);
+            mma_tf32(x[m], a, bf);
+          }
+        }
+      }
+      __syncthreads();  // every X of the row formed: its A blocks may be overwritten
+#pragma unroll
+      for (int m = 0; m < kMaxTasks; ++m) {
+        const int q = warp + (NT / 32) * m;
+        if (q >= ntask) continue;
+        const int hi = q / (2 * bi), w = q % (2 * bi), bj = w / 2, c = 8 * (w & 1);
+        xw[g * kXsLd + 2 * t] = x[m][0];
+        xw[g * kXsLd + 2 * t + 1] = x[m][1];
+        xw[(g + 8) * kXsLd + 2 * t] = x[m][2];
+        xw[(g + 8) * kXsLd + 2 * t + 1] = x[m][3];
+        __syncwarp();
+        const float* t_ii = wy_blk(Ab, hi, bi, bi);
+        float y[4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < B; k0 += 8) {
+          uint32_t a[4], bf[2];
+          frag_a_rna(a, t_ii, kWyBLd, 0, k0);
+          frag_b_kn(bf, xw, kXsLd, 0, k0);
+          mma_tf32(y, a, bf);
+        }
+        __syncwarp();  // xw is rewritten by the next task
+        float* t_ij = wy_blk(Ab, hi, bi, bj) + c + 2 * t;
+        *reinterpret_cast<float2*>(t_ij + g * kWyBLd) = make_float2(-y[0], -y[1]);
+        *reinterpret_cast<float2*>(t_ij + (g + 8) * kWyBLd) = make_float2(-y[2], -y[3]);
+      }
+      __syncthreads();
+    }
+  }
+
+  // Tv16 <- T diag(beta) in fp16 (and T, fp32 or fp16, for the backward), G, e^G, the warm-up
+  // bound: every head (as wy_kernel's stores)
+  for (int hi = 0; hi < nh; ++hi) {
+    const float* bs = bs_all + hi * C;
+    const float* Gs = Gs_all + hi * C;
+    const int64_t row_off = row_off0 + hi;
+    for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
+      const int r = e / (C / 8), s = 8 * (e % (C / 8));
+      if (r >= L) break;  // e grows with r
+      float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
+      if (s / B <= r / B) {
+        const float* tr = wy_blk(Ab, hi, r / B, s / B) + (r % B) * kWyBLd + s % B;
+        t0 = *reinterpret_cast<const float4*>(tr);
+        t1 = *reinterpret_cast<const float4*>(tr + 4);
+      }
+      const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
+      const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
+      const int64_t idx = (row_off + r * p.Hv) * C + s;
+      *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+          make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
+                     pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
+      if (p.Tmat) {
+        *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
+        *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
+      }
+      if (p.T16)
+        *reinterpret_cast<uint4*>(p.T16 + idx) =
+            make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
+                       pack_half2(t1.z, t1.w));
+    }
+    if (p.Lb != nullptr && warp == hi) {  // warm-up bound of the chunk
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = lane + 32 * i;
+        if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
+    }
+    for (int r = threadIdx.x; r < L; r += NT) {
+      p.G[row_off + r * p.Hv] = Gs[r];
+      if (p.EG != nullptr)
+        p.EG[row_off + r * p.Hv] = make_float2(__expf(Gs[r]), __expf(Gs[L - 1] - Gs[r]));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // state_fwd_kernel
 
 template <typename In, int BW>

@@ -695,6 +695,11 @@ int wy_heads(const Problem& p) {
   return n;
 }
 
+// A block's value heads through each phase of wy_kernel together (wy_batched_kernel, the
+// default where a block takes several); FLASHGDN_WY_BATCHED=0 one head after another
+// (wy_kernel<In, true, true>, bit-identical).
+bool wy_batched() { return env_int_or("FLASHGDN_WY_BATCHED", 1) != 0; }
+
 template <typename In>
 void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   static std::once_flag once;
@@ -702,11 +707,14 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_kernel<In>, kWySmem<false>);
     set_smem(wy_kernel<In, true>, kWySmem<true>);
     set_smem(wy_kernel<In, true, true>, kWySmem<true, true>);
+    set_smem(wy_batched_kernel<In>, kWyBatchedSmem);
   });
   if (p.max_chunks() == 0) return;
   f.wy_heads = f.Tv16 != nullptr ? wy_heads(p) : 1;
   const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
-  if (f.Tv16 != nullptr && f.wy_heads > 1)
+  if (f.Tv16 != nullptr && f.wy_heads > 1 && wy_batched())
+    wy_batched_kernel<In><<<grid, NT, kWyBatchedSmem, st>>>(f);
+  else if (f.Tv16 != nullptr && f.wy_heads > 1)
     wy_kernel<In, true, true><<<grid, NT, kWySmem<true, true>, st>>>(f);
   else if (f.Tv16 != nullptr)
     wy_kernel<In, true><<<grid, NT, kWySmem<true>, st>>>(f);
