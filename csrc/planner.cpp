@@ -186,15 +186,22 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     SegmentPlan u = unsplit(q, bw);
     u.est_us = estimate_us(q, u, cost);
     if (u.est_us < best_unsplit.est_us) best_unsplit = u;
-    auto consider = [&](int64_t seg) {
+    // overlapped_only: a length below kMinSegChunks, whose sequential plan is not a candidate
+    auto consider = [&](int64_t seg, bool overlapped_only = false) {
       SegmentPlan s = with_length(q, seg, bw);
       if (!s.split) return;
       s.est_us = estimate_us(q, s, sequential);
-      if (s.est_us < best_split.est_us) best_split = s;
+      if (!overlapped_only && s.est_us < best_split.est_us) best_split = s;
       if (!cost.overlap) return;
       s.est_us = estimate_schedule_us(q, s, cost);
       if (s.overlap && s.est_us < best_overlapped.est_us) best_overlapped = s;
     };
+    // FLASHGDN_CP_SEG with auto (q.forced_seg_chunks): that length alone, every schedule the
+    // model allows it (for measurements: the planner's lengths are the candidates below)
+    if (q.forced_seg_chunks > 0) {
+      consider(q.forced_seg_chunks);
+      continue;
+    }
     for (int64_t seg = kMinSegChunks; seg < longest_est; seg = next_seg_candidate(seg))
       if (seg_candidate_for(bw, seg, longest_est, cost.overlap)) consider(seg);
     // lengths the host knows (fixed length, one packed sequence), 128 columns (one block per
@@ -207,6 +214,13 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       for (int64_t n = 2; ceil_div(longest_est, n) >= kMinSegChunks; ++n) {
         const int64_t seg = ceil_div(longest_est, n);
         if (seg_candidate_for(bw, seg, longest_est, /*fine=*/true)) consider(seg);
+      }
+    // ... and below kMinSegChunks, down to kMinOverlapSegChunks, on the overlapped schedule
+    // only (its warm-ups run beside the exact heads' chain, which shorter segments shorten)
+    if (bw == 128 && q.fixed_chunks > 0 && cost.overlap && longest_est >= kMinOverlapLongest)
+      for (int64_t n = 2; ceil_div(longest_est, n) >= kMinOverlapSegChunks; ++n) {
+        const int64_t seg = ceil_div(longest_est, n);
+        if (seg < kMinSegChunks) consider(seg, /*overlapped_only=*/true);
       }
     // corr: 16 and 32 columns, segments from kMinCorrSegChunks (its chain has no warm-up,
     // and every block must fit in one wave anyway)

@@ -382,6 +382,12 @@ inline double estimate_corr_us(const ForwardCost& c, const LoadStats& s, double 
 // small part of a segment's work. (Measured at 2/8 x 8192, column block 128: segments of
 // 24 chunks 0.286 ms, 32 0.321, 16 0.311.)
 constexpr int64_t kMinSegChunks = 24;
+// ... and on the overlapped schedule, for sequences of at least kMinOverlapLongest chunks
+// (H200, 2026-11-26, 2/8 heads: 8192 tokens in segments of 18 or 20 chunks 0.140 ms, of 24
+// 0.152; 16384 tokens in 20 chunks 0.195, 24 0.197; segments of 16 no longer fit the
+// overlapped schedule's wave there, 0.234)
+constexpr int64_t kMinOverlapSegChunks = 18;
+constexpr int64_t kMinOverlapLongest = 128;
 // ... and with exact outputs by correction (SegmentPlan::corr; candidates 12, 16, 24, ...)
 constexpr int64_t kMinCorrSegChunks = 12;
 

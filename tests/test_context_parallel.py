@@ -225,8 +225,9 @@ def test_cp_auto_engages_on_long_single_sequence():
     result must equal the unsplit pass within rounding, as exact on g == 0 heads."""
     case = Case("auto", [8192], 2, 8, gate="mixed")
     inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=12)
-    # the plan (csrc/planner.h) splits 128 chunks into 4 segments of 32: segments 2 and 3 of
-    # the g == 0 heads chain transitions, which rounds differently from the unsplit pass
+    # the plan (csrc/planner.h) splits 128 chunks into 7 segments of 19 on the overlapped
+    # schedule: the later segments of the g == 0 heads chain transitions, which rounds
+    # differently from the unsplit pass
     assert not torch.equal(ht, h_ref), "auto mode did not split (state bit-equal to unsplit)"
     assert rel_err(o, o_ref) < 2e-3 and rel_err(ht, h_ref) < 1e-3
     ro, rh = reference(inp)
@@ -378,13 +379,15 @@ def test_overlapped_schedule_auto_and_graph():
     wave beside each other; tests/cpp/test_planner.cpp): the exact (g == 0) heads' phase 0
     runs as 4 sub-segments, so their bits differ from the sequential schedule's
     (FLASHGDN_CP_OVERLAP=0) while both meet the reference's tolerance and the g == 0 heads
-    stay as exact as unsplit; eager and replayed from a CUDA graph give the same bits."""
+    stay as exact as unsplit; eager and replayed from a CUDA graph give the same bits. The
+    sequential schedule runs at the planner's segment length (7 segments of 19 chunks, which
+    only the overlapped schedule takes by itself: FLASHGDN_CP_SEG with auto forces it)."""
     case = Case("overlap_auto", [8192], 2, 8, gate="mixed")
     inp = make_inputs(case, "cuda", seed=5)
     with env_vars({}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         o_g, h_g = forward_from_graph(inp, replays=1)
-    with env_vars({"FLASHGDN_CP_OVERLAP": "0"}):
+    with env_vars({"FLASHGDN_CP_OVERLAP": "0", "FLASHGDN_CP_SEG": "19"}):
         o_seq, h_seq = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars({"FLASHGDN_CP": "off", "FLASHGDN_FWD_BW": "128"}):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)

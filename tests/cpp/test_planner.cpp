@@ -455,12 +455,14 @@ TEST(Planner, SubSegmentsWaitForTheWarmStartedBlocks) {
   // 2/8 heads, one sequence of 256 chunks: at segments of 24 (11 segments, 88 blocks) the
   // 66 warm-started blocks and the 22 exact segments' summaries fit in a wave, their 88
   // sub-segments only after the warm-started blocks: the estimate waits for those (29
-  // chunk steps) and still beats segments of 32 (H100: 0.245 ms against 0.259).
+  // chunk steps) and still beats segments of 32 (H100: 0.245 ms against 0.259). Since
+  // 2026-11-26 the overlapped schedule also tries lengths below 24: 13 segments of 20
+  // (H200: 0.195 ms against 0.197 at 24; OverlapTriesShorterSegments).
   auto q = query(1, 256, 8);
   q.allow_cols = true;
   const auto p = plan_segments(q);
   EXPECT_TRUE(p.split && p.overlap);
-  EXPECT_EQ(p.seg_chunks, 24);
+  EXPECT_EQ(p.seg_chunks, 20);
   EXPECT_EQ(p.col_block, 128);
   flashgdn::ForwardCost c;
   flashgdn::LoadStats st;
@@ -632,4 +634,48 @@ TEST(Planner, ScanLevels) {
     EXPECT_GE(int64_t{1} << l, segs - 1) << segs;
     EXPECT_LT(int64_t{1} << (l - 1), segs - 1) << segs;
   }
+}
+
+TEST(Planner, OverlapTriesShorterSegments) {
+  // The overlapped schedule runs the warm-started segments beside the exact heads' chain,
+  // so segments shorter than kMinSegChunks shorten that chain without the warm-ups' cost
+  // on it: for sequences of kMinOverlapLongest+ chunks the planner also tries the lengths
+  // of every segment count down to kMinOverlapSegChunks, on that schedule only. H200,
+  // 2026-11-26, 2/8 heads x 8192 tokens: 7 segments of 19 chunks 0.138 ms, 6 of 24 0.152.
+  auto q = query(1, 128, 8);
+  q.allow_cols = true;
+  auto p = plan_segments(q);
+  EXPECT_TRUE(p.split && p.overlap);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_EQ(p.seg_chunks, 19);
+  EXPECT_GE(p.seg_chunks, flashgdn::kMinOverlapSegChunks);
+  // the sequential schedule never goes below kMinSegChunks
+  flashgdn::ForwardCost sequential;
+  sequential.overlap = false;
+  for (int64_t chunks : {128, 192, 256, 512}) {
+    q = query(1, chunks, 8);
+    q.allow_cols = true;
+    p = plan_segments(q, sequential);
+    if (p.split) EXPECT_GE(p.seg_chunks, kMinSegChunks) << chunks;
+  }
+  // shorter sequences keep kMinSegChunks (not measured below 128 chunks)
+  q = query(1, 96, 8);
+  q.allow_cols = true;
+  p = plan_segments(q);
+  if (p.split) EXPECT_GE(p.seg_chunks, kMinSegChunks);
+}
+
+TEST(Planner, AutoWithForcedSegmentLength) {
+  // FLASHGDN_CP_SEG with FLASHGDN_CP=auto (SegmentQuery::forced_seg_chunks in Auto mode):
+  // that length alone, on whichever schedule the model prefers for it (a measurement knob)
+  auto q = query(1, 256, 8);
+  q.allow_cols = true;
+  q.forced_seg_chunks = 22;
+  auto p = plan_segments(q);
+  EXPECT_TRUE(p.split);
+  EXPECT_EQ(p.seg_chunks, 22);
+  EXPECT_TRUE(p.overlap);
+  q.forced_seg_chunks = 64;
+  p = plan_segments(q);
+  EXPECT_EQ(p.seg_chunks, 64);
 }
