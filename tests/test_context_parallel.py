@@ -696,20 +696,28 @@ def test_ping_pong_bit_identical_backward(monkeypatch, label: str, case: Case, s
     default) against FLASHGDN_COLS_PING=0: every gradient equal bit for bit, unsplit, split
     and with packed slots walking several segments; and against the float64 reference
     (test_backward's tolerance)."""
-    from test_backward import GRAD_TOL, run_grads
     monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
     monkeypatch.setenv("FLASHGDN_CP", "on" if seg else "off")
     if seg:
         monkeypatch.setenv("FLASHGDN_CP_SEG", str(seg))
-    monkeypatch.setenv("FLASHGDN_COLS_PING", "0")
-    names, barrier, _, _ = run_grads(case, "cuda", seed=29)
-    monkeypatch.delenv("FLASHGDN_COLS_PING")
-    _, ping, refs, _ = run_grads(case, "cuda", seed=29)
-    for n, a, b, r in zip(names, ping, barrier, refs):
-        assert torch.equal(a, b), f"{label}: d{n} differs under the ping-pong schedule"
+    grads_bit_identical(monkeypatch, case, "FLASHGDN_COLS_PING", "0", seed=29,
+                        what=f"ping-pong backward {label}")
+
+
+def grads_bit_identical(monkeypatch, case: Case, switch: str, value: str, seed: int,
+                        what: str) -> None:
+    """Every gradient with the environment variable `switch` at `value` and without it
+    equal bit for bit, and within test_backward's tolerance of the float64 reference."""
+    from test_backward import GRAD_TOL, run_grads
+    monkeypatch.setenv(switch, value)
+    names, before, _, _ = run_grads(case, "cuda", seed=seed)
+    monkeypatch.delenv(switch)
+    _, after, refs, _ = run_grads(case, "cuda", seed=seed)
+    for n, a, b, r in zip(names, after, before, refs):
+        assert torch.equal(a, b), f"{what}: d{n} differs from {switch}={value}"
         err = rel_err(a, r)
-        print(f"ping-pong backward {label}: d{n} {err:.2e}")
-        assert err < GRAD_TOL, f"{label}: d{n} {err:.2e} >= {GRAD_TOL:.1e}"
+        print(f"{what}: d{n} {err:.2e}")
+        assert err < GRAD_TOL, f"{what}: d{n} {err:.2e} >= {GRAD_TOL:.1e}"
 
 
 WY_CASES = [
@@ -749,14 +757,6 @@ def test_wy_batched_bit_identical_backward(monkeypatch, case: Case, cols: int):
     """The backward's recomputation through wy_batched_kernel (T, fp32 P, Tv16 as the
     backward asks) against FLASHGDN_WY_BATCHED=0: every gradient equal bit for bit, and
     against the float64 reference (test_backward's tolerance)."""
-    from test_backward import GRAD_TOL, run_grads
     monkeypatch.setenv("FLASHGDN_BWD_COLS", str(cols))
-    monkeypatch.setenv("FLASHGDN_WY_BATCHED", "0")
-    names, before, _, _ = run_grads(case, "cuda", seed=37)
-    monkeypatch.delenv("FLASHGDN_WY_BATCHED")
-    _, after, refs, _ = run_grads(case, "cuda", seed=37)
-    for n, a, b, r in zip(names, after, before, refs):
-        assert torch.equal(a, b), f"{case.name}: d{n} differs with the batched wy_kernel"
-        err = rel_err(a, r)
-        print(f"wy batched backward {case.name}: d{n} {err:.2e}")
-        assert err < GRAD_TOL, f"{case.name}: d{n} {err:.2e} >= {GRAD_TOL:.1e}"
+    grads_bit_identical(monkeypatch, case, "FLASHGDN_WY_BATCHED", "0", seed=37,
+                        what=f"wy batched backward {case.name}")

@@ -173,6 +173,158 @@ constexpr size_t kWySmem = kFree ? kWyFreeTiles + (kMulti ? sizeof(float) * C * 
                                  : sizeof(uint16_t) * 3 * C * LDH + sizeof(float) * 3 * C * LDA +
                                        kWyTail;
 
+// The start both wy kernels share (the default pass's): the block's chunk and value heads,
+// the gates, the fp16 copies of k and q, and K K^T, Q K^T.
+// Block blockIdx.x: chunk, its first value head h0 of nh and their q/k head hq. The value
+// heads of a chunk are neighbours in the launch order, so the heads that share a q/k head
+// find its K and Q tiles in L2 (H100, 2026-11-23: 16/32 x 32768 0.690 -> 0.428 ms, 2/8 0.113
+// -> 0.102; the chunk-major grid read them from DRAM once per value head). 32-bit divisions
+// (the grid is below 2^31 blocks; a 64-bit one is ~70 instructions).
+struct WyBlock {
+  int64_t chunk, h0, hq;
+};
+__device__ __forceinline__ WyBlock wy_block(const FwdParams& p, int nh) {
+  const uint32_t blocks_per_chunk = static_cast<uint32_t>(p.Hv) / static_cast<uint32_t>(nh);
+  WyBlock b;
+  b.chunk = blockIdx.x / blocks_per_chunk;
+  b.h0 = (blockIdx.x % blocks_per_chunk) * static_cast<uint32_t>(nh);
+  b.hq = static_cast<uint32_t>(b.h0) / static_cast<uint32_t>(p.Hv / p.Hqk);
+  return b;
+}
+
+// Cumulative gates G (an inclusive scan over the chunk's rows, two warps a head) and beta of
+// the nh value heads from h0 into Gs_all, bs_all ([heads][C]; rows past L: beta 0). The
+// second warp of a head lacks the first's total until wy_gates_carry, after a barrier.
+__device__ __forceinline__ void wy_gates(const FwdParams& p, const ChunkRef& ck, int64_t h0,
+                                         int nh, float* bs_all, float* Gs_all) {
+  const int warp = threadIdx.x >> 5, lane = lane_id();
+  if (warp >= 2 * nh) return;
+  const int i = warp >> 1, r = 32 * (warp & 1) + lane;
+  float* bs = bs_all + i * C;
+  float gv = 0.f;
+  if (r < ck.L) {
+    gv = load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
+    bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
+  } else {
+    bs[r] = 0.f;
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const float y = __shfl_up_sync(0xffffffffu, gv, o);
+    if (lane >= o) gv += y;
+  }
+  Gs_all[i * C + r] = gv;
+}
+__device__ __forceinline__ void wy_gates_carry(int nh, float* Gs_all) {
+  const int warp = threadIdx.x >> 5;
+  if (warp < 2 * nh && (warp & 1))
+    Gs_all[(warp >> 1) * C + 32 + lane_id()] += Gs_all[(warp >> 1) * C + 31];
+}
+
+// fp16 copies of this chunk's k and q rows (staged in Ks, Qs) for the fp16 state pass, by the
+// first block of each q/k head (bf16 inputs; exact for |x| in [2^-14, 65504], the range of
+// l2-normalised q and k).
+template <typename In>
+__device__ __forceinline__ void wy_fp16_copies(const FwdParams& p, const In* Ks, const In* Qs,
+                                               int64_t h0, int64_t qk_off, int L) {
+  if (p.Kh_w == nullptr || h0 % (p.Hv / p.Hqk) != 0) return;
+  constexpr int kPieces = D / 8;  // 8 values per 16-byte piece
+  for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
+    const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
+    if (r >= L) continue;
+    const In* src = (which ? Qs : Ks) + r * LDH + c;
+    float f[8];
+    unpack8(f, *reinterpret_cast<const uint4*>(src), src);
+    const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
+                                 pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
+    *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
+  }
+}
+
+// K K^T and Q K^T on m16n8k16 in the inputs' 16-bit type (ldmatrix moves bits: the tiles are
+// read through __half pointers): the warp's rows m0 .. +16, columns n0 .. +32.
+template <typename In>
+__device__ __forceinline__ void wy_kk_qk16(float (&kk)[4][4], float (&qk)[4][4], const In* Ks,
+                                           const In* Qs, int m0, int n0) {
+  const __half* Kh = reinterpret_cast<const __half*>(Ks);
+  const __half* Qh = reinterpret_cast<const __half*>(Qs);
+#pragma unroll 4
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    uint32_t ak[4], aq[4];
+    frag_a16(ak, Kh, LDH, m0, k0);
+    frag_a16(aq, Qh, LDH, m0, k0);
+#pragma unroll
+    for (int jp = 0; jp < 2; ++jp) {  // B(k, n) = K[n][k]: columns n0 + 16 jp .. + 16
+      uint32_t b0[2], b1[2];
+      frag_b16_pair(b0, b1, Kh, LDH, n0 + 16 * jp, k0);
+      mma_16(kk[2 * jp], ak, b0, Ks);
+      mma_16(kk[2 * jp + 1], ak, b1, Ks);
+      mma_16(qk[2 * jp], aq, b0, Ks);
+      mma_16(qk[2 * jp + 1], aq, b1, Ks);
+    }
+  }
+}
+
+// Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward) of one value
+// head: 8 columns a thread, 16-byte stores (a warp covers 4 whole rows). t_at(r, s) points at
+// T's row r, columns s .. s + 7, in a 16 x 16 block at or below the diagonal (T's blocks above
+// it are zero and not formed).
+template <typename TAt>
+__device__ __forceinline__ void wy_store_tv16(const FwdParams& p, const float* bs,
+                                              int64_t row_off, int L, TAt t_at) {
+  for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
+    const int r = e / (C / 8), s = 8 * (e % (C / 8));
+    if (r >= L) break;  // e grows with r
+    float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
+    if (s / 16 <= r / 16) {
+      const float* tr = t_at(r, s);
+      t0 = *reinterpret_cast<const float4*>(tr);
+      t1 = *reinterpret_cast<const float4*>(tr + 4);
+    }
+    const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
+    const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
+    const int64_t idx = (row_off + r * p.Hv) * C + s;
+    *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+        make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
+                   pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
+    if (p.Tmat) {
+      *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
+      *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
+    }
+    if (p.T16)
+      *reinterpret_cast<uint4*>(p.T16 + idx) =
+          make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
+                     pack_half2(t1.z, t1.w));
+  }
+}
+
+// The chunk's warm-up bound Lb[lb_idx] = G_last + sum_r log max(1, |1 - beta_r |k_r|^2|) of
+// one value head (kernel header), by one whole warp.
+__device__ __forceinline__ void wy_store_lb(const FwdParams& p, const float* bs, const float* Gs,
+                                            const float* kn, int L, int64_t lb_idx) {
+  const int lane = lane_id();
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane + 32 * i;
+    if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) p.Lb[lb_idx] = Gs[L - 1] + acc;
+}
+
+// G and (the 128-column pass's) e^G, e^{G_last - G} of one value head, rows tid, tid +
+// nthreads, ...
+__device__ __forceinline__ void wy_store_gates(const FwdParams& p, const float* Gs,
+                                               int64_t row_off, int L, int tid, int nthreads) {
+  for (int r = tid; r < L; r += nthreads) {
+    p.G[row_off + r * p.Hv] = Gs[r];
+    if (p.EG != nullptr)
+      p.EG[row_off + r * p.Hv] = make_float2(__expf(Gs[r]), __expf(Gs[L - 1] - Gs[r]));
+  }
+}
+
 // kFree (the default f16 pass): T diag(beta) goes out as fp16 (Tv16) instead of W and U0,
 // which are never formed (the state pass builds U from V, K S and Tv16), so v is not read.
 // It also runs on tensor cores where the !kFree (tf32 / wgmma pass) kernel loops in fp32:
@@ -192,15 +344,9 @@ template <typename In, bool kFree = false, bool kMulti = false>
 __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(FwdParams p) {
   static_assert(kFree || !kMulti, "several heads a block: the default pass's kernel only");
   if (p.seqs.failed()) return;
-  // the value heads of a chunk are neighbours in the launch order, so the heads that share
-  // a q/k head find its K and Q tiles in L2 (H100, 2026-11-23: 16/32 x 32768 0.690 -> 0.428
-  // ms, 2/8 0.113 -> 0.102; the chunk-major grid read them from DRAM once per value head).
-  // 32-bit divisions (the grid is below 2^31 blocks; a 64-bit one is ~70 instructions).
   const int nh = kMulti ? p.wy_heads : 1;  // divides H_v / H_qk
-  const uint32_t blocks_per_chunk = static_cast<uint32_t>(p.Hv) / static_cast<uint32_t>(nh);
-  const int64_t chunk = blockIdx.x / blocks_per_chunk,
-                h0 = (blockIdx.x % blocks_per_chunk) * static_cast<uint32_t>(nh),
-                hq = static_cast<uint32_t>(h0) / static_cast<uint32_t>(p.Hv / p.Hqk);
+  const WyBlock wb = wy_block(p, nh);
+  const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
   const ChunkRef ck = locate_chunk(p.seqs, chunk);
   if (ck.L == 0) return;
   const int L = ck.L;
@@ -227,42 +373,11 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
   cp_async_commit();
   const int warp = threadIdx.x >> 5, lane = lane_id();
-  if (warp < 2 * nh) {  // cumulative gates: inclusive scan over the 64 rows (two warps a head)
-    const int i = warp >> 1, r = 32 * (warp & 1) + lane;
-    float* bs = bs_all + i * C;
-    float gv = 0.f;
-    if (r < L) {
-      gv = load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
-      bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
-    } else {
-      bs[r] = 0.f;
-    }
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, gv, o);
-      if (lane >= o) gv += y;
-    }
-    Gs_all[i * C + r] = gv;  // the second warp of a head still lacks the first's total
-  }
+  wy_gates(p, ck, h0, nh, bs_all, Gs_all);
   cp_async_wait<0>();
   __syncthreads();
-  if (warp < 2 * nh && (warp & 1))
-    Gs_all[(warp >> 1) * C + 32 + lane] += Gs_all[(warp >> 1) * C + 31];
-  if (p.Kh_w != nullptr && h0 % (p.Hv / p.Hqk) == 0) {
-    // fp16 copies of this chunk's k and q rows for the fp16 state pass (bf16 inputs; exact
-    // for |x| in [2^-14, 65504], the range of l2-normalised q and k)
-    constexpr int kPieces = D / 8;  // 8 values per 16-byte piece
-    for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
-      const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
-      if (r >= L) continue;
-      const In* src = (which ? Qs : Ks) + r * LDH + c;
-      float f[8];
-      unpack8(f, *reinterpret_cast<const uint4*>(src), src);
-      const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
-                                   pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
-      *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
-    }
-  }
+  wy_gates_carry(nh, Gs_all);
+  wy_fp16_copies(p, Ks, Qs, h0, qk_off, L);
   __syncthreads();
 
   // P, staged for the stores: in T's bytes (written from the substitution on), or (kMulti) in a
@@ -272,24 +387,7 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
   float kk[4][4] = {}, qk[4][4] = {};
   if constexpr (kFree) {  // 16-bit m16n8k16
-    // ldmatrix moves bits: the 16-bit tiles are read through __half pointers
-    const __half* Kh = reinterpret_cast<const __half*>(Ks);
-    const __half* Qh = reinterpret_cast<const __half*>(Qs);
-#pragma unroll 4
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      uint32_t ak[4], aq[4];
-      frag_a16(ak, Kh, LDH, m0, k0);
-      frag_a16(aq, Qh, LDH, m0, k0);
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp) {  // B(k, n) = K[n][k]: columns n0 + 16 jp .. + 16
-        uint32_t b0[2], b1[2];
-        frag_b16_pair(b0, b1, Kh, LDH, n0 + 16 * jp, k0);
-        mma_16(kk[2 * jp], ak, b0, Ks);
-        mma_16(kk[2 * jp + 1], ak, b1, Ks);
-        mma_16(qk[2 * jp], aq, b0, Ks);
-        mma_16(qk[2 * jp + 1], aq, b1, Ks);
-      }
-    }
+    wy_kk_qk16(kk, qk, Ks, Qs, m0, n0);
   } else {
 #pragma unroll 4
     for (int k0 = 0; k0 < D; k0 += 8) {
@@ -379,22 +477,9 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
                          pack_half2(b.z, b.w));
         }
       }
-      if (p.Lb != nullptr && warp == lb_warp) {  // warm-up bound of the chunk
-        float acc = 0.f;
-  #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int r = lane + 32 * i;
-          if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
-        }
-  #pragma unroll
-        for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
-      }
-      for (int r = tid; r < L; r += nthreads) {
-        p.G[row_off + r * p.Hv] = Gs[r];
-        if (p.EG != nullptr)
-          p.EG[row_off + r * p.Hv] = make_float2(__expf(Gs[r]), __expf(Gs[L - 1] - Gs[r]));
-      }
+      if (p.Lb != nullptr && warp == lb_warp)  // warm-up bound of the chunk
+        wy_store_lb(p, bs, Gs, kn, L, chunk * p.Hv + h0 + hi);
+      wy_store_gates(p, Gs, row_off, L, tid, nthreads);
     };
     if constexpr (!kMulti) {
       p_stores(threadIdx.x, NT, 0);
@@ -470,32 +555,7 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
       }
     }
     if constexpr (kFree) {
-      // Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward): 8 columns
-      // a thread, 16-byte stores (a warp covers 4 whole rows); T's blocks above the diagonal
-      // are zero (not formed in Ts)
-      for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
-        const int r = e / (C / 8), s = 8 * (e % (C / 8));
-        if (r >= L) break;  // e grows with r
-        float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
-        if (s / 16 <= r / 16) {
-          t0 = *reinterpret_cast<const float4*>(Ts + r * LDA + s);
-          t1 = *reinterpret_cast<const float4*>(Ts + r * LDA + s + 4);
-        }
-        const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
-        const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
-        const int64_t idx = (row_off + r * p.Hv) * C + s;
-        *reinterpret_cast<uint4*>(p.Tv16 + idx) =
-            make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
-                       pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
-        if (p.Tmat) {
-          *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
-          *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
-        }
-        if (p.T16)
-          *reinterpret_cast<uint4*>(p.T16 + idx) =
-              make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
-                         pack_half2(t1.z, t1.w));
-      }
+      wy_store_tv16(p, bs, row_off, L, [&](int r, int s) { return Ts + r * LDA + s; });
     } else {  // As <- T diag(beta exp G), Tv <- T diag(beta) (tf32 operands of W and U0)
       // each thread keeps one column s, so its factors are computed once
       const int s = threadIdx.x % C;
@@ -579,10 +639,8 @@ template <typename In>
 __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const int nh = p.wy_heads;  // divides H_v / H_qk, at most kWyMaxHeads
-  const uint32_t blocks_per_chunk = static_cast<uint32_t>(p.Hv) / static_cast<uint32_t>(nh);
-  const int64_t chunk = blockIdx.x / blocks_per_chunk,
-                h0 = (blockIdx.x % blocks_per_chunk) * static_cast<uint32_t>(nh),
-                hq = static_cast<uint32_t>(h0) / static_cast<uint32_t>(p.Hv / p.Hqk);
+  const WyBlock wb = wy_block(p, nh);
+  const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
   const ChunkRef ck = locate_chunk(p.seqs, chunk);
   if (ck.L == 0) return;
   const int L = ck.L;
@@ -600,66 +658,17 @@ __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
   cp_async_tile<C, D, LDH>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
   cp_async_commit();
   const int warp = threadIdx.x >> 5, lane = lane_id();
-  if (warp < 2 * nh) {  // cumulative gates: inclusive scan over the 64 rows (two warps a head)
-    const int i = warp >> 1, r = 32 * (warp & 1) + lane;
-    float* bs = bs_all + i * C;
-    float gv = 0.f;
-    if (r < L) {
-      gv = load_scalar(p.g, p.g_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
-      bs[r] = load_scalar(p.beta, p.beta_dtype, (ck.tok0 + r) * p.Hv + h0 + i);
-    } else {
-      bs[r] = 0.f;
-    }
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, gv, o);
-      if (lane >= o) gv += y;
-    }
-    Gs_all[i * C + r] = gv;  // the second warp of a head still lacks the first's total
-  }
+  wy_gates(p, ck, h0, nh, bs_all, Gs_all);
   cp_async_wait<0>();
   __syncthreads();
-  if (warp < 2 * nh && (warp & 1))
-    Gs_all[(warp >> 1) * C + 32 + lane] += Gs_all[(warp >> 1) * C + 31];
-  if (p.Kh_w != nullptr && h0 % (p.Hv / p.Hqk) == 0) {  // fp16 copies of bf16 k and q rows
-                                                        // (once a q/k head)
-    constexpr int kPieces = D / 8;
-    for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
-      const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
-      if (r >= L) continue;
-      const In* src = (which ? Qs : Ks) + r * LDH + c;
-      float f[8];
-      unpack8(f, *reinterpret_cast<const uint4*>(src), src);
-      const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
-                                   pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
-      *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
-    }
-  }
+  wy_gates_carry(nh, Gs_all);
+  wy_fp16_copies(p, Ks, Qs, h0, qk_off, L);
   __syncthreads();
 
-  // K K^T and Q K^T on m16n8k16 (as wy_kernel): warp w rows 16 (w % 4) .. +16, columns
-  // 32 (w / 4) .. +32
+  // K K^T and Q K^T (as wy_kernel): warp w rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
   const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
   float kk[4][4] = {}, qk[4][4] = {};
-  {
-    const __half* Kh = reinterpret_cast<const __half*>(Ks);
-    const __half* Qh = reinterpret_cast<const __half*>(Qs);
-#pragma unroll 4
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      uint32_t ak[4], aq[4];
-      frag_a16(ak, Kh, LDH, m0, k0);
-      frag_a16(aq, Qh, LDH, m0, k0);
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp) {
-        uint32_t b0[2], b1[2];
-        frag_b16_pair(b0, b1, Kh, LDH, n0 + 16 * jp, k0);
-        mma_16(kk[2 * jp], ak, b0, Ks);
-        mma_16(kk[2 * jp + 1], ak, b1, Ks);
-        mma_16(qk[2 * jp], aq, b0, Ks);
-        mma_16(qk[2 * jp + 1], aq, b1, Ks);
-      }
-    }
-  }
+  wy_kk_qk16(kk, qk, Ks, Qs, m0, n0);
   __syncthreads();  // every read of K, Q done: the blocks go over them
 
   // Epilogue, every head: A's lower blocks to shared memory, P (tf32-rounded, as wy_kernel)
@@ -813,46 +822,12 @@ __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
     const float* bs = bs_all + hi * C;
     const float* Gs = Gs_all + hi * C;
     const int64_t row_off = row_off0 + hi;
-    for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
-      const int r = e / (C / 8), s = 8 * (e % (C / 8));
-      if (r >= L) break;  // e grows with r
-      float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
-      if (s / B <= r / B) {
-        const float* tr = wy_blk(Ab, hi, r / B, s / B) + (r % B) * kWyBLd + s % B;
-        t0 = *reinterpret_cast<const float4*>(tr);
-        t1 = *reinterpret_cast<const float4*>(tr + 4);
-      }
-      const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
-      const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
-      const int64_t idx = (row_off + r * p.Hv) * C + s;
-      *reinterpret_cast<uint4*>(p.Tv16 + idx) =
-          make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
-                     pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
-      if (p.Tmat) {
-        *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
-        *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
-      }
-      if (p.T16)
-        *reinterpret_cast<uint4*>(p.T16 + idx) =
-            make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
-                       pack_half2(t1.z, t1.w));
-    }
-    if (p.Lb != nullptr && warp == hi) {  // warm-up bound of the chunk
-      float acc = 0.f;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = lane + 32 * i;
-        if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) p.Lb[chunk * p.Hv + h0 + hi] = Gs[L - 1] + acc;
-    }
-    for (int r = threadIdx.x; r < L; r += NT) {
-      p.G[row_off + r * p.Hv] = Gs[r];
-      if (p.EG != nullptr)
-        p.EG[row_off + r * p.Hv] = make_float2(__expf(Gs[r]), __expf(Gs[L - 1] - Gs[r]));
-    }
+    wy_store_tv16(p, bs, row_off, L, [&](int r, int s) {
+      return wy_blk(Ab, hi, r / B, s / B) + (r % B) * kWyBLd + s % B;
+    });
+    if (p.Lb != nullptr && warp == hi)  // warm-up bound of the chunk
+      wy_store_lb(p, bs, Gs, kn, L, chunk * p.Hv + h0 + hi);
+    wy_store_gates(p, Gs, row_off, L, threadIdx.x, NT);
   }
 }
 
