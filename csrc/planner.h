@@ -75,7 +75,8 @@ struct SegmentQuery {
   int64_t Hv = 0;             // value heads
   int sms = 132;              // streaming multiprocessors
   CpMode mode = CpMode::Auto;
-  int64_t forced_seg_chunks = 0;  // CpMode::On: chunks per segment (0: a quarter of the longest)
+  int64_t forced_seg_chunks = 0;  // CpMode::On: chunks per segment (0: a quarter of the longest);
+                                  //   CpMode::Auto: the only length tried (0: the candidates)
   int forced_col_block = 0;       // 16, 32 or 128 forces the column block (0: the planner picks;
                                   //   128 only where allowed)
   bool allow_cols = false;        // column block 128 (state_fwd_cols_kernel) is available
@@ -425,7 +426,8 @@ inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest,
 
 SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost = ForwardCost{});
 
-// FLASHGDN_CP = auto (default) | on | off, FLASHGDN_CP_SEG = chunks per segment when on,
+// FLASHGDN_CP = auto (default) | on | off, FLASHGDN_CP_SEG = chunks per segment when on (with
+// auto: the only length the planner tries),
 // FLASHGDN_FWD_BW = 16 | 32 | 128 forces the column block.
 CpMode cp_mode_from_env();
 int64_t cp_seg_chunks_from_env();
