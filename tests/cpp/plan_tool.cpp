@@ -1,0 +1,75 @@
+// flashgdn_plan: prints the host planner's plan (csrc/planner.h) of the forward's state pass
+// for a shape, on any machine (no GPU): which column block, whether and how the sequences
+// are split, the schedule and the cost model's estimate. The forward's fp16 pass's cost
+// model, as launch.cu's plan_cost builds it; switches as flags rather than environment
+// variables.
+//
+//   flashgdn_plan --hv 8 --chunks 256                 # 2/8 heads, one 16384-token sequence
+//   flashgdn_plan --hv 16 --chunks 512 --sat          # FLASHGDN_CP_SAT=1
+//   flashgdn_plan --hv 8 --chunks 449 --n 2 --varlen --hint 448   # 28672 + 4096, host copy
+//
+// Flags: --hv H_v, --chunks C (of each sequence; varlen: in all), --n N, --varlen (packed:
+// the device then picks the segments), --hint longest chunks (cu_seqlens_cpu), --sms S,
+// --seg L (FLASHGDN_CP_SEG with auto), --bw 16|32|128 (FLASHGDN_FWD_BW), --no-overlap
+// (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --nsub n (FLASHGDN_CP_SUB), --off,
+// --on (FLASHGDN_CP).
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "planner.h"
+
+int main(int argc, char** argv) {
+  using namespace flashgdn;
+  SegmentQuery q;
+  q.N = 1;
+  q.allow_cols = true;
+  int64_t chunks = 0;
+  bool varlen = false;
+  ForwardCost c;
+  c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
+  c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    const bool has_value = i + 1 < argc;
+    auto value = [&]() { return std::atoll(argv[++i]); };
+    if (!std::strcmp(a, "--hv") && has_value) q.Hv = value();
+    else if (!std::strcmp(a, "--chunks") && has_value) chunks = value();
+    else if (!std::strcmp(a, "--n") && has_value) q.N = value();
+    else if (!std::strcmp(a, "--hint") && has_value) q.longest_hint = value();
+    else if (!std::strcmp(a, "--sms") && has_value) q.sms = static_cast<int>(value());
+    else if (!std::strcmp(a, "--seg") && has_value) q.forced_seg_chunks = value();
+    else if (!std::strcmp(a, "--bw") && has_value) q.forced_col_block = static_cast<int>(value());
+    else if (!std::strcmp(a, "--nsub") && has_value) c.nsub = static_cast<int>(value());
+    else if (!std::strcmp(a, "--varlen")) varlen = true;
+    else if (!std::strcmp(a, "--no-overlap")) c.overlap = false;
+    else if (!std::strcmp(a, "--sat")) c.overlap_saturated = true;
+    else if (!std::strcmp(a, "--off")) q.mode = CpMode::Off;
+    else if (!std::strcmp(a, "--on")) q.mode = CpMode::On;
+    else {
+      std::fprintf(stderr, "flashgdn_plan: unknown or incomplete argument '%s' (see the "
+                           "header of tests/cpp/plan_tool.cpp)\n", a);
+      return 2;
+    }
+  }
+  if (q.Hv <= 0 || chunks <= 0 || q.N <= 0) {
+    std::fprintf(stderr, "flashgdn_plan: --hv and --chunks (and --n, if given) must be > 0\n");
+    return 2;
+  }
+  q.total_chunks = varlen ? chunks : q.N * chunks;
+  q.fixed_chunks = varlen && q.N > 1 ? -1 : chunks;
+  const SegmentPlan p = plan_segments(q, c);
+  std::printf("H_v %lld, %lld x %lld chunks%s: col_block %d, %s, seg %lld (max segments %lld)",
+              static_cast<long long>(q.Hv), static_cast<long long>(q.N),
+              static_cast<long long>(varlen ? chunks / q.N : chunks), varlen ? " (packed)" : "",
+              p.col_block, p.split ? "split" : "unsplit", static_cast<long long>(p.seg_chunks),
+              static_cast<long long>(p.max_segments));
+  if (p.split && !p.device_choice)
+    std::printf(", %s%s, nsub %d", p.overlap ? "overlapped" : "sequential",
+                p.corr ? " with correction" : "", p.nsub);
+  if (p.device_choice) std::printf(", the device picks the segments");
+  if (p.device_overlap) std::printf(" and may take the overlapped schedule");
+  if (p.device_col_block) std::printf(", the device picks the column block");
+  std::printf(", estimate %.1f us\n", p.est_us);
+  return 0;
+}
