@@ -1,0 +1,54 @@
+"""bench/bench_gdn.py's target columns: FlashQLA's published H200 table (bench/published_h200.tsv)
+parses whole, and a row meets issue 4's and issue 5's tests exactly at their thresholds."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import bench_gdn as bg  # noqa: E402
+
+
+def test_published_table_is_whole():
+    pub = bg.load_published()
+    fwd = [k for k in pub if k[0] == "fwd"]
+    bwd = [k for k in pub if k[0] == "bwd"]
+    assert len(fwd) == len(bg.FWD_MODELS) * len(bg.FWD_SEQS) == 171
+    assert len(bwd) == len(bg.BWD_MODELS) * len(bg.BWD_TOTALS) * len(bg.BWD_SPLITS) == 32
+    for m in bg.FWD_MODELS:  # every row of the forward table has its published figures
+        for label, _ in bg.FWD_SEQS:
+            assert ("fwd", m.key, label) in pub
+    ref = pub[("fwd", "4/16", "1x32768")]  # FlashQLA's issue-4 row: 2.50x over FLA
+    assert abs(ref["fla"] / ref["flashqla"] - 2.50) < 0.01
+
+
+def _row(mode: str, key: str, label: str, ours_ms: float, fla_ms: float,
+         ours_fwd_ms: float = bg.NAN) -> bg.RowResult:
+    h_qk, h_v = (int(x) for x in key.split("/"))
+    r = bg.RowResult(mode, "m", h_qk, h_v, label, [1], 1, 0.0, 0.0, 0.0, 0.0)
+    r.results["flashgdn"] = bg.Measurement(ms=ours_ms, fwd_ms=ours_fwd_ms)
+    if fla_ms > 0:
+        r.results["fla"] = bg.Measurement(ms=fla_ms)
+    return r
+
+
+def test_targets_at_their_thresholds():
+    pub = bg.load_published()
+    ref = pub[("fwd", "4/16", "1x32768")]
+    r_q = ref["fla"] / ref["flashqla"]
+    best = max(1.0, r_q, ref["fla"] / ref["flashinfer"])
+    fla = 1.3
+    at4 = _row("fwd", "4/16", "1x32768", fla / r_q * 0.999, fla)   # just meets issue 4
+    below = _row("fwd", "4/16", "1x32768", fla / r_q * 1.01, fla)  # just misses it
+    at5 = _row("fwd", "4/16", "1x32768", fla / (1.25 * best) * 0.999, fla)
+    text = "\n".join(bg.target_lines([at4, below, at5]))
+    rows = [line for line in text.splitlines() if line.startswith("| 4/16 |")]
+    assert [row.split(" | ")[7] for row in rows] == ["yes", "no", "yes"]  # issue 4
+    assert [row.split(" | ")[9].rstrip(" |") for row in rows] == ["no", "no", "yes"]  # issue 5
+    assert "holds on 2 of 3 rows" in text and "on 1 of 3" in text
+    # backward: flashgdn's backward (fwd+bwd - fwd) against FlashQLA's published / 1.25
+    fq = pub[("bwd", "16/32", "32k_1seq")]["flashqla"]
+    fast = _row("bwd", "16/32", "32k_1seq", 1.0 + fq / 1.25 * 0.99, 0.0, ours_fwd_ms=1.0)
+    slow = _row("bwd", "16/32", "32k_1seq", 1.0 + fq, 0.0, ours_fwd_ms=1.0)
+    text = "\n".join(bg.target_lines([fast, slow]))
+    assert "holds on 1 of 2 rows" in text
