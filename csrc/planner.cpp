@@ -209,19 +209,20 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     // every segment count, the shortest that cuts the sequence into n segments, so that a
     // plan's blocks can fill their wave exactly (H100, 4/16 heads x 16384 tokens, 256
     // chunks, overlapped: 6 segments of 43 chunks 0.342 ms, of 52 0.361; 48, the candidate
-    // above, makes 6 as well, the longest 48)
-    if (bw == 128 && q.fixed_chunks > 0 && cost.overlap)
-      for (int64_t n = 2; ceil_div(longest_est, n) >= kMinSegChunks; ++n) {
+    // above, makes 6 as well, the longest 48); for sequences of kMinOverlapLongest+ chunks
+    // below kMinSegChunks too, down to kMinOverlapSegChunks, on the overlapped schedule only
+    // (its warm-ups run beside the exact heads' chain, which shorter segments shorten)
+    if (bw == 128 && q.fixed_chunks > 0 && cost.overlap) {
+      const int64_t shortest =
+          longest_est >= kMinOverlapLongest ? kMinOverlapSegChunks : kMinSegChunks;
+      for (int64_t n = 2; ceil_div(longest_est, n) >= shortest; ++n) {
         const int64_t seg = ceil_div(longest_est, n);
-        if (seg_candidate_for(bw, seg, longest_est, /*fine=*/true)) consider(seg);
+        if (seg < kMinSegChunks)
+          consider(seg, /*overlapped_only=*/true);
+        else if (seg_candidate_for(bw, seg, longest_est, /*fine=*/true))
+          consider(seg);
       }
-    // ... and below kMinSegChunks, down to kMinOverlapSegChunks, on the overlapped schedule
-    // only (its warm-ups run beside the exact heads' chain, which shorter segments shorten)
-    if (bw == 128 && q.fixed_chunks > 0 && cost.overlap && longest_est >= kMinOverlapLongest)
-      for (int64_t n = 2; ceil_div(longest_est, n) >= kMinOverlapSegChunks; ++n) {
-        const int64_t seg = ceil_div(longest_est, n);
-        if (seg < kMinSegChunks) consider(seg, /*overlapped_only=*/true);
-      }
+    }
     // corr: 16 and 32 columns, segments from kMinCorrSegChunks (its chain has no warm-up,
     // and every block must fit in one wave anyway)
     for (int64_t seg = kMinCorrSegChunks; corr && bw != 128 && seg < longest_est;
