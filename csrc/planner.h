@@ -91,7 +91,10 @@ struct SegmentQuery {
 struct ForwardCost {
   double step_us_bw16 = 3.3;     // one chunk step of a phase-0 block, 16 columns
   double step_us_bw32 = 4.1;     // ... 32 columns
-  double step_us_bw128 = 4.0;    // ... 128 columns (state_fwd_cols_kernel, 2026-11-23)
+  // ... 128 columns (state_fwd_cols_kernel; 4.0 until its ping-pong schedule, 3.6 since:
+  // 1 x 4096 at 24 / 32 heads then splits at 128 columns, 10-12% faster on the H200, and
+  // the packed rows it reaches are unchanged; docs/perf-notes.md version 33)
+  double step_us_bw128 = 3.6;
   // The steps of 16- and 32-column blocks on the critical path of an unsplit pass whose
   // blocks all fit in one wave (N * H_v * 128 / BW <= SMs), for the forward's fp16 pass
   // (launch.cu plan_cost sets them; 0: step_us_bw16 / _bw32, which are the tf32 pass's of

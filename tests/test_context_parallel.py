@@ -26,7 +26,7 @@ STATE_TOL = 3.7e-3
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
-            "FLASHGDN_WY_BATCHED")
+            "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES")
 
 
 @contextmanager
@@ -662,23 +662,27 @@ PING_CASES = [
 ]
 
 
+@pytest.mark.parametrize("other", ["barrier", "three_stages"])
 @pytest.mark.parametrize("label,case,switches", PING_CASES, ids=[c[0] for c in PING_CASES])
-def test_ping_pong_bit_identical(label: str, case: Case, switches: dict):
+def test_ping_pong_bit_identical(label: str, case: Case, switches: dict, other: str):
     """The 128-column forward pass's ping-pong schedule (the default; state_fwd_cols.cuh
     kPing: no block barrier a chunk, one warpgroup issuing the copies, mbarriers per stage)
-    does the barrier-per-chunk schedule's arithmetic (FLASHGDN_COLS_PING=0): o and the final
-    state equal bit for bit, unsplit, split (phase 1's summaries too), with one-chunk
-    segments, sub-segments beside the overlapped schedule, packed slots walking several
-    segments, the planner's own choice at 2/8 x 16384; eagerly and from a CUDA graph."""
+    does the arithmetic of the barrier-per-chunk schedule (FLASHGDN_COLS_PING=0) and of the
+    opt-in three stages (FLASHGDN_COLS_STAGES=3: copies two chunks ahead, outputs staged in
+    the V tile): o and the final state equal bit for bit,
+    unsplit, split (phase 1's summaries too), with one-chunk segments, sub-segments beside
+    the overlapped schedule, packed slots walking several segments, the planner's own
+    choice at 2/8 x 16384; eagerly and from a CUDA graph."""
     inp = make_inputs(case, "cuda", seed=23)
     base = {"FLASHGDN_FWD_BW": "128", **switches} if switches else {}
-    with env_vars({**base, "FLASHGDN_COLS_PING": "0"}):
+    switch = {"FLASHGDN_COLS_PING": "0"} if other == "barrier" else {"FLASHGDN_COLS_STAGES": "3"}
+    with env_vars({**base, **switch}):
         o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars(base):
         o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         o_g, h_g = forward_from_graph(inp, replays=2)
     torch.cuda.synchronize()
-    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{label}: ping-pong differs"
+    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{label}: differs from {other}"
     assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{label}: graph replay differs"
     ro, rh = reference(inp)
     print(f"ping-pong {label}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")

@@ -109,6 +109,11 @@ bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 // its per-token factors formed mid-step by the issuing warpgroup, measured slower (H100,
 // 16/32 x 32768: 735 -> 869 us; docs/perf-notes.md version 31).
 bool cols_ping() { return env_int_or("FLASHGDN_COLS_PING", 1) != 0; }
+// FLASHGDN_COLS_STAGES=3 (opt-in; bit-identical, measured slower on the H200: phase 0 at
+// 4/16 x 32768 272 -> 282 us, docs/perf-notes.md version 33): the forward's ping-pong
+// 128-column pass (no records) with three stages of copies, chunk ci + 2's issued at the
+// head of chunk ci.
+bool cols_three_stages() { return env_int_or("FLASHGDN_COLS_STAGES", 2) == 3; }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
@@ -492,6 +497,12 @@ ForwardCost plan_cost(bool backward) {
   c.overlap_saturated = env_int_or("FLASHGDN_CP_SAT", 0) == 1;
   const int n = env_int_or("FLASHGDN_CP_SUB", c.nsub);
   c.nsub = n >= 2 && n <= 8 ? n : 1;
+  // FLASHGDN_STEP_US_BW128=<us>: the forward's 128-column chunk step in the cost model
+  // (host and device plans), for measuring the plans another figure would make
+  if (const char* e = std::getenv("FLASHGDN_STEP_US_BW128"); e != nullptr && !backward) {
+    const double us = std::atof(e);
+    if (us > 0) c.step_us_bw128 = us;
+  }
   c.corr = !backward && fwd_pass() == FwdPass::F16 && env_int_or("FLASHGDN_CP_CORR", -1) != 0 &&
            !cols_wgmma();
   return c;
@@ -592,6 +603,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_cols_kernel<In, false, true>, StateFwdColsSmem::kBytes);
     set_smem(state_fwd_cols_kernel<In, false, false, true>, StateFwdColsSmem::ping_bytes(false));
     set_smem(state_fwd_cols_kernel<In, true, false, true>, StateFwdColsSmem::ping_bytes(true));
+    set_smem(state_fwd_cols_kernel<In, false, false, true, 3>,
+             StateFwdColsSmem::stage_bytes(3, false));
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
   });
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
@@ -614,6 +627,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     else if (f.h != nullptr)  // the backward's recomputation (launch.cu bwd_cols)
       ping ? go(state_fwd_cols_kernel<In, true, false, true>, Sm::ping_bytes(true))
            : go(state_fwd_cols_kernel<In, true>, Sm::kRecordBytes);
+    else if (ping && cols_three_stages())
+      go(state_fwd_cols_kernel<In, false, false, true, 3>, Sm::stage_bytes(3, false));
     else
       ping ? go(state_fwd_cols_kernel<In, false, false, true>, Sm::ping_bytes(false))
            : go(state_fwd_cols_kernel<In>, Sm::kBytes);

@@ -426,6 +426,27 @@ __device__ __forceinline__ void cp_async_tile_by(T* dst, const T* src, int64_t s
     s += step;
   }
 }
+// cp_async_tile_by for a tile whose rows all exist (L == ROWS): no zero-fill predicates.
+template <int ROWS, int COLS, int LD, int NTHR, typename T>
+__device__ __forceinline__ void cp_async_whole_tile_by(T* dst, const T* src, int64_t stride,
+                                                       int tid) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPerRow = COLS / kPer;
+  static_assert(COLS % kPer == 0 && NTHR % kPerRow == 0 && ROWS % (NTHR / kPerRow) == 0,
+                "tile shape");
+  constexpr int kRowStep = NTHR / kPerRow;
+  const int r0 = tid / kPerRow;
+  const int c = (tid % kPerRow) * kPer;
+  const T* s = src + r0 * stride + c;
+  T* d = dst + r0 * LD + c;
+  const int64_t step = kRowStep * stride;
+#pragma unroll
+  for (int i = 0; i < ROWS / kRowStep; ++i) {
+    const uint32_t da = static_cast<uint32_t>(__cvta_generic_to_shared(d + i * kRowStep * LD));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(da), "l"(s));
+    s += step;
+  }
+}
 template <int ROWS, int COLS, int LD, typename T>
 __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t stride, int L) {
   cp_async_tile_by<ROWS, COLS, LD, kTileThreads>(dst, src, stride, L,
@@ -459,6 +480,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "r"(smem_addr(bar)), "r"(parity)
         : "memory");
   } while (!done);
+}
+
+// A 16-byte global store (a uint4 copy through registers may leave as four 4-byte ones).
+__device__ __forceinline__ void st_global_16(void* dst, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // ---------------------------------------------------------------------------------------

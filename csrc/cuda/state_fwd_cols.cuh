@@ -45,7 +45,19 @@ struct StateFwdColsSmem {
   // the ping-pong schedule (kPing): its stages' mbarriers full[2], empty[2] after the above
   static constexpr size_t bars_at(bool record) { return record ? kRecordBytes : kBytes; }
   static constexpr size_t ping_bytes(bool record) { return bars_at(record) + 4 * sizeof(uint64_t); }
+  // three stages (the forward's ping-pong kernel without records, kStages = 3): no output
+  // staging of its own (a warp stages its O^T rows in its own 16 columns of the stage's V
+  // tile, which only that warp reads), then the mbarriers full[3], empty[3]
+  static constexpr size_t kBytes3 = 3 * kStage;
+  static constexpr size_t stage_bars_at(int stages, bool record) {
+    return stages == 3 ? kBytes3 : bars_at(record);
+  }
+  static constexpr size_t stage_bytes(int stages, bool record) {
+    return stages == 3 ? kBytes3 + 6 * sizeof(uint64_t) : ping_bytes(record);
+  }
 };
+static_assert(StateFwdColsSmem::stage_bytes(3, false) <= 227 * 1024,
+              "three stages fit the 227 KB a block may opt in to");
 
 template <typename In>
 __device__ __forceinline__ uint32_t pack_in2(float lo, float hi) {
@@ -152,9 +164,15 @@ __device__ __forceinline__ void store_o_cols(const FwdParams& p, const float (&o
 // different phases of the chunk step (the products of one beside the conversions and
 // dependent waits of the other) on each scheduler's pair of warps. n_used counts the chunks
 // this block ran before this segment (the stages' use index and so the phases' parities).
-template <typename In, bool kRecord, bool kCorr, bool kPing = false>
+// kStages = 3 (kPing without records or correction): chunk ci + 2's copies go out at the
+// head of chunk ci (with two stages warpgroup 0 spent ~10% of its samples waiting on
+// full[s]: H200 ncu source counters). Each warp stages its output rows in its own columns
+// of the V tile (StateFwdColsSmem::kBytes3) and releases the stage after reading them back.
+template <typename In, bool kRecord, bool kCorr, bool kPing = false, int kStages = 2>
 __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const SegmentBlock& b,
                                                        uint32_t& n_used) {
+  static_assert(kStages == 2 || (kStages == 3 && kPing && !kRecord && !kCorr),
+                "three stages: the ping-pong forward without records or correction");
   using Sm = StateFwdColsSmem;
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
@@ -177,15 +195,34 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   const bool want_o = ((p.phase == 0 && p.o != nullptr) || corr_out) && !(p.debug & 1);
   const bool record = kRecord && p.phase == 0 && p.h != nullptr;
   // kPing: the stages' mbarriers; warpgroup 1 issues the copies
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + Sm::bars_at(kRecord));
-  uint64_t* empty = full + 2;
-  constexpr int kIssuers = kPing ? NT / 2 : NT;
-  const bool issuer = !kPing || threadIdx.x >= NT / 2;
-  const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + Sm::stage_bars_at(kStages, kRecord));
+  uint64_t* empty = full + kStages;
+  // kPing: warpgroup 1 issues (every thread, with the barrier schedule)
+  constexpr bool kHalf = kPing;
+  constexpr int kIssuers = kHalf ? NT / 2 : NT;
+  const bool issuer = !kHalf || threadIdx.x >= NT / 2;
+  const int itid = kHalf ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
   const uint32_t n0 = n_used;  // kPing: the use index of chunk ci is n0 + ci - c_first
 
   auto issue = [&](int64_t ci, int s) {
-    if (!(p.debug & 2)) {
+    if (kPing && !(p.debug & 2) && chunk_rows(len, ci) == C) {
+      // a whole chunk (ping-pong): no zero fill, so no predicates a copy
+      const int64_t tok0 = start + ci * C;
+      cp_async_whole_tile_by<C, D, LDH, kIssuers>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D,
+                                                  p.Hqk * D, itid);
+      cp_async_whole_tile_by<C, C, LDP, kIssuers>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C,
+                                                  p.Hv * C, itid);
+      if (!identity)
+        cp_async_whole_tile_by<C, D, LDH, kIssuers>(
+            Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, itid);
+      if (want_o && ci >= c_begin) {
+        cp_async_whole_tile_by<C, D, LDH, kIssuers>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D,
+                                                    p.Hqk * D, itid);
+        cp_async_whole_tile_by<C, C, LDP, kIssuers>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C,
+                                                    p.Hv * C, itid);
+      }
+      if (itid < C) cp_async8(Est(s) + itid, p.EG + (tok0 + itid) * p.Hv + h);
+    } else if (!(p.debug & 2)) {
       const int64_t tok0 = start + ci * C;
       const int L = chunk_rows(len, ci);
       cp_async_tile_by<C, D, LDH, kIssuers>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
@@ -209,10 +246,11 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     if constexpr (kPing) cp_async_mbar_arrive(&full[s]);
     else cp_async_commit();
   };
-  // kPing: chunk ci's copies into stage s once its previous use (n - 2) is released
+  // kPing: chunk ci's copies (use n) into stage n % kStages once its previous use
+  // (n - kStages) is released
   auto issue_use = [&](int64_t ci, uint32_t n) {
-    if (n >= 2) mbar_wait(&empty[n & 1], ((n >> 1) - 1) & 1);
-    issue(ci, static_cast<int>(n & 1));
+    if (n >= kStages) mbar_wait(&empty[n % kStages], ((n / kStages) - 1) & 1);
+    issue(ci, static_cast<int>(n % kStages));
   };
 
   // S^T: values v0 + (g, g + 8), keys 8 jn + (2t, 2t + 1); S is stored [key][value]
@@ -220,7 +258,9 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   // wy_kernel's outputs are complete before the chain starts: the first chunk's copies go
   // out before the wait below
   if constexpr (kPing) {
-    if (c_first < c_end && issuer) issue_use(c_first, n0);
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j)
+      if (c_first + j < c_end && issuer) issue_use(c_first + j, n0 + j);
   } else {
     if (c_first < c_end) issue(c_first, 0);
   }
@@ -232,12 +272,12 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   for (int64_t ci = c_first; ci < c_end; ++ci) {
     if (ci + 1 == c_end) pdl_trigger();  // the chain's next kernel may start its prologue
     const uint32_t n = n0 + static_cast<uint32_t>(ci - c_first);
-    const int s = kPing ? static_cast<int>(n & 1) : static_cast<int>((ci - c_first) & 1);
+    const int s = kPing ? static_cast<int>(n % kStages) : static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
     if constexpr (kPing) {
-      if (issuer && ci + 1 < c_end) issue_use(ci + 1, n + 1);
-      mbar_wait(&full[s], (n >> 1) & 1);  // stage s landed
+      if (issuer && ci + kStages - 1 < c_end) issue_use(ci + kStages - 1, n + kStages - 1);
+      mbar_wait(&full[s], (n / kStages) & 1);  // stage s landed
     } else {
       cp_async_wait<0>();
       __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
@@ -356,7 +396,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
           mma_f16(o[2 * nt], ua[kt], b0);
           mma_f16(o[2 * nt + 1], ua[kt], b1);
         }
-      release();
+      if constexpr (kStages == 2) release();  // three stages: after the staging's reads
       if (kCorr && corr_out) {  // fp32 [h][value][token]: a thread's token pairs adjacent
         float* dst = (identity ? p.q_eff : p.o_loc) + static_cast<size_t>(h) * D * p.corr_ld +
                      tok0;
@@ -369,12 +409,15 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
           }
         continue;
       }
-      // O^T tiles -> Ost [token][16 values] (transposed by stmatrix), then 16-byte rows out
+      // O^T tiles -> Ost [token][16 values] (transposed by stmatrix; three stages: the
+      // warp's own columns of the V tile, rows LDH apart), then 16-byte rows out
       const int m = lane >> 3, i = lane & 7;
+      __half* ost = kStages == 3 ? reinterpret_cast<__half*>(Vst(s)) + v0 : Ost;
+      constexpr int ldo = kStages == 3 ? LDH : LDO;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const float sc = p.scale;
-        stmatrix_x4_trans(Ost + (16 * nt + (m >> 1) * 8 + i) * LDO + (m & 1) * 8,
+        stmatrix_x4_trans(ost + (16 * nt + (m >> 1) * 8 + i) * ldo + (m & 1) * 8,
                           pack_in2<In>(sc * o[2 * nt][0], sc * o[2 * nt][1]),
                           pack_in2<In>(sc * o[2 * nt][2], sc * o[2 * nt][3]),
                           pack_in2<In>(sc * o[2 * nt + 1][0], sc * o[2 * nt + 1][1]),
@@ -382,14 +425,30 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
       }
       __syncwarp();
       In* dst = static_cast<In*>(p.o);
+      if constexpr (kPing) {  // all four rows read (three stages: the stage released), stored
+        uint4 rows[4];
 #pragma unroll
-      for (int it = 0; it < 4; ++it) {
-        const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
-        if (r < L)
-          *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
-              *reinterpret_cast<const uint4*>(Ost + r * LDO + 8 * half);
+        for (int it = 0; it < 4; ++it) {
+          const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
+          rows[it] = *reinterpret_cast<const uint4*>(ost + r * ldo + 8 * half);
+        }
+        if constexpr (kStages == 3) release();
+        else __syncwarp();  // Ost is reused by the next chunk
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
+          if (r < L) st_global_16(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half, rows[it]);
+        }
+      } else {
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+          const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
+          if (r < L)
+            *reinterpret_cast<uint4*>(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half) =
+                *reinterpret_cast<const uint4*>(Ost + r * LDO + 8 * half);
+        }
+        __syncwarp();
       }
-      __syncwarp();
     }
   }
 
@@ -401,25 +460,30 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 
 // kCorr: phase 1 with SegParams::corr (its own instantiation: the fp32 output path costs
 // the phase-0 kernel ~32 bytes of spills)
-// kPing: the ping-pong schedule (state_fwd_cols_segment), StateFwdColsSmem::ping_bytes.
-template <typename In, bool kRecord = false, bool kCorr = false, bool kPing = false>
+// kPing: the ping-pong schedule (state_fwd_cols_segment) with kStages stages,
+// StateFwdColsSmem::stage_bytes(kStages, kRecord).
+template <typename In, bool kRecord = false, bool kCorr = false, bool kPing = false,
+          int kStages = 2>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   PdlCompletion pdl_completion;  // a programmatic dependent in the chain (mma.cuh)
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   if constexpr (kPing) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + StateFwdColsSmem::bars_at(kRecord));
+    uint64_t* bars = reinterpret_cast<uint64_t*>(
+        smem_raw + StateFwdColsSmem::stage_bars_at(kStages, kRecord));
     if (threadIdx.x == 0) {
-      mbar_init(&bars[0], NT / 2);  // full: one (cp.async) arrival per issuing thread
-      mbar_init(&bars[1], NT / 2);
-      mbar_init(&bars[2], NT / 32);  // empty: one arrival per warp
-      mbar_init(&bars[3], NT / 32);
+#pragma unroll
+      for (int st = 0; st < kStages; ++st) {
+        // full: one (cp.async) arrival per issuing thread
+        mbar_init(&bars[st], NT / 2);
+        mbar_init(&bars[kStages + st], NT / 32);  // empty: one arrival per warp
+      }
     }
     __syncthreads();
   }
   uint32_t n_used = 0;
   for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-    state_fwd_cols_segment<In, kRecord, kCorr, kPing>(p, b, n_used);
+    state_fwd_cols_segment<In, kRecord, kCorr, kPing, kStages>(p, b, n_used);
   });
 }
 
