@@ -679,3 +679,35 @@ TEST(Planner, AutoWithForcedSegmentLength) {
   p = plan_segments(q);
   EXPECT_EQ(p.seg_chunks, 64);
 }
+
+TEST(Planner, FourThousandTokensAtManyHeadsSplitAtTheFasterStep) {
+  // The 128-column step at 3.6 us (the ping-pong schedule; ForwardCost::step_us_bw128): one
+  // 4096-token sequence at 24 or 32 value heads splits in two 32-chunk segments at 128
+  // columns, overlapped, where 4.0 us kept it unsplit at 32 columns. H200, 2026-11-26: 8/32
+  // 0.209 -> 0.185 ms, 16/32 0.218 -> 0.196, 8/24 0.202 -> 0.177, 32/32 0.236 -> 0.215.
+  flashgdn::ForwardCost fp16 = fp16_cost();
+  EXPECT_DOUBLE_EQ(fp16.step_us_bw128, 3.6);
+  for (int64_t hv : {24, 32}) {
+    auto q = query(1, 64, hv);
+    q.allow_cols = true;
+    const auto p = plan_segments(q, fp16);
+    EXPECT_TRUE(p.split) << hv;
+    EXPECT_EQ(p.col_block, 128) << hv;
+    EXPECT_EQ(p.seg_chunks, 32) << hv;
+    EXPECT_TRUE(p.overlap) << hv;
+    flashgdn::ForwardCost old = fp16;
+    old.step_us_bw128 = 4.0;
+    const auto before = plan_segments(q, old);
+    EXPECT_FALSE(before.split) << hv;
+    EXPECT_EQ(before.col_block, 32) << hv;
+  }
+  // issue 4's 2/8 x 16384 keeps its plan
+  auto tp8 = query(1, 256, 8);
+  tp8.allow_cols = true;
+  flashgdn::ForwardCost old = fp16;
+  old.step_us_bw128 = 4.0;
+  const auto a = plan_segments(tp8, fp16), b = plan_segments(tp8, old);
+  EXPECT_EQ(a.col_block, b.col_block);
+  EXPECT_EQ(a.seg_chunks, b.seg_chunks);
+  EXPECT_EQ(a.overlap, b.overlap);
+}
