@@ -11,6 +11,16 @@ kernels with each other, not with those timings.
     python bench/ncu_summary.py --model 4/16 --seqs 1x32768 --kernels "wy_batched|seg_scan"
     python bench/ncu_summary.py --csv saved.csv        # summarise a saved ncu CSV again
 
+`--source` instead profiles one launch of the first matching kernel (`--launch-skip` the
+launches before it) with ncu's source counters and prints where its warps wait, per
+instruction (SASS): the stall reasons' shares, the shares by opcode and the most-sampled
+instructions with the ones before them (docs/perf-notes.md version 33: the 128-column
+step's mbarrier wait, a scan level's flags). `--source-csv` re-reads a saved export.
+
+    python bench/ncu_summary.py --source --kernels state_fwd_cols --launch-skip 1
+    FLASHGDN_COLS_STAGES=3 python bench/ncu_summary.py --source --kernels state_fwd_cols \
+        --launch-skip 1 --save-source s3.csv
+
 docs/perf-notes.md version 32 quotes its figures for wy_batched_kernel, the 128-column pass
 and seg_scan_kernel.
 """
@@ -21,6 +31,7 @@ import csv
 import os
 import subprocess
 import sys
+import tempfile
 from collections import OrderedDict
 from typing import Dict, List, Tuple
 
@@ -94,6 +105,69 @@ def report(kernels: "OrderedDict[Tuple[str, str], Dict[str, Tuple[str, str]]]") 
               ", ".join(f"{s} {v:.0f}" for v, s in stalls[:8] if v == v and v > 0))
 
 
+def source_rows(lines: List[str]) -> Tuple[List[str], List[List[str]]]:
+    """ncu --page source --csv (after its kernel-name line) -> header, rows."""
+    rows = list(csv.reader(line for line in lines if line.startswith('"')))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    return rows[start], rows[start + 1:]
+
+
+def source_report(lines: List[str], top: int = 20, context: int = 6) -> None:
+    """Where the warps of a source-counter profile wait: stall reasons, opcodes, lines."""
+    hdr, data = source_rows(lines)
+    ix = {h: i for i, h in enumerate(hdr)}
+    samples_col = "Warp Stall Sampling (All Samples)"
+    stall_cols = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    samples = [number(r[ix[samples_col]]) if r[ix[samples_col]] else 0.0 for r in data]
+    total = sum(samples) or 1.0
+    print(f"{int(total)} warp samples over {len(data)} SASS instructions")
+    by_reason = {c: sum(number(r[ix[c]]) for r in data if r[ix[c]]) for c in stall_cols}
+    print("   stalls: " + ", ".join(f"{c[6:]} {v / total * 100:.1f}%" for c, v in
+                                    sorted(by_reason.items(), key=lambda kv: -kv[1])[:10]))
+    by_op: Dict[str, float] = {}
+    for r, s in zip(data, samples):
+        words = r[ix["Source"]].split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (
+            words[0] if words else "?")
+        by_op[op.split(".")[0]] = by_op.get(op.split(".")[0], 0.0) + s
+    print("   by opcode: " + ", ".join(f"{o} {v / total * 100:.1f}%" for o, v in
+                                       sorted(by_op.items(), key=lambda kv: -kv[1])[:12]))
+    order = sorted(range(len(data)), key=lambda i: -samples[i])
+    print(f"   the {top} most-sampled instructions (share, executions, SASS, top reasons):")
+    for i in order[:top]:
+        r = data[i]
+        reasons = sorted(((number(r[ix[c]]) if r[ix[c]] else 0.0, c[6:]) for c in stall_cols),
+                         reverse=True)[:3]
+        print(f"   {samples[i] / total * 100:5.2f}% {r[ix['Instructions Executed']]:>9} "
+              f"{r[ix['Source']][:64]:64s} " + " ".join(f"{c}={v:.0f}" for v, c in reasons if v))
+    for i in order[:3]:
+        print(f"   -- before the instruction at {data[i][ix['Address']]}:")
+        for r in data[max(0, i - context):i + 1]:
+            print(f"      {r[ix[samples_col]]:>6} {r[ix['Instructions Executed']]:>9} "
+                  f"{r[ix['Source']][:80]}")
+
+
+def run_source(args: argparse.Namespace, child: str) -> None:
+    """One launch under ncu's source counters, exported as the source page's CSV."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rep = os.path.join(tmp, "source")
+        cmd = [args.ncu, "--profile-from-start", "off", "-k", f"regex:{args.kernels}",
+               "--launch-skip", str(args.launch_skip), "--launch-count", "1",
+               "--section", "SourceCounters", "--section", "WarpStateStats",
+               "--import-source", "no", "-f", "-o", rep, sys.executable, "-c", child]
+        ran = subprocess.run(cmd, capture_output=True, text=True)
+        if ran.returncode != 0:
+            sys.exit(f"ncu failed ({ran.returncode}):\n{ran.stderr[-2000:]}")
+        out = subprocess.run([args.ncu, "--import", rep + ".ncu-rep", "--page", "source",
+                              "--csv", "--print-source", "sass"], capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"ncu export failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    if args.save_source:
+        with open(args.save_source, "w") as f:
+            f.write(out.stdout)
+    source_report(out.stdout.splitlines())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,13 +178,27 @@ def main() -> None:
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--save", default=None, help="also write ncu's CSV here")
     ap.add_argument("--csv", default=None, help="summarise this saved CSV instead of running")
+    ap.add_argument("--source", action="store_true",
+                    help="source counters of one launch: where its warps wait, per instruction")
+    ap.add_argument("--launch-skip", type=int, default=0,
+                    help="--source: matching launches to skip before the profiled one")
+    ap.add_argument("--save-source", default=None, help="--source: also write the export here")
+    ap.add_argument("--source-csv", default=None,
+                    help="summarise this saved source-page export instead of running")
     args = ap.parse_args()
+    if args.source_csv:
+        with open(args.source_csv) as f:
+            source_report(f.read().splitlines())
+        return
     if args.csv:
         with open(args.csv) as f:
             report(parse(f.read().splitlines()))
         return
     child = CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)), model=args.model,
                          seqs=args.seqs)
+    if args.source:
+        run_source(args, child)
+        return
     cmd = [args.ncu, "--profile-from-start", "off", "-k", f"regex:{args.kernels}",
            "--metrics", ",".join(METRICS), "--csv", sys.executable, "-c", child]
     ran = subprocess.run(cmd, capture_output=True, text=True)

@@ -52,3 +52,27 @@ def test_targets_at_their_thresholds():
     slow = _row("bwd", "16/32", "32k_1seq", 1.0 + fq, 0.0, ours_fwd_ms=1.0)
     text = "\n".join(bg.target_lines([fast, slow]))
     assert "holds on 1 of 2 rows" in text
+
+
+def test_ncu_source_report(capsys):
+    """bench/ncu_summary.py --source-csv: shares by stall reason and opcode and the most-
+    sampled instruction first, from an export of ncu's source page (three SASS lines)."""
+    import ncu_summary as ns
+    lines = [
+        '"Kernel Name","void k(int)",',
+        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+        '"stall_barrier","stall_long_sb","stall_wait","stall_barrier (Not Issued)"',
+        '"0x10","HMMA.16816.F32 R4, R8, R12, R4","20","100","0","0","20","0"',
+        '"0x20","SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [R4], R17","5","100","0","5","0","0"',
+        '"0x30","@!P3  BRA 0x20","75","4000","0","75","0","0"',
+    ]
+    hdr, data = ns.source_rows(lines)
+    assert hdr[0] == "Address" and len(data) == 3
+    ns.source_report(lines, top=2, context=1)
+    out = capsys.readouterr().out
+    assert "100 warp samples over 3 SASS instructions" in out
+    assert "long_sb 80.0%" in out and "wait 20.0%" in out
+    assert "BRA 75.0%" in out and "HMMA 20.0%" in out
+    listed = out.split("most-sampled")[1]
+    assert listed.index("BRA 0x20") < listed.index("HMMA")  # 75% before 20%
+    assert "TRYWAIT" in out.split("before the instruction at 0x30")[1]  # its predecessor
