@@ -3,7 +3,7 @@
 // or forced with FLASHGDN_FWD_BW=128; forward only).
 //
 // grid (1 [x 2 in phase 1], H_v, segments or slots: for_each_segment_block), 256 threads
-// (8 warps), ~167 KB smem, 1 block/SM.
+// (8 warps), ~167 KB smem (the opt-in three stages, kStages = 3: ~214 KB), 1 block/SM.
 // One block runs one segment of one sequence for all 128 value columns of one head; warp w
 // owns the value columns 16 w .. 16 w + 15 of the state and never exchanges data with the
 // other warps: every product has the warp's 16 columns as its M dimension,
@@ -16,8 +16,8 @@
 // chunks. The shared operands K, Q, T diag(beta), P, V (fp16 / the input dtype) and the
 // per-token gate factors (e^G, e^{G_last - G}) of the next chunk are copied by cp.async while
 // the current one computes: by default without a block barrier (the ping-pong schedule,
-// kPing below: warpgroup 1 issues the copies, mbarriers per stage), else one block barrier
-// per chunk. Same segments, warm-ups, phases (phase 1: summaries L and, on the identity
+// kPing below: warpgroup 1 issues the copies, mbarriers per stage; opt-in, a third stage),
+// else one block barrier per chunk. Same segments, warm-ups, phases (phase 1: summaries L and, on the identity
 // with V = 0, M) as the other state passes (fwd_kernels.cuh). The backward's recomputation
 // (p.h set) records the state entering every chunk and U as fp16 record blocks (mma.cuh:
 // stmatrix into a warp's staging, one bulk store a warp); it runs here where launch.cu's
