@@ -17,11 +17,11 @@
 // per-token gate factors (e^G, e^{G_last - G}) of the next chunk are copied by cp.async while
 // the current one computes: by default without a block barrier (the ping-pong schedule,
 // kPing below: warpgroup 1 issues the copies, mbarriers per stage; opt-in, a third stage),
-// else one block barrier per chunk. Same segments, warm-ups, phases (phase 1: summaries L and, on the identity
-// with V = 0, M) as the other state passes (fwd_kernels.cuh). The backward's recomputation
-// (p.h set) records the state entering every chunk and U as fp16 record blocks (mma.cuh:
-// stmatrix into a warp's staging, one bulk store a warp); it runs here where launch.cu's
-// bwd_cols says, else in state_fwd_f16_kernel (fp32 records).
+// else one block barrier per chunk. Same segments, warm-ups, phases (phase 1: summaries L
+// and, on the identity with V = 0, M) as the other state passes (fwd_kernels.cuh). The
+// backward's recomputation (p.h set) records the state entering every chunk and U as fp16
+// record blocks (mma.cuh: stmatrix into a warp's staging, one bulk store a warp); it runs
+// here where launch.cu's bwd_cols says, else in state_fwd_f16_kernel (fp32 records).
 // In phase 0 after the combine (or sub_start_kernel) it is launched as their programmatic
 // dependent (launch.cu launch_kernel): only the blocks of exact segments wait (pdl_wait),
 // after issuing their first chunk's copies, before loading their entering state.
@@ -194,14 +194,13 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   const bool corr_out = kCorr && corr_outputs(p, b);  // SegParams::corr: O_loc or Q_eff
   const bool want_o = ((p.phase == 0 && p.o != nullptr) || corr_out) && !(p.debug & 1);
   const bool record = kRecord && p.phase == 0 && p.h != nullptr;
-  // kPing: the stages' mbarriers; warpgroup 1 issues the copies
+  // kPing: the stages' mbarriers; warpgroup 1 issues the copies (with the barrier schedule,
+  // every thread)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + Sm::stage_bars_at(kStages, kRecord));
   uint64_t* empty = full + kStages;
-  // kPing: warpgroup 1 issues (every thread, with the barrier schedule)
-  constexpr bool kHalf = kPing;
-  constexpr int kIssuers = kHalf ? NT / 2 : NT;
-  const bool issuer = !kHalf || threadIdx.x >= NT / 2;
-  const int itid = kHalf ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
+  constexpr int kIssuers = kPing ? NT / 2 : NT;
+  const bool issuer = !kPing || threadIdx.x >= NT / 2;
+  const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
   const uint32_t n0 = n_used;  // kPing: the use index of chunk ci is n0 + ci - c_first
 
   auto issue = [&](int64_t ci, int s) {
