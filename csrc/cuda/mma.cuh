@@ -405,14 +405,17 @@ struct PdlCompletion {
 // block. The shape is known at compile time, so each thread's row and column come from
 // its index once and every further piece costs one pointer increment (no divisions).
 // cp_async_tile_by: the same spread over NTHR threads (tid in [0, NTHR)), e.g. one warpgroup.
+// kWhole: every row exists (L == ROWS; L is not read): no zero-fill predicates, the copies
+// in their plain 16-byte form.
 constexpr int kTileThreads = 256;
-template <int ROWS, int COLS, int LD, int NTHR, typename T>
+template <int ROWS, int COLS, int LD, int NTHR, bool kWhole = false, typename T>
 __device__ __forceinline__ void cp_async_tile_by(T* dst, const T* src, int64_t stride, int L,
                                                  int tid) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
   constexpr int kPerRow = COLS / kPer;  // 16-byte pieces per row
   static_assert(COLS % kPer == 0 && NTHR % kPerRow == 0, "tile shape");
   constexpr int kRowStep = NTHR / kPerRow;  // rows one pass covers
+  static_assert(!kWhole || ROWS % kRowStep == 0, "whole tiles: passes cover the rows exactly");
   constexpr int kPasses = (ROWS + kRowStep - 1) / kRowStep;
   const int r0 = tid / kPerRow;
   const int c = (tid % kPerRow) * kPer;
@@ -422,28 +425,12 @@ __device__ __forceinline__ void cp_async_tile_by(T* dst, const T* src, int64_t s
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int r = r0 + i * kRowStep;
-    if (ROWS % kRowStep == 0 || r < ROWS) cp_async16(d + i * kRowStep * LD, r < L ? s : src, r < L);
-    s += step;
-  }
-}
-// cp_async_tile_by for a tile whose rows all exist (L == ROWS): no zero-fill predicates.
-template <int ROWS, int COLS, int LD, int NTHR, typename T>
-__device__ __forceinline__ void cp_async_whole_tile_by(T* dst, const T* src, int64_t stride,
-                                                       int tid) {
-  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
-  constexpr int kPerRow = COLS / kPer;
-  static_assert(COLS % kPer == 0 && NTHR % kPerRow == 0 && ROWS % (NTHR / kPerRow) == 0,
-                "tile shape");
-  constexpr int kRowStep = NTHR / kPerRow;
-  const int r0 = tid / kPerRow;
-  const int c = (tid % kPerRow) * kPer;
-  const T* s = src + r0 * stride + c;
-  T* d = dst + r0 * LD + c;
-  const int64_t step = kRowStep * stride;
-#pragma unroll
-  for (int i = 0; i < ROWS / kRowStep; ++i) {
-    const uint32_t da = static_cast<uint32_t>(__cvta_generic_to_shared(d + i * kRowStep * LD));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(da), "l"(s));
+    if constexpr (kWhole) {
+      const uint32_t da = static_cast<uint32_t>(__cvta_generic_to_shared(d + i * kRowStep * LD));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(da), "l"(s));
+    } else if (ROWS % kRowStep == 0 || r < ROWS) {
+      cp_async16(d + i * kRowStep * LD, r < L ? s : src, r < L);
+    }
     s += step;
   }
 }

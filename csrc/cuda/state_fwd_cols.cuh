@@ -203,45 +203,33 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
   const uint32_t n0 = n_used;  // kPing: the use index of chunk ci is n0 + ci - c_first
 
-  auto issue = [&](int64_t ci, int s) {
-    if (kPing && !(p.debug & 2) && chunk_rows(len, ci) == C) {
-      // a whole chunk (ping-pong): no zero fill, so no predicates a copy
-      const int64_t tok0 = start + ci * C;
-      cp_async_whole_tile_by<C, D, LDH, kIssuers>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D,
-                                                  p.Hqk * D, itid);
-      cp_async_whole_tile_by<C, C, LDP, kIssuers>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C,
-                                                  p.Hv * C, itid);
-      if (!identity)
-        cp_async_whole_tile_by<C, D, LDH, kIssuers>(
-            Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, itid);
-      if (want_o && ci >= c_begin) {
-        cp_async_whole_tile_by<C, D, LDH, kIssuers>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D,
-                                                    p.Hqk * D, itid);
-        cp_async_whole_tile_by<C, C, LDP, kIssuers>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C,
-                                                    p.Hv * C, itid);
-      }
-      if (itid < C) cp_async8(Est(s) + itid, p.EG + (tok0 + itid) * p.Hv + h);
-    } else if (!(p.debug & 2)) {
-      const int64_t tok0 = start + ci * C;
-      const int L = chunk_rows(len, ci);
-      cp_async_tile_by<C, D, LDH, kIssuers>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
-                                            L, itid);
-      cp_async_tile_by<C, C, LDP, kIssuers>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L,
-                                            itid);
-      if (!identity)
-        cp_async_tile_by<C, D, LDH, kIssuers>(
-            Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, L, itid);
-      if (want_o && ci >= c_begin) {
-        cp_async_tile_by<C, D, LDH, kIssuers>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
+  // chunk ci's tiles into stage s; kWhole (ping-pong, a chunk of C rows): no zero fill, so
+  // no predicates a copy
+  auto copy_tiles = [&](int64_t ci, int s, auto whole) {
+    constexpr bool kW = decltype(whole)::value;
+    const int64_t tok0 = start + ci * C;
+    const int L = chunk_rows(len, ci);
+    cp_async_tile_by<C, D, LDH, kIssuers, kW>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
                                               L, itid);
-        cp_async_tile_by<C, C, LDP, kIssuers>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C,
+    cp_async_tile_by<C, C, LDP, kIssuers, kW>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C,
                                               L, itid);
-      }
-      if (itid < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
-        const int r = itid < L ? itid : L - 1;
-        cp_async8(Est(s) + itid, p.EG + (tok0 + r) * p.Hv + h);
-      }
+    if (!identity)
+      cp_async_tile_by<C, D, LDH, kIssuers, kW>(
+          Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, L, itid);
+    if (want_o && ci >= c_begin) {
+      cp_async_tile_by<C, D, LDH, kIssuers, kW>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D,
+                                                p.Hqk * D, L, itid);
+      cp_async_tile_by<C, C, LDP, kIssuers, kW>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C,
+                                                L, itid);
     }
+    if (itid < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
+      const int r = kW || itid < L ? itid : L - 1;
+      cp_async8(Est(s) + itid, p.EG + (tok0 + r) * p.Hv + h);
+    }
+  };
+  auto issue = [&](int64_t ci, int s) {
+    if (kPing && !(p.debug & 2) && chunk_rows(len, ci) == C) copy_tiles(ci, s, std::true_type{});
+    else if (!(p.debug & 2)) copy_tiles(ci, s, std::false_type{});
     if constexpr (kPing) cp_async_mbar_arrive(&full[s]);
     else cp_async_commit();
   };
