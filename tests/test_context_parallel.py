@@ -26,7 +26,7 @@ STATE_TOL = 3.7e-3
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
-            "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES")
+            "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK")
 
 
 @contextmanager
@@ -157,8 +157,8 @@ def striped_gate_inputs(case: Case, seed: int) -> dict:
                                        gate="mixed")],
                          ids=lambda c: c.name)
 def test_scan_matches_walk(case: Case, seg: int):
-    """The forward's combine as a log-depth scan (seg_scan_kernel, the default) against the
-    walk (FLASHGDN_CP_SCAN=0, seg_combine_kernel): at 128 columns with segments of 1 or 3
+    """The forward's combine as a log-depth scan (seg_scan_kernel, FLASHGDN_CP_WALK=0) against
+    the walk (and FLASHGDN_CP_SCAN=0, seg_combine_kernel): at 128 columns with segments of 1 or 3
     chunks (63 or 21 segments of 4000 tokens: 6 or 5 levels), constant maps inside the
     chain (striped_gate_inputs), packed sequences of one to 47 segments. Both against the
     float64 reference and the unsplit pass, and against each other within fp32 rounding of
@@ -168,7 +168,7 @@ def test_scan_matches_walk(case: Case, seg: int):
     kernel = {"FLASHGDN_FWD_BW": "128"}
     with env_vars({"FLASHGDN_CP": "off", **kernel}):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), **kernel}
+    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), "FLASHGDN_CP_WALK": "0", **kernel}
     with env_vars(split):
         o_scan, h_scan = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars({**split, "FLASHGDN_CP_SCAN": "0"}):
@@ -189,17 +189,56 @@ def test_scan_matches_walk(case: Case, seg: int):
         assert e_o < 1.25 * e_ref + 1e-4, f"head {h}: scan o error {e_o:.2e} vs {e_ref:.2e}"
 
 
-def test_scan_levels_do_not_trust_the_hint():
+@pytest.mark.parametrize("cols", ["16", "32"])
+@pytest.mark.parametrize("seg", [1, 3, 8])
+@pytest.mark.parametrize("case", [Case("walk_long", [4000], 1, 4, gate="mixed"),
+                                  Case("walk_varlen", [3000, 70, 2200, 640], 2, 8,
+                                       gate="mixed")],
+                         ids=lambda c: c.name)
+def test_tc_walk_matches_scan(case: Case, seg: int, cols: str):
+    """The forward's chain as the combine's walk on tensor cores (seg_walk_kernel, the
+    default, 16 or 32 columns a block: fp16 split products at fp32's accuracy, M by bulk
+    copies) against the scan (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8 segments of 4000 tokens, constant maps inside the
+    chain (striped_gate_inputs), packed sequences. The exact heads' o and state within the
+    two chains' fp32 rounding of each other (the bound test_scan_matches_walk uses), and as
+    accurate as the unsplit pass."""
+    inp = striped_gate_inputs(case, seed=31)
+    kernel = {"FLASHGDN_FWD_BW": "128"}
+    with env_vars({"FLASHGDN_CP": "off", **kernel}):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), **kernel}
+    with env_vars({**split, "FLASHGDN_CP_WALK": "0"}):
+        o_scan, h_scan = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({**split, "FLASHGDN_CP_WALK": cols}):
+        o_walk, h_walk = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    torch.cuda.synchronize()
+    ro, rh = reference(inp)
+    check_split(f"{case.name} seg {seg} tc walk {cols}", case, o_walk, h_walk, o_ref, h_ref, ro, rh)
+    for h in (0, 1):
+        d_o = rel_err(o_walk[:, :, h], o_scan[:, :, h])
+        d_h = rel_err(h_walk[:, h], h_scan[:, h])
+        print(f"  head {h}: tc walk vs scan o {d_o:.2e} state {d_h:.2e}")
+        assert d_o < 5e-3 and d_h < 2e-3, f"head {h}: tc walk vs scan o {d_o:.2e} state {d_h:.2e}"
+        e_o = rel_err(o_walk[:, :, h], ro[:, :, h])
+        e_ref = rel_err(o_ref[:, :, h], ro[:, :, h])
+        assert e_o < 1.25 * e_ref + 1e-4, f"head {h}: tc walk o error {e_o:.2e} vs {e_ref:.2e}"
+
+
+@pytest.mark.parametrize("walk", ["0", "16"])
+def test_scan_levels_do_not_trust_the_hint(walk: str):
     """cu_seqlens_cpu only steers the planner's estimates: a wrong (well-formed) copy that
     claims sequences of 6656 tokens where one has 12288 must not shorten the scan (levels
     from that claim, 6, would leave the later segments' entering states unformed where 7
     are needed: 96 segments of 2 chunks). Forced split at 128 columns: the same plan either
-    way, so the same bits, and the reference's accuracy."""
+    way, so the same bits, and the reference's accuracy. The scan (FLASHGDN_CP_WALK=0) and
+    the tensor-core walk (the default), which walks the device's sequences whatever the
+    hint."""
     case = Case("hint_scan", [12288, 1024], 1, 4, gate="mixed")
     inp = make_inputs(case, "cuda", seed=29)
     total = sum(case.lens)
     wrong = torch.tensor([0, total // 2, total], dtype=torch.int64)
-    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2", "FLASHGDN_FWD_BW": "128"}):
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2", "FLASHGDN_FWD_BW": "128",
+                   "FLASHGDN_CP_WALK": walk}):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         o_w, ht_w = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
                                                     cu_seqlens_cpu=wrong)

@@ -488,6 +488,211 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
   }
 }
 
+// seg_walk_kernel  grid (sequence slots, H_v, 128 / kWalkCols), 256 threads, ~168 KB smem
+//   The combine's walk (seg_combine_kernel: the same steps in pass order, the same decisions
+//   which segments start exact, the same outputs, slots as there) with its product
+//   M_prev S_in(prev) on fp16 m16n8k16 tensor cores at fp32's accuracy: the two-term splits
+//   of both operands, M S = Ml Sh + Mh Sl + Mh Sh up to the Ml Sl term, as add_split_product.
+//   kWalkCols state columns a block (128 / kWalkCols blocks a head): warp w holds rows (keys)
+//   16 w .. + 15 in m16n8 accumulators started from L_prev (loaded a step ahead). M (64 KB
+//   fp32, contiguous) comes by one bulk copy a step into two stages, issued two steps ahead
+//   by thread 0 and completing on the stage's mbarrier: a step's loads are off its chain
+//   (loading M's A fragments from global memory a step ahead into registers, each block
+//   spent ~2.2 us a step on them, whatever its columns; H200 2026-11-26). The state a step
+//   forms is restaged in shared memory as hi / lo tiles (two buffers, one barrier a step)
+//   for the next step's B fragments.
+//   M's tile is unpadded, so its A fragments are read as float4 under a permutation of each
+//   k16 step's keys that both operands share: slot s of the step (the mma's k) is key
+//   walk_key(s), so that a thread's a0 / a2 pairs (slots 2t, 2t + 1, 2t + 8, 2t + 9) are keys
+//   4t .. 4t + 3, one float4; the restaged state puts key q of a step in row walk_slot(q).
+//   Odd g read the two k16 steps of a pair in the other order, so a quarter warp's float4
+//   loads fill all 32 banks once.
+//   reads  Lb, seg_L, seg_M, split_seqs     writes seg_in (and corr_ht, as seg_combine_kernel)
+constexpr int kWalkCols = 32;
+template <int COLS>
+constexpr int walk_ld() { return COLS + 8; }  // 32: rows 80 B apart, ldmatrix conflict-free
+// bytes: M's two stages, then the state's [2 buffers][hi, lo][D][walk_ld] tiles, then the
+// stages' mbarriers
+template <int COLS>
+constexpr size_t walk_smem() {
+  return sizeof(float) * 2 * D * D + sizeof(__half) * 4 * D * walk_ld<COLS>() +
+         2 * sizeof(uint64_t);
+}
+// The row of key q (0 .. 15 within its k16 step) in the restaged state: the inverse of the
+// slot -> key permutation s -> 4 ((s & 7) >> 1) + (s & 1) + 2 (s >> 3).
+__device__ __forceinline__ int walk_slot(int q) {
+  return 2 * (q >> 2) + (q & 1) + 8 * ((q >> 1) & 1);
+}
+
+// The chain of sequence n (seg_walk_kernel): columns vb .. vb + kWalkCols of head h. Mst: M's
+// stages [2][D][D]; Sbuf: [2 buffers][hi, lo][D][walk_ld]; step u reads state buffer u % 2
+// and writes the other, and its M is in stage u % 2, whose mbarrier's phase parity is bit
+// u % 2 of `phases` (kept across the sequences a block walks).
+template <int kWalkCols>
+__device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool reverse, int64_t n,
+                                                 int64_t h, int vb, float* Mst, __half* Sbuf,
+                                                 uint64_t* full, uint32_t& phases, bool* exact) {
+  constexpr int kLd = walk_ld<kWalkCols>(), kTile = D * kLd;
+  constexpr int kNT = kWalkCols / 8;  // n8 tiles of the warp's rows
+  int64_t z0, count;
+  sequence_segments(p, n, z0, count);
+  const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
+  const int g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * (threadIdx.x >> 5);
+  auto prev_of = [&](int64_t u) { return reverse ? count - 1 - u : u; };
+  auto base_of = [&](int64_t u) {
+    return static_cast<size_t>((z0 + prev_of(u)) * p.Hv + h) * D * D;
+  };
+  bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
+  const int64_t steps = count - 1 + (p.corr_ht != nullptr ? 1 : 0);
+  for (int64_t t0 = 0; t0 < steps; t0 += NT) {
+    const int64_t tt = t0 + threadIdx.x, t_end = t0 + NT < steps ? t0 + NT : steps;
+    if (tt < t_end) {  // as combine_sequence: exact[1 + i] for step t0 + i, exact[0] before
+      const int64_t prev = prev_of(tt), next = reverse ? prev - 1 : prev + 1;
+      exact[1 + threadIdx.x] =
+          segment_start(p, chunk0, nch, h, tt == count - 1 ? prev : next, reverse).src ==
+          SegSource::Exact;
+    }
+    if (threadIdx.x == 0) exact[0] = last_flag;
+    __syncthreads();
+    pdl_wait();  // phase 1's summaries (seg_M, seg_L) are complete from here on
+    auto needs = [&](int64_t u) { return exact[1 + u - t0]; };
+    auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
+    auto issue_m = [&](int64_t u) {  // thread 0: step u's M into stage u % 2
+      if (threadIdx.x == 0 && u < t_end && needs_m(u))
+        bulk_load(Mst + (u & 1) * D * D, p.seg_M + base_of(u), sizeof(float) * D * D,
+                  full + (u & 1));
+    };
+    float2 lnext[kNT][2];  // L's accumulator pairs: [n8 tile][row g, g + 8]
+    auto load_l = [&](int64_t u) {
+      if (!needs(u)) return;
+      const float* L = p.seg_L + base_of(u);
+#pragma unroll
+      for (int jn = 0; jn < kNT; ++jn)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          lnext[jn][hf] = __ldcg(reinterpret_cast<const float2*>(
+              L + (r0 + g + 8 * hf) * D + vb + 8 * jn + 2 * t));
+    };
+    issue_m(t0);
+    issue_m(t0 + 1);
+    load_l(t0);
+    for (int64_t u = t0; u < t_end; ++u) {
+      if (!needs(u)) {  // S_in(next) is not read: nothing was loaded for u
+        if (u + 1 < t_end) load_l(u + 1);
+        issue_m(u + 2);  // stage u % 2 was not used by step u
+        continue;
+      }
+      float acc[kNT][4];
+#pragma unroll
+      for (int jn = 0; jn < kNT; ++jn) {
+        acc[jn][0] = lnext[jn][0].x;
+        acc[jn][1] = lnext[jn][0].y;
+        acc[jn][2] = lnext[jn][1].x;
+        acc[jn][3] = lnext[jn][1].y;
+      }
+      if (u + 1 < t_end) load_l(u + 1);  // in flight under this step's product
+      if (needs_m(u)) {
+        const int s = static_cast<int>(u & 1);
+        mbar_wait(full + s, (phases >> s) & 1u);
+        phases ^= 1u << s;
+        const float* Mt = Mst + s * D * D;
+        const __half* Sh = Sbuf + s * 2 * kTile;  // S_in(prev), formed by step u - 1
+        const __half* Sl = Sh + kTile;
+        const int odd = g & 1;
+        // three independent accumulations (Mh Sh from L; the small terms Ml Sh, Mh Sl from 0,
+        // added at the end): chains of 8 mma, not 24
+        float xlh[kNT][4], xhl[kNT][4];
+#pragma unroll
+        for (int jn = 0; jn < kNT; ++jn)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xlh[jn][e] = xhl[jn][e] = 0.f;
+#pragma unroll
+        for (int kp = 0; kp < D / 16; kp += 2) {
+          // rows g and g + 8 of k16 steps kp + odd, kp + 1 - odd (keys 4t .. 4t + 3 of each)
+          const float* m0 = Mt + (r0 + g) * D + 4 * t;
+          const float4 x0 = *reinterpret_cast<const float4*>(m0 + 16 * (kp + odd));
+          const float4 x1 = *reinterpret_cast<const float4*>(m0 + 8 * D + 16 * (kp + odd));
+          const float4 y0 = *reinterpret_cast<const float4*>(m0 + 16 * (kp + 1 - odd));
+          const float4 y1 = *reinterpret_cast<const float4*>(m0 + 8 * D + 16 * (kp + 1 - odd));
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kk = kp + e;
+            const float4 r = (e != odd) ? y0 : x0, q = (e != odd) ? y1 : x1;
+            uint32_t ah[4], al[4];
+            split_half2(r.x, r.y, ah[0], al[0]);  // row g, slots 2t, 2t + 1
+            split_half2(q.x, q.y, ah[1], al[1]);  // row g + 8
+            split_half2(r.z, r.w, ah[2], al[2]);  // row g, slots 2t + 8, 2t + 9
+            split_half2(q.z, q.w, ah[3], al[3]);
+#pragma unroll
+            for (int jp = 0; jp < kNT / 2; ++jp) {
+              uint32_t bh0[2], bh1[2], bl0[2], bl1[2];
+              frag_b16_trans2(bh0, bh1, Sh, kLd, 16 * jp, 16 * kk);
+              frag_b16_trans2(bl0, bl1, Sl, kLd, 16 * jp, 16 * kk);
+              mma_f16(xlh[2 * jp], al, bh0);
+              mma_f16(xhl[2 * jp], ah, bl0);
+              mma_f16(acc[2 * jp], ah, bh0);
+              mma_f16(xlh[2 * jp + 1], al, bh1);
+              mma_f16(xhl[2 * jp + 1], ah, bl1);
+              mma_f16(acc[2 * jp + 1], ah, bh1);
+            }
+          }
+        }
+#pragma unroll
+        for (int jn = 0; jn < kNT; ++jn)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[jn][e] += xlh[jn][e] + xhl[jn][e];
+      }
+      const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
+      float* out = u == count - 1 ? p.corr_ht + static_cast<size_t>(n * p.Hv + h) * D * D
+                                  : p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
+      __half* Wh = Sbuf + ((u + 1) & 1) * 2 * kTile;  // read by step u + 1
+      __half* Wl = Wh + kTile;
+#pragma unroll
+      for (int jn = 0; jn < kNT; ++jn)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = r0 + g + 8 * hf, col = 8 * jn + 2 * t;
+          __stcg(reinterpret_cast<float2*>(out + row * D + vb + col),
+                 make_float2(acc[jn][2 * hf], acc[jn][2 * hf + 1]));
+          uint32_t hi, lo;
+          split_half2(acc[jn][2 * hf], acc[jn][2 * hf + 1], hi, lo);
+          const int srow = r0 + walk_slot(g + 8 * hf);
+          *reinterpret_cast<uint32_t*>(Wh + srow * kLd + col) = hi;
+          *reinterpret_cast<uint32_t*>(Wl + srow * kLd + col) = lo;
+        }
+      __syncthreads();  // the restaged state is complete; stage u % 2 and buffer u % 2 are read
+      issue_m(u + 2);
+    }
+    last_flag = exact[t_end - t0];
+    __syncthreads();  // exact[] is rewritten for the next batch of steps (or sequence)
+  }
+}
+
+template <int kWalkCols = 32>
+__global__ void __launch_bounds__(NT, 1) seg_walk_kernel(SegParams p, bool reverse) {
+  PdlCompletion pdl_completion;  // see its definition (mma.cuh)
+  pdl_trigger();  // the chain's next kernel may start its blocks' prologues now
+  if (p.seqs.failed()) return;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  float* Mst = reinterpret_cast<float*>(smem_raw);                // [2][D][D]
+  __half* Sbuf = reinterpret_cast<__half*>(Mst + 2 * D * D);      // [2][2][D][walk_ld]
+  uint64_t* full = reinterpret_cast<uint64_t*>(Sbuf + 4 * D * walk_ld<kWalkCols>());
+  __shared__ bool exact[NT + 1];
+  if (threadIdx.x == 0) {
+    mbar_init(full, 1);
+    mbar_init(full + 1, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  uint32_t phases = 0;
+  const int64_t walks = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;  // sequences
+  for (int64_t r = blockIdx.x; r < walks; r += gridDim.x) {
+    const int64_t n = p.split_seqs != nullptr ? p.split_seqs[1 + r] : r;
+    walk_sequence_tc<kWalkCols>(p, reverse, n, blockIdx.y, blockIdx.z * kWalkCols, Mst, Sbuf,
+                                full, phases, exact);
+  }
+}
+
 // sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kSubCols), 256 threads,
 //   72 KB smem (2 blocks per SM)
 //   Sub-segments (FLASHGDN_CP_SUB): the state entering sub-segment s >= 1 of an exact

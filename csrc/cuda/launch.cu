@@ -216,15 +216,23 @@ bool cp_corr(const SegmentPlan& plan, FwdPass pass, bool backward) {
          !cols_wgmma();
 }
 
-// Levels of the log-depth scan (seg_scan_kernel) that replaces the combine's walk in the
-// forward's state pass (and the backward's recomputation): ceil(log2(steps)) for the most
+// The forward's chain on tensor cores (seg_walk_kernel, launch_seg_walk): its columns a block,
+// 0 where FLASHGDN_CP_WALK=0 asks for the chain before it.
+int walk_cols() {
+  const int v = env_int_or("FLASHGDN_CP_WALK", 16);
+  return v == 0 ? 0 : v == 32 ? 32 : 16;
+}
+
+// Levels of the log-depth scan (seg_scan_kernel) that replaced the combine's walk in the
+// forward's state pass (and the backward's recomputation) until the walk ran on tensor cores
+// (walk_cols; FLASHGDN_CP_WALK=0 brings the scan back): ceil(log2(steps)) for the most
 // steps (segments - 1) a sequence of the plan can have; 0 (the walk) for one step, more than
 // kScanMaxLevels levels, or FLASHGDN_CP_SCAN=0. Packed sequences: from all their chunks (a
 // bound whatever the lengths; not the caller's max_seqlen hint, which only steers cost
 // estimates: too few levels would leave entering states unformed); levels past the actual
 // lengths' return at once (seg_scan_kernel).
 int scan_levels(const Problem& p, const SegmentPlan& plan) {
-  if (!plan.split || env_int_or("FLASHGDN_CP_SCAN", 1) == 0) return 0;
+  if (!plan.split || walk_cols() > 0 || env_int_or("FLASHGDN_CP_SCAN", 1) == 0) return 0;
   const int64_t longest = p.varlen() ? p.max_chunks() : (p.T + C - 1) / C;
   return scan_levels_for(longest, plan.seg_chunks, kScanMaxLevels);
 }
@@ -654,6 +662,35 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
                 reverse);
 }
 
+// The forward's chain (the state pass's and the recomputation's): the combine's walk on
+// tensor cores, seg_walk_kernel, with FLASHGDN_CP_WALK=<16|32> columns a block (default 16);
+// FLASHGDN_CP_WALK=0 the chain before 2026-11-26 (the scan where the plan has its levels, else
+// seg_combine_kernel; walk_cols). H200, 2026-11-26, 4/16 heads x 32768 tokens (15 steps): the chain 48 us
+// as scan levels, 41 us at 32 columns, 27 us at 16 (64: 82 us). Slots as launch_seg_combine's
+// (a block of ~168 KB is alone on its SM).
+void launch_seg_walk(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st,
+                     bool pdl) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    set_smem(seg_walk_kernel<16>, walk_smem<16>());
+    set_smem(seg_walk_kernel<32>, walk_smem<32>());
+  });
+  const int cols = walk_cols();
+  const int64_t col_blocks = D / cols;
+  const int64_t per_slot = p.Hv * col_blocks;  // blocks of one sequence slot
+  const int64_t slots = f.split_seqs != nullptr
+                            ? std::min(p.N, wave_slots(4, sm_count(p.device_id), per_slot))
+                            : p.N;
+  const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.Hv),
+                  static_cast<unsigned>(col_blocks));
+  if (cols == 32)
+    launch_kernel(seg_walk_kernel<32>, grid, walk_smem<32>(), st, pdl, "seg_walk_kernel launch",
+                  f, reverse);
+  else
+    launch_kernel(seg_walk_kernel<16>, grid, walk_smem<16>(), st, pdl, "seg_walk_kernel launch",
+                  f, reverse);
+}
+
 // The forward's combine as a log-depth scan (seg_scan_kernel, scan_levels): one launch per
 // level, each its predecessor's programmatic dependent (the first phase 1's), ping-ponging
 // between phase 1's (seg_M, seg_L) and (scan_M, scan_L). False (nothing launched) where the
@@ -995,7 +1032,8 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   if (p.N == 0) return;
   run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(plan), f, st, launch,
              [&](cudaStream_t s) {
-               if (!launch_seg_scan(p, plan, b, f, s)) launch_seg_combine(p, f, false, s, true);
+               if (walk_cols() > 0) launch_seg_walk(p, f, false, s, true);
+               else if (!launch_seg_scan(p, plan, b, f, s)) launch_seg_combine(p, f, false, s, true);
                launch_seg_correct<In>(p, f, s);
                launch_sub_start(p, plan, f, s);
              });
