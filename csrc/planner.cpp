@@ -87,6 +87,17 @@ double estimate_schedule_us(const SegmentQuery& q, SegmentPlan& p, const Forward
   return us;
 }
 
+// A host-made sequential split at column block 128: its phase 0's merge factor
+// (SegmentPlan::p0_merge, best_p0_merge); 1 for every other plan.
+void set_p0_merge(const SegmentQuery& q, SegmentPlan& p, const ForwardCost& c) {
+  p.p0_merge = 1;
+  if (!p.split || p.overlap || p.corr || p.col_block != 128 || p.device_choice) return;
+  const LoadStats s = load_stats(q, p);
+  const double heads = static_cast<double>(q.Hv);
+  p.p0_merge = best_p0_merge(c, s, split_terms(c, s, heads, q.sms, 128,
+                                               static_cast<double>(p.seg_chunks)), heads);
+}
+
 // The column blocks the device may pick for packed sequences (SegmentPlan::device_col_blocks):
 // those whose least cost, the work term at ceil(tokens / 64) chunks (any split only adds),
 // does not exceed `bound`, an upper bound on the cost of the device's choice. unsplit_only:
@@ -169,6 +180,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     const int64_t seg = q.forced_seg_chunks > 0 ? q.forced_seg_chunks : ceil_div(longest, 4);
     SegmentPlan s = with_length(q, seg, forced_bw ? forced_bw : 32);
     s.est_us = estimate_us(q, s, cost);
+    set_p0_merge(q, s, cost);
     return s;
   }
   // Auto: the cheapest of the unsplit plans and the splits into segments of 32, 64, 128, ...
@@ -280,6 +292,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
             device_col_blocks(q, cost, bound, false) | col_block_bit(d.col_block);
       return d;
     }
+    set_p0_merge(q, best_split, cost);
     return best_split;
   }
   // 16 columns only pay when one long sequence is the critical path, which the host

@@ -34,6 +34,10 @@ struct SegmentPlan {
   // nsub sub-segments
   bool overlap = false;
   int nsub = 1;
+  // the sequential schedule at column block 128 (host-made plans): phase 0 in blocks of
+  // p0_merge segments (SegParams::p0_merge; best_p0_merge), phase 1 and the chain in the
+  // plan's segments
+  int p0_merge = 1;
   // exact segments' outputs by correction (SegParams::corr): phase 1 gives their local
   // outputs and effective queries, seg_correct_kernel adds Q_eff S_in after the combine, and
   // their phase 0 does not run (no sub-segments then)
@@ -165,6 +169,11 @@ struct ForwardCost {
   // 3.1 us against the one-wave 2.6) and seg_correct_kernel's time.
   bool corr = false;
   double corr_step_factor = 1.2;
+  // Phase 0 of a sequential 128-column split in merged segments (SegmentPlan::p0_merge,
+  // best_p0_merge): off for the device's choice, which does not merge; taken where it saves
+  // p0_merge_gain of phase 0's estimate.
+  bool p0_merge = true;
+  double p0_merge_gain = 0.03;
   double corr_us = 6.0;
 };
 
@@ -299,6 +308,40 @@ inline FLASHGDN_HD SplitTerms split_terms(const ForwardCost& c, const LoadStats&
   return r;
 }
 
+// Phase 0 of a sequential 128-column split (r: split_terms at column block 128) whose blocks
+// each run m segments (SegParams::p0_merge): the larger of the critical path (waves of
+// blocks of m segments and a warm-up) and the block-steps over the SMs. m = 1 is the plan's
+// own phase 0. Merging trades waves for longer blocks: H200, 2026-11-26, 4/16 heads x 32768
+// tokens in 16 segments of 32 chunks, 256 blocks in two waves (phase 0 280 us, forward
+// 0.519 ms) against 128 blocks of 64 chunks in one (269 us, 0.505 ms).
+constexpr int kMaxP0Merge = 4;
+inline FLASHGDN_HD double phase0_merged_us(const ForwardCost& c, const LoadStats& s,
+                                           const SplitTerms& r, double heads, int m) {
+  const double len = m * r.len < s.longest ? m * r.len : s.longest;
+  const double blocks = heads * ceil_pos(r.blocks / heads / m);
+  const double waves = blocks > r.nsm ? ceil_pos(blocks / r.nsm) : 1.0;
+  const double crit = (len + c.warm_chunks) * r.t * waves;
+  const double work = (s.total + c.warm_chunks * s.segs / m) * heads * r.t / r.nsm;
+  return crit > work ? crit : work;
+}
+// The merge factor (1 .. kMaxP0Merge) of the cheapest phase 0; 1 unless ForwardCost::p0_merge
+// and a merge saves at least p0_merge_gain of phase 0.
+inline FLASHGDN_HD int best_p0_merge(const ForwardCost& c, const LoadStats& s, const SplitTerms& r,
+                                     double heads) {
+  if (!c.p0_merge || r.blocks <= r.nsm) return 1;
+  const double base = phase0_merged_us(c, s, r, heads, 1);
+  int best = 1;
+  double best_us = base * (1.0 - c.p0_merge_gain);
+  for (int m = 2; m <= kMaxP0Merge; ++m) {
+    const double us = phase0_merged_us(c, s, r, heads, m);
+    if (us < best_us) {
+      best = m;
+      best_us = us;
+    }
+  }
+  return best;
+}
+
 // Estimated time (us) of the state pass with column block bw, split into segments of seg
 // chunks (seg = 0: unsplit): per launch, the larger of the critical path and the
 // block-steps spread over the SMs; split plans add the summary pass and the combine. For a
@@ -323,8 +366,9 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
   }
   const SplitTerms r = split_terms(c, s, heads, sms, bw, seg);
   const double crit0 = r.crit0 * (r.blocks > r.nsm ? ceil_pos(r.blocks / r.nsm) : 1.0);
-  const double sequential = (crit0 > r.work0 ? crit0 : r.work0) +
-                            (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
+  const double phase0 = bw == 128 ? phase0_merged_us(c, s, r, heads, best_p0_merge(c, s, r, heads))
+                                  : (crit0 > r.work0 ? crit0 : r.work0);
+  const double sequential = phase0 + (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
   // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
   // blocks each: L and M), then their nsub sub-segments.
   const double ns = c.nsub > 1 ? c.nsub : 1.0;

@@ -26,7 +26,8 @@ STATE_TOL = 3.7e-3
 ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_PASS",
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
-            "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK")
+            "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
+            "FLASHGDN_CP_P0_MERGE")
 
 
 @contextmanager
@@ -726,6 +727,31 @@ def test_ping_pong_bit_identical(label: str, case: Case, switches: dict, other: 
     ro, rh = reference(inp)
     print(f"ping-pong {label}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
     assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+
+
+@pytest.mark.parametrize("merge", ["2", "3"])
+@pytest.mark.parametrize("case,seg", [
+    (Case("merge_fixed", [8192], 4, 16, varlen=False, gate="mixed"), "8"),
+    (Case("merge_odd", [5000, 5000], 1, 4, varlen=False, gate="mixed"), "5"),
+    (Case("merge_one", [3000], 2, 8, gate="mixed"), "1"),
+], ids=lambda v: v.name if isinstance(v, Case) else None)
+def test_phase0_merged_segments(case: Case, seg: str, merge: str):
+    """Phase 0 in merged segments (FLASHGDN_CP_P0_MERGE: the block of every merge-th segment
+    runs that many segments on, the chain keeps the plan's): against the unsplit pass and the
+    float64 reference, the g == 0 heads as exact as unsplit; a last merged segment that is
+    partial (3 of 16 or 13 segments), one-chunk segments, equal-length sequences."""
+    inp = make_inputs(case, "cuda", seed=41)
+    kernel = {"FLASHGDN_FWD_BW": "128"}
+    with env_vars({"FLASHGDN_CP": "off", **kernel}):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": seg, "FLASHGDN_CP_OVERLAP": "0",
+                   "FLASHGDN_CP_P0_MERGE": merge, **kernel}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
+    ro, rh = reference(inp)
+    check_split(f"{case.name} seg {seg} merge {merge}", case, o, ht, o_ref, h_ref, ro, rh)
 
 
 @pytest.mark.parametrize("label,case,seg", [

@@ -93,6 +93,13 @@ struct SegParams {
   float* q_eff;      // [Hv, D, corr_ld] fp32, key-major
   int64_t corr_ld;   // tokens of the packed input (TT)
   float* corr_ht;    // [N, Hv, D, D] final states (the forward's ht) or null
+  // Phase 0 in merged segments (launch.cu p0_merge: the sequential schedule of the
+  // 128-column forward pass, no sub-segments, no correction): the block of segment j, j a
+  // multiple of p0_merge, runs segments j .. j + p0_merge - 1 from j's start (their
+  // entering states past j are formed but not read); the others return at once. Phase 1 and
+  // the chain keep the plan's short segments, phase 0 makes fewer, longer blocks: one wave
+  // where the plan's segments took two.
+  int p0_merge;
 };
 
 // Whether the device chose the sequential schedule under launches made for the overlapped
@@ -290,6 +297,10 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     b.c_begin = b.ss.c_first = cb;
     if (cb + sub_chunks(p) < b.c_end) b.c_end = cb + sub_chunks(p);
     b.sub = sub;
+  } else if (p.p0_merge > 1) {  // segment j's block runs segments j .. j + merge - 1
+    if (b.j % p.p0_merge != 0) return false;
+    const int64_t ce = b.c_begin + p.p0_merge * seg;
+    b.c_end = ce < b.nch ? ce : b.nch;
   }
   return true;
 }

@@ -601,6 +601,12 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 }
 
 
+// SegParams::p0_merge: the plan's (SegmentPlan::p0_merge), FLASHGDN_CP_P0_MERGE=<m> forces m.
+int p0_merge(const SegmentPlan& plan) {
+  const int v = env_int_or("FLASHGDN_CP_P0_MERGE", 0);
+  return std::max(1, v > 0 ? v : plan.p0_merge);
+}
+
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st, bool pdl = false) {
@@ -622,8 +628,11 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
     const bool dep = pdl && fz.z_base == 0;  // only the first slice follows the chain's kernel
     const char* what = "state_fwd_cols_kernel launch";
+    FwdParams fm = fz;
+    fm.p0_merge =
+        f.phase == 0 && subs == 1 && !f.corr && f.starts == 0 && !f.looped ? p0_merge(plan) : 1;
     auto go = [&](auto kernel, size_t bytes) {
-      launch_kernel(kernel, grid, bytes, st, dep, what, fz);
+      launch_kernel(kernel, grid, bytes, st, dep, what, fm);
     };
     using Sm = StateFwdColsSmem;
     const bool ping = cols_ping();
@@ -951,6 +960,7 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
     choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
     // the device's split runs sequentially unless the overlapped launches are made for it
     choice.cost.overlap = dev_schedule;
+    choice.cost.p0_merge = false;  // its sequential phase 0 does not merge segments
     choice.split_col_blocks = dev_schedule ? col_block_bit(D) : 0;
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);

@@ -12,8 +12,8 @@
 // the device then picks the segments), --hint longest chunks (cu_seqlens_cpu), --sms S,
 // --seg L (FLASHGDN_CP_SEG with auto), --bw 16|32|128 (FLASHGDN_FWD_BW), --step128 us (the
 // cost model's 128-column chunk step, ForwardCost::step_us_bw128), --no-overlap
-// (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --nsub n (FLASHGDN_CP_SUB), --off,
-// --on (FLASHGDN_CP).
+// (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --nsub n (FLASHGDN_CP_SUB), --no-merge
+// (ForwardCost::p0_merge off: phase 0 in the plan's segments), --off, --on (FLASHGDN_CP).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--varlen")) varlen = true;
     else if (!std::strcmp(a, "--no-overlap")) c.overlap = false;
     else if (!std::strcmp(a, "--sat")) c.overlap_saturated = true;
+    else if (!std::strcmp(a, "--no-merge")) c.p0_merge = false;
     else if (!std::strcmp(a, "--off")) q.mode = CpMode::Off;
     else if (!std::strcmp(a, "--on")) q.mode = CpMode::On;
     else {
@@ -67,8 +68,8 @@ int main(int argc, char** argv) {
               p.col_block, p.split ? "split" : "unsplit", static_cast<long long>(p.seg_chunks),
               static_cast<long long>(p.max_segments));
   if (p.split && !p.device_choice)
-    std::printf(", %s%s, nsub %d", p.overlap ? "overlapped" : "sequential",
-                p.corr ? " with correction" : "", p.nsub);
+    std::printf(", %s%s, nsub %d, phase 0 merge %d", p.overlap ? "overlapped" : "sequential",
+                p.corr ? " with correction" : "", p.nsub, p.p0_merge);
   if (p.device_choice) std::printf(", the device picks the segments");
   if (p.device_overlap) std::printf(" and may take the overlapped schedule");
   if (p.device_col_block) std::printf(", the device picks the column block");

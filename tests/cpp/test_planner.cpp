@@ -234,8 +234,10 @@ TEST(Planner, SegmentCandidatesAndWaves) {
   EXPECT_FALSE(flashgdn::seg_candidate_for(128, 40, 512));
   EXPECT_TRUE(flashgdn::seg_candidate_for(128, 40, 512, /*fine=*/true));
   EXPECT_TRUE(flashgdn::seg_candidate_for(128, 96, 512));
-  // one block of 128 columns per SM: 129 blocks take two waves, 132 one
+  // one block of 128 columns per SM: 129 blocks take two waves, 132 one (phase 0 in the
+  // plan's segments: with merged segments, best_p0_merge, the 144 fit one wave again)
   flashgdn::ForwardCost c;
+  c.p0_merge = false;
   flashgdn::LoadStats s;
   s.longest = s.total = 512;
   s.segs = 16;
@@ -243,6 +245,45 @@ TEST(Planner, SegmentCandidatesAndWaves) {
   const double one_wave = flashgdn::estimate_state_pass_us(c, s, 8, 132, 128, 32);  // 128 blocks
   const double two_waves = flashgdn::estimate_state_pass_us(c, s, 9, 132, 128, 32); // 144 blocks
   EXPECT_GT(two_waves - one_wave, 0.9 * (32 + c.warm_chunks) * c.step_us_bw128);
+  flashgdn::ForwardCost merged;
+  EXPECT_LT(flashgdn::estimate_state_pass_us(merged, s, 9, 132, 128, 32), two_waves);
+  EXPECT_EQ(flashgdn::estimate_state_pass_us(merged, s, 8, 132, 128, 32), one_wave);
+}
+
+// Phase 0 of a sequential 128-column split in merged segments (SegmentPlan::p0_merge): where
+// the plan's segments take two waves of blocks and blocks of two segments fit one (H200,
+// 2026-11-26, 4/16 heads x 32768 tokens: 0.519 -> 0.505 ms); not on the overlapped schedule,
+// not where one wave holds the plan's blocks, not for the device's choice.
+TEST(Planner, PhaseZeroMergesSegmentsWhereTwoWavesBecomeOne) {
+  auto q = query(1, 512, 16);
+  q.allow_cols = true;
+  flashgdn::ForwardCost c;
+  const auto p = plan_segments(q, c);
+  EXPECT_TRUE(p.split && !p.overlap);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_EQ(p.seg_chunks, 32);
+  EXPECT_EQ(p.p0_merge, 2);
+  c.p0_merge = false;
+  const auto u = plan_segments(q, c);
+  EXPECT_EQ(u.p0_merge, 1);
+  EXPECT_EQ(u.seg_chunks, p.seg_chunks);
+  EXPECT_LT(p.est_us, u.est_us);
+  flashgdn::ForwardCost d;
+  q = query(1, 256, 8);  // 2/8 x 16384: overlapped, one wave
+  q.allow_cols = true;
+  const auto o = plan_segments(q, d);
+  EXPECT_TRUE(o.overlap);
+  EXPECT_EQ(o.p0_merge, 1);
+  q = query(1, 128, 16);  // 4/16 x 8192: one wave
+  q.allow_cols = true;
+  EXPECT_EQ(plan_segments(q, d).p0_merge, 1);
+  q = query(2, 512, 16);  // packed: the device picks the segments, no merge
+  q.fixed_chunks = -1;
+  q.total_chunks = 513;
+  q.allow_cols = true;
+  const auto v = plan_segments(q, d);
+  EXPECT_TRUE(v.device_choice);
+  EXPECT_EQ(v.p0_merge, 1);
 }
 
 TEST(Planner, PackedSequencesLaunchOnlyColumnBlocksThatCanWin) {
@@ -568,6 +609,7 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   q.allow_cols = true;
   flashgdn::ForwardCost off, on;
   on.overlap_saturated = true;
+  off.p0_merge = on.p0_merge = false;  // the sequential estimate of the segments' own phase 0
   const auto seq = plan_segments(q, off), p = plan_segments(q, on);
   EXPECT_TRUE(seq.split && !seq.overlap);
   EXPECT_TRUE(p.split && p.overlap);
