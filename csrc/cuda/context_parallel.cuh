@@ -10,9 +10,11 @@
 // summary (the state leaving it from its own start, L, and, if it is exact itself, its
 // transition M: the same pass run on the identity without inputs, no outputs);
 // seg_combine_kernel chains the summaries, S_in(j+1) = M_j S_in(j) + L_j (the forward takes
-// that chain as a log-depth scan, seg_scan_kernel, where the plan allows: launch.cu
-// scan_levels); phase 0 then runs every segment with outputs. The backward's reverse pass
-// does the same last to first.
+// that chain on tensor cores, seg_walk_kernel, or with FLASHGDN_CP_WALK=0 as a log-depth
+// scan, seg_scan_kernel, where the plan allows: launch.cu walk_cols, scan_levels); phase 0
+// then runs every segment with outputs (a sequential 128-column split's phase 0 possibly
+// several segments a block: SegParams::p0_merge). The backward's reverse pass does the same
+// last to first.
 // The overlapped schedule (launch.cu run_phases; the planner's choice where its blocks fit
 // in one wave, FLASHGDN_CP_OVERLAP overrides) runs the phase 0 of segments that do not
 // start exact beside the exact chain on a second stream (SegParams::starts); sub-segments
@@ -26,6 +28,7 @@
 // 1's local outputs plus Q_eff S_in, added by seg_correct_kernel after the combine.
 //
 // seg_combine_kernel  grid (sequence slots, H_v, 128 / kCombineCols): see its definition.
+// seg_walk_kernel     grid (sequence slots, H_v, 128 / kWalkCols): likewise.
 // sub_start_kernel    grid (segments x (nsub - 1), H_v, 128 / kSubCols): likewise.
 // seg_scan_kernel     grid (segments, 4, H_v / kScanHeads), one launch per level: likewise.
 // seg_correct_kernel  grid (chunks, H_v): likewise.
