@@ -522,9 +522,9 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
 //   Odd g read the two k16 steps of a pair in the other order, so a quarter warp's float4
 //   loads fill all 32 banks once.
 //   reads  Lb, seg_L, seg_M, split_seqs     writes seg_in (and corr_ht, as seg_combine_kernel)
-constexpr int kWalkCols = 32;
+// kWalkCols: 16 (the default, launch.cu walk_cols) or 32
 template <int COLS>
-constexpr int walk_ld() { return COLS + 8; }  // 32: rows 80 B apart, ldmatrix conflict-free
+constexpr int walk_ld() { return COLS + 8; }  // rows 48 / 80 B apart: ldmatrix conflict-free
 // bytes: M's two stages, then the state's [2 buffers][hi, lo][D][walk_ld] tiles, then the
 // stages' mbarriers
 template <int COLS>
@@ -682,12 +682,12 @@ __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool revers
   }
 }
 
-template <int kWalkCols = 32>
+template <int kWalkCols>
 __global__ void __launch_bounds__(NT, 1) seg_walk_kernel(SegParams p, bool reverse) {
   PdlCompletion pdl_completion;  // see its definition (mma.cuh)
   pdl_trigger();  // the chain's next kernel may start its blocks' prologues now
   if (p.seqs.failed()) return;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // bulk copies: 16-byte aligned
   float* Mst = reinterpret_cast<float*>(smem_raw);                // [2][D][D]
   __half* Sbuf = reinterpret_cast<__half*>(Mst + 2 * D * D);      // [2][2][D][walk_ld]
   uint64_t* full = reinterpret_cast<uint64_t*>(Sbuf + 4 * D * walk_ld<kWalkCols>());
