@@ -169,9 +169,9 @@ struct ForwardCost {
   // 3.1 us against the one-wave 2.6) and seg_correct_kernel's time.
   bool corr = false;
   double corr_step_factor = 1.2;
-  // Phase 0 of a sequential 128-column split in merged segments (SegmentPlan::p0_merge,
-  // best_p0_merge): off for the device's choice, which does not merge; taken where it saves
-  // p0_merge_gain of phase 0's estimate.
+  // Phase 0 of a sequential 128-column split in merged segments (SegmentPlan::p0_merge, the
+  // device's DeviceSegChoice::chosen[3]; best_p0_merge): taken where it saves p0_merge_gain
+  // of phase 0's estimate.
   bool p0_merge = true;
   double p0_merge_gain = 0.03;
   double corr_us = 6.0;

@@ -734,12 +734,17 @@ def test_ping_pong_bit_identical(label: str, case: Case, switches: dict, other: 
     (Case("merge_fixed", [8192], 4, 16, varlen=False, gate="mixed"), "8"),
     (Case("merge_odd", [5000, 5000], 1, 4, varlen=False, gate="mixed"), "5"),
     (Case("merge_one", [3000], 2, 8, gate="mixed"), "1"),
+    (Case("merge_packed", [5000, 1500], 2, 8, gate="mixed"), "5"),
+    (MANY_SPLIT, "2"),
 ], ids=lambda v: v.name if isinstance(v, Case) else None)
 def test_phase0_merged_segments(case: Case, seg: str, merge: str):
     """Phase 0 in merged segments (FLASHGDN_CP_P0_MERGE: the block of every merge-th segment
-    runs that many segments on, the chain keeps the plan's): against the unsplit pass and the
-    float64 reference, the g == 0 heads as exact as unsplit; a last merged segment that is
-    partial (3 of 16 or 13 segments), one-chunk segments, equal-length sequences."""
+    runs that many segments on, the chain keeps the plan's; packed sequences' looped slots
+    walk groups of that many segments, a run of one sequence's a block): against the
+    unsplit pass and the float64 reference, the g == 0 heads as exact as unsplit; a last
+    merged segment that is partial (3 of 16 or 13 segments), one-chunk segments,
+    equal-length sequences, groups across sequences' ends (two packed sequences, and
+    MANY_SPLIT's 40 of one to 12 segments)."""
     inp = make_inputs(case, "cuda", seed=41)
     kernel = {"FLASHGDN_FWD_BW": "128"}
     with env_vars({"FLASHGDN_CP": "off", **kernel}):

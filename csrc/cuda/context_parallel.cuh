@@ -97,13 +97,22 @@ struct SegParams {
   int64_t corr_ld;   // tokens of the packed input (TT)
   float* corr_ht;    // [N, Hv, D, D] final states (the forward's ht) or null
   // Phase 0 in merged segments (launch.cu p0_merge: the sequential schedule of the
-  // 128-column forward pass, no sub-segments, no correction): the block of segment j, j a
-  // multiple of p0_merge, runs segments j .. j + p0_merge - 1 from j's start (their
-  // entering states past j are formed but not read); the others return at once. Phase 1 and
-  // the chain keep the plan's short segments, phase 0 makes fewer, longer blocks: one wave
-  // where the plan's segments took two.
+  // 128-column forward pass, no correction): the block of segment j, j a multiple of
+  // p0_merge, runs segments j .. j + p0_merge - 1 from j's start (their entering states
+  // past j are formed but not read); the others return at once. Looped launches walk
+  // groups of p0_merge consecutive segments instead, a run of a group's segments of one
+  // sequence a block (for_each_segment_block). Phase 1 and the chain keep the plan's short
+  // segments, phase 0 makes fewer, longer blocks: one wave where the plan's took two.
   int p0_merge;
+  const int64_t* p0_merge_dev;  // the device's merge (its plan's, DeviceSegChoice::chosen[3]),
+                                //   in place of p0_merge; null: the host's
 };
+
+// Phase 0's merge factor (SegParams::p0_merge, p0_merge_dev), at least 1.
+__device__ __forceinline__ int64_t p0_merge_of(const SegParams& p) {
+  const int64_t m = p.p0_merge_dev != nullptr ? *p.p0_merge_dev : p.p0_merge;
+  return m > 1 ? m : 1;
+}
 
 // Whether the device chose the sequential schedule under launches made for the overlapped
 // one (SegParams::schedule_dev).
@@ -243,9 +252,11 @@ struct SegmentBlock {
   bool identity;
   int sub;  // phase 0 with sub-segments: which sub-segment of an exact segment (0: its start)
 };
+// run > 0 (looped phase 0 with merged segments): the block runs segments j .. j + run - 1
+// of the sequence (for_each_segment_block); 0: one segment, or p0_merge's (a multiple of it).
 template <int BW>
 __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, int64_t z,
-                                              SegmentBlock& b) {
+                                              SegmentBlock& b, int64_t run = 0) {
   constexpr int CBN = D / BW;
   b.h = blockIdx.y;
   b.hq = b.h / (p.Hv / p.Hqk);
@@ -300,9 +311,12 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     b.c_begin = b.ss.c_first = cb;
     if (cb + sub_chunks(p) < b.c_end) b.c_end = cb + sub_chunks(p);
     b.sub = sub;
-  } else if (p.p0_merge > 1) {  // segment j's block runs segments j .. j + merge - 1
-    if (b.j % p.p0_merge != 0) return false;
-    const int64_t ce = b.c_begin + p.p0_merge * seg;
+  } else if (run > 1 || (run == 0 && p0_merge_of(p) > 1)) {  // segments j .. j + run - 1
+    if (run == 0) {
+      run = p0_merge_of(p);
+      if (b.j % run != 0) return false;
+    }
+    const int64_t ce = b.c_begin + run * seg;
     b.c_end = ce < b.nch ? ce : b.nch;
   }
   return true;
@@ -326,11 +340,30 @@ __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool 
   const bool listed = p.looped && p.phase == 1;
   const int64_t items = !p.looped ? blockIdx.z + 1 : listed ? p.seg_items[0]
                                                             : p.seg_offsets[p.seqs.N];
-  const int64_t stride = p.looped ? gridDim.z : 1;
-  for (int64_t i = blockIdx.z; i < items; i += stride) {
+  // looped phase 0 with merged segments: the slots walk groups of `merge` consecutive
+  // segments, and within a group each run of one sequence's segments is one segment block
+  const int64_t merge =
+      BW == D && p.looped && p.phase == 0 && !reverse ? p0_merge_of(p) : 1;
+  const int64_t stride = p.looped ? gridDim.z * merge : 1;
+  int64_t g0 = blockIdx.z * merge;  // the group's first item (merge 1: the item)
+  for (int64_t i = g0; i < items;) {
+    const int64_t g_end = g0 + merge < items ? g0 + merge : items;
     const int64_t z = !p.looped ? i + p.z_base : listed ? p.seg_items[1 + i] : i;
+    int64_t run = 0, end = i + 1;
+    if (merge > 1) {  // the run from item i: to the group's end or its sequence's last segment
+      int64_t n, j;
+      locate_segment(p, z, n, j);
+      end = p.seg_offsets[n + 1] < g_end ? p.seg_offsets[n + 1] : g_end;
+      run = end - i;
+    }
+    if (end >= g_end) {
+      g0 += stride;
+      i = g0;
+    } else {
+      i = end;
+    }
     SegmentBlock b;
-    if (!segment_block<BW>(p, reverse, z, b)) continue;
+    if (!segment_block<BW>(p, reverse, z, b, run)) continue;
     body(b);
     if (p.looped) {
       cp_async_wait<0>();

@@ -266,7 +266,9 @@ FwdBuffers carve_fwd(const Problem& p, const SegmentPlan& plan, Carver& c,
       b.scan_L = c.take<float>(segheads * D * D);
     }
   }
-  if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(3);
+  // the device's choice (DeviceSegChoice::chosen): segment length, column block, schedule,
+  // phase-0 merge
+  if (plan.device_choice || plan.device_col_block) b.seg_chunks = c.take<int64_t>(4);
   if (b.pass == FwdPass::Auto)  // the largest launch: phase 1 at 16 columns
     b.redo = c.take<int>(static_cast<size_t>(2 * (D / 16) * p.Hv * plan.max_segments));
   return b;
@@ -628,9 +630,18 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
     const bool dep = pdl && fz.z_base == 0;  // only the first slice follows the chain's kernel
     const char* what = "state_fwd_cols_kernel launch";
+    // phase 0 in merged segments: the sequential schedule (or the device's, under the
+    // overlapped launches), the host's factor or the device's (SegParams::p0_merge_dev)
     FwdParams fm = fz;
-    fm.p0_merge =
-        f.phase == 0 && subs == 1 && !f.corr && f.starts == 0 && !f.looped ? p0_merge(plan) : 1;
+    const bool merge_ok =
+        f.phase == 0 && !f.corr && (f.starts == 0 || (f.starts == 2 && f.schedule_dev));
+    const bool forced = env_int_or("FLASHGDN_CP_P0_MERGE", 0) > 0;
+    fm.p0_merge = merge_ok && (subs == 1 || forced) ? p0_merge(plan) : 1;
+    // the device's merge in the forward only (not yet run under the backward's GPU tests;
+    // state_pass_params keeps it out of the recomputation's choice as well)
+    fm.p0_merge_dev = merge_ok && !forced && f.h == nullptr && f.seg_chunks_dev != nullptr
+                          ? f.seg_chunks_dev + 3
+                          : nullptr;
     auto go = [&](auto kernel, size_t bytes) {
       launch_kernel(kernel, grid, bytes, st, dep, what, fm);
     };
@@ -960,7 +971,8 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
     choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
     // the device's split runs sequentially unless the overlapped launches are made for it
     choice.cost.overlap = dev_schedule;
-    choice.cost.p0_merge = false;  // its sequential phase 0 does not merge segments
+    // its phase-0 merge (chosen[3]) for the forward alone; the recomputation's plan as before
+    choice.cost.p0_merge = f.h == nullptr;
     choice.split_col_blocks = dev_schedule ? col_block_bit(D) : 0;
     choice.heads = static_cast<double>(p.Hv);
     choice.sms = sm_count(p.device_id);

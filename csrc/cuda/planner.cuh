@@ -1,8 +1,9 @@
 // Device-side planner for packed (varlen) calls. cu_seqlens lives on the GPU, so
 // the chunk table is built on the GPU too: no host-device sync, graph capturable.
 //
-// plan_kernel  grid 1 x 512 threads (kPlanThreads; 64 registers, no spill: at 1024 the
-//              cost model's fp64 estimates spilled ~500 bytes)
+// plan_kernel  grid 1 x 512 threads (kPlanThreads; 64 registers, 8 bytes of spill since it
+//              also picks the phase-0 merge: at 1024 the cost model's fp64 estimates
+//              spilled ~500 bytes)
 //   reads  cu_seqlens [N + 1]
 //   writes chunk_offsets [N + 1] (prefix sum of ceil(len / 64)), error (0 or 1:
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
@@ -59,8 +60,10 @@ struct DeviceSegChoice {
   int col_blocks = 0;           // the column blocks launched (SegmentPlan::device_col_blocks)
   int split_col_blocks = 0;     // the column blocks a split may take (0: any launched)
   int64_t min_seg = 0;
-  int64_t* chosen = nullptr;  // writes [chunks per segment, column block, schedule] here
-                              //   (schedule: 0 sequential split, 1 overlapped or unsplit)
+  int64_t* chosen = nullptr;  // writes [chunks per segment, column block, schedule, phase-0
+                              //   merge] here (schedule: 0 sequential split, 1 overlapped or
+                              //   unsplit; merge: SegParams::p0_merge of a sequential split
+                              //   at column block 128, best_p0_merge, else 1)
 };
 
 // Segment lengths the device tries at most (min_seg, then next_seg_candidate's steps of
@@ -174,14 +177,29 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
           sc.est[overlapped][1] <= choice.cost.overlap_margin * split_us)
         split = overlapped, split_us = sc.est[overlapped][1], ov = true;
       int64_t best_seg = total + 1;  // unsplit: longer than any sequence
-      if (split >= 0 && split_us < (1.0 - choice.cost.min_gain) * best)
+      int merge = 1;
+      if (split >= 0 && split_us < (1.0 - choice.cost.min_gain) * best) {
         best_seg = sc.seg[split / 3 - 1], best_bw = bws[split % 3];
-      else
+        if (!ov && best_bw == 128) {  // the sequential split's phase 0 in merged segments
+          LoadStats st = st0;
+          const int k = split / 3 - 1;
+          st.segs = st.seg_blocks = static_cast<double>(sc.segs[k]);
+          st.seqs = static_cast<double>(s.N);
+          st.max_segs_per_seq = static_cast<double>(segments_of(longest, sc.seg[k]));
+          merge = best_p0_merge(
+              sequential, st,
+              split_terms(sequential, st, choice.heads, choice.sms, 128,
+                          static_cast<double>(sc.seg[k])),
+              choice.heads);
+        }
+      } else {
         ov = true;  // unsplit: every segment starts from h0, the overlapped launch runs it
+      }
       sc.chosen = choice.allow_split ? best_seg : seg_chunks;
       choice.chosen[0] = sc.chosen;
       choice.chosen[1] = best_bw;
       choice.chosen[2] = ov ? 1 : 0;
+      choice.chosen[3] = choice.allow_split ? merge : 1;
     }
   }
   __syncthreads();
