@@ -199,10 +199,10 @@ def test_scan_matches_walk(case: Case, seg: int):
 def test_tc_walk_matches_scan(case: Case, seg: int, cols: str):
     """The forward's chain as the combine's walk on tensor cores (seg_walk_kernel, the
     default, 16 or 32 columns a block: fp16 split products at fp32's accuracy, M by bulk
-    copies) against the scan (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8 segments of 4000 tokens, constant maps inside the
-    chain (striped_gate_inputs), packed sequences. The exact heads' o and state within the
-    two chains' fp32 rounding of each other (the bound test_scan_matches_walk uses), and as
-    accurate as the unsplit pass."""
+    copies) against the scan (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8
+    segments of 4000 tokens, constant maps inside the chain (striped_gate_inputs), packed
+    sequences. The exact heads' o and state within the two chains' fp32 rounding of each
+    other (the bound test_scan_matches_walk uses), and as accurate as the unsplit pass."""
     inp = striped_gate_inputs(case, seed=31)
     kernel = {"FLASHGDN_FWD_BW": "128"}
     with env_vars({"FLASHGDN_CP": "off", **kernel}):

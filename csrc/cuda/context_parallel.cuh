@@ -535,7 +535,8 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
   }
 }
 
-// seg_walk_kernel  grid (sequence slots, H_v, 128 / kWalkCols), 256 threads, ~168 KB smem
+// seg_walk_kernel  grid (sequence slots, H_v, 128 / kWalkCols), 256 threads, ~153 KB smem
+//   (16 columns; 168 KB at 32), one block per SM
 //   The combine's walk (seg_combine_kernel: the same steps in pass order, the same decisions
 //   which segments start exact, the same outputs, slots as there) with its product
 //   M_prev S_in(prev) on fp16 m16n8k16 tensor cores at fp32's accuracy: the two-term splits

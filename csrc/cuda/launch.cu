@@ -684,10 +684,10 @@ void launch_seg_combine(const Problem& p, const SegParams& f, bool reverse, cuda
 
 // The forward's chain (the state pass's and the recomputation's): the combine's walk on
 // tensor cores, seg_walk_kernel, with FLASHGDN_CP_WALK=<16|32> columns a block (default 16);
-// FLASHGDN_CP_WALK=0 the chain before 2026-11-26 (the scan where the plan has its levels, else
-// seg_combine_kernel; walk_cols). H200, 2026-11-26, 4/16 heads x 32768 tokens (15 steps): the chain 48 us
-// as scan levels, 41 us at 32 columns, 27 us at 16 (64: 82 us). Slots as launch_seg_combine's
-// (a block of ~168 KB is alone on its SM).
+// FLASHGDN_CP_WALK=0 the chain before 2026-11-26 (the scan where the plan has its levels,
+// else seg_combine_kernel; walk_cols). H200, 2026-11-26, 4/16 heads x 32768 tokens (15
+// steps): the chain 48 us as scan levels, 41 us at 32 columns, 27 us at 16 (64: 82 us).
+// Slots as launch_seg_combine's (a block of ~153 KB at 16 columns is alone on its SM).
 void launch_seg_walk(const Problem& p, const SegParams& f, bool reverse, cudaStream_t st,
                      bool pdl) {
   static std::once_flag once;
@@ -1054,8 +1054,10 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   if (p.N == 0) return;
   run_phases(p.device_id, plan.split, b.pass == FwdPass::F16 && cp_overlap(plan), f, st, launch,
              [&](cudaStream_t s) {
-               if (walk_cols() > 0) launch_seg_walk(p, f, false, s, true);
-               else if (!launch_seg_scan(p, plan, b, f, s)) launch_seg_combine(p, f, false, s, true);
+               if (walk_cols() > 0)
+                 launch_seg_walk(p, f, false, s, true);
+               else if (!launch_seg_scan(p, plan, b, f, s))
+                 launch_seg_combine(p, f, false, s, true);
                launch_seg_correct<In>(p, f, s);
                launch_sub_start(p, plan, f, s);
              });
