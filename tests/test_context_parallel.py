@@ -759,6 +759,29 @@ def test_phase0_merged_segments(case: Case, seg: str, merge: str):
     check_split(f"{case.name} seg {seg} merge {merge}", case, o, ht, o_ref, h_ref, ro, rh)
 
 
+def test_device_plan_merged_phase0():
+    """Packed sequences in Auto mode: the device's plan (plan_kernel) picks the segments and,
+    for a sequential 128-column split whose blocks take two waves, the phase-0 merge
+    (DeviceSegChoice::chosen[3]; at 4/16 heads and 24576 + 1536 tokens the host's model picks
+    merge 2 for one sequence of 24576). Against merges turned off (FLASHGDN_CP_P0_MERGE=1),
+    CP off and the float64 reference, the g == 0 heads as exact as unsplit. (Added in session
+    34 after its last device call: first run on a GPU in the next session.)"""
+    case = Case("device_merge", [24576, 1536], 4, 16, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=43)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP": "auto", "FLASHGDN_CP_P0_MERGE": "1"}):
+        o_1, h_1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with cp_env("auto"):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
+    ro, rh = reference(inp)
+    check_split("device merge", case, o, ht, o_ref, h_ref, ro, rh)
+    check_split("device plan, no merge", case, o_1, h_1, o_ref, h_ref, ro, rh)
+
+
 @pytest.mark.parametrize("label,case,seg", [
     ("unsplit", Case("ping_bwd", [3000, 300], 1, 4, gate="mixed"), 0),
     ("split", Case("ping_bwd_split", [3000, 300], 1, 4, gate="mixed"), 2),
