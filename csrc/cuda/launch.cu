@@ -513,6 +513,13 @@ ForwardCost plan_cost(bool backward) {
     const double us = std::atof(e);
     if (us > 0) c.step_us_bw128 = us;
   }
+  // FLASHGDN_COMBINE_US=<us>: the forward's chain cost a segment in the cost model (3.3 us,
+  // the fp32 walk's; the tensor-core walk measured ~1.8 us a step on the H200, 2026-11-26),
+  // for measuring the plans another figure would make (flashgdn_plan --combine)
+  if (const char* e = std::getenv("FLASHGDN_COMBINE_US"); e != nullptr && !backward) {
+    const double us = std::atof(e);
+    if (us > 0) c.combine_us = us;
+  }
   c.corr = !backward && fwd_pass() == FwdPass::F16 && env_int_or("FLASHGDN_CP_CORR", -1) != 0 &&
            !cols_wgmma();
   return c;

@@ -11,7 +11,8 @@
 // Flags: --hv H_v, --chunks C (of each sequence; varlen: in all), --n N, --varlen (packed:
 // the device then picks the segments), --hint longest chunks (cu_seqlens_cpu), --sms S,
 // --seg L (FLASHGDN_CP_SEG with auto), --bw 16|32|128 (FLASHGDN_FWD_BW), --step128 us (the
-// cost model's 128-column chunk step, ForwardCost::step_us_bw128), --no-overlap
+// cost model's 128-column chunk step, ForwardCost::step_us_bw128), --combine us (the chain's
+// cost a segment, ForwardCost::combine_us: FLASHGDN_COMBINE_US), --no-overlap
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --nsub n (FLASHGDN_CP_SUB), --no-merge
 // (ForwardCost::p0_merge off: phase 0 in the plan's segments), --off, --on (FLASHGDN_CP).
 #include <cstdio>
@@ -43,6 +44,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--bw") && has_value) q.forced_col_block = static_cast<int>(value());
     else if (!std::strcmp(a, "--nsub") && has_value) c.nsub = static_cast<int>(value());
     else if (!std::strcmp(a, "--step128") && has_value) c.step_us_bw128 = std::atof(argv[++i]);
+    else if (!std::strcmp(a, "--combine") && has_value) c.combine_us = std::atof(argv[++i]);
     else if (!std::strcmp(a, "--varlen")) varlen = true;
     else if (!std::strcmp(a, "--no-overlap")) c.overlap = false;
     else if (!std::strcmp(a, "--sat")) c.overlap_saturated = true;
