@@ -27,7 +27,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
-            "FLASHGDN_CP_P0_MERGE")
+            "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES")
 
 
 @contextmanager
@@ -190,7 +190,7 @@ def test_scan_matches_walk(case: Case, seg: int):
         assert e_o < 1.25 * e_ref + 1e-4, f"head {h}: scan o error {e_o:.2e} vs {e_ref:.2e}"
 
 
-@pytest.mark.parametrize("cols", ["16", "32"])
+@pytest.mark.parametrize("cols", ["16", "32", "16s3"])
 @pytest.mark.parametrize("seg", [1, 3, 8])
 @pytest.mark.parametrize("case", [Case("walk_long", [4000], 1, 4, gate="mixed"),
                                   Case("walk_varlen", [3000, 70, 2200, 640], 2, 8,
@@ -199,7 +199,7 @@ def test_scan_matches_walk(case: Case, seg: int):
 def test_tc_walk_matches_scan(case: Case, seg: int, cols: str):
     """The forward's chain as the combine's walk on tensor cores (seg_walk_kernel, the
     default, 16 or 32 columns a block: fp16 split products at fp32's accuracy, M by bulk
-    copies) against the scan (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8
+    copies two steps ahead, or three: "16s3", not yet run on a GPU) against the scan (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8
     segments of 4000 tokens, constant maps inside the chain (striped_gate_inputs), packed
     sequences. The exact heads' o and state within the two chains' fp32 rounding of each
     other (the bound test_scan_matches_walk uses), and as accurate as the unsplit pass."""
@@ -210,7 +210,10 @@ def test_tc_walk_matches_scan(case: Case, seg: int, cols: str):
     split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), **kernel}
     with env_vars({**split, "FLASHGDN_CP_WALK": "0"}):
         o_scan, h_scan = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({**split, "FLASHGDN_CP_WALK": cols}):
+    walk = {"FLASHGDN_CP_WALK": cols[:2]}
+    if cols.endswith("s3"):  # M three steps ahead (FLASHGDN_CP_WALK_STAGES=3)
+        walk["FLASHGDN_CP_WALK_STAGES"] = "3"
+    with env_vars({**split, **walk}):
         o_walk, h_walk = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     ro, rh = reference(inp)

@@ -559,13 +559,14 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
 // kWalkCols: 16 (the default, launch.cu walk_cols) or 32
 template <int COLS>
 constexpr int walk_ld() { return COLS + 8; }  // rows 48 / 80 B apart: ldmatrix conflict-free
-// bytes: M's two stages, then the state's [2 buffers][hi, lo][D][walk_ld] tiles, then the
-// stages' mbarriers
-template <int COLS>
+// bytes: M's STAGES stages (2; 3, opt-in FLASHGDN_CP_WALK_STAGES=3, at 16 columns only), then
+// the state's [2 buffers][hi, lo][D][walk_ld] tiles, then the stages' mbarriers
+template <int COLS, int STAGES = 2>
 constexpr size_t walk_smem() {
-  return sizeof(float) * 2 * D * D + sizeof(__half) * 4 * D * walk_ld<COLS>() +
-         2 * sizeof(uint64_t);
+  return sizeof(float) * STAGES * D * D + sizeof(__half) * 4 * D * walk_ld<COLS>() +
+         STAGES * sizeof(uint64_t);
 }
+static_assert(walk_smem<16, 3>() <= 227 * 1024, "three stages of M fit at 16 columns");
 // The row of key q (0 .. 15 within its k16 step) in the restaged state: the inverse of the
 // slot -> key permutation s -> 4 ((s & 7) >> 1) + (s & 1) + 2 (s >> 3).
 __device__ __forceinline__ int walk_slot(int q) {
@@ -573,10 +574,11 @@ __device__ __forceinline__ int walk_slot(int q) {
 }
 
 // The chain of sequence n (seg_walk_kernel): columns vb .. vb + kWalkCols of head h. Mst: M's
-// stages [2][D][D]; Sbuf: [2 buffers][hi, lo][D][walk_ld]; step u reads state buffer u % 2
-// and writes the other, and its M is in stage u % 2, whose mbarrier's phase parity is bit
-// u % 2 of `phases` (kept across the sequences a block walks).
-template <int kWalkCols>
+// stages [kStages][D][D]; Sbuf: [2 buffers][hi, lo][D][walk_ld]; step u reads state buffer
+// u % 2 and writes the other, and its M is in stage u % kStages (issued kStages steps
+// ahead), whose mbarrier's phase parity is that bit of `phases` (kept across the sequences
+// a block walks).
+template <int kWalkCols, int kStages>
 __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool reverse, int64_t n,
                                                  int64_t h, int vb, float* Mst, __half* Sbuf,
                                                  uint64_t* full, uint32_t& phases, bool* exact) {
@@ -605,10 +607,11 @@ __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool revers
     pdl_wait();  // phase 1's summaries (seg_M, seg_L) are complete from here on
     auto needs = [&](int64_t u) { return exact[1 + u - t0]; };
     auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
-    auto issue_m = [&](int64_t u) {  // thread 0: step u's M into stage u % 2
-      if (threadIdx.x == 0 && u < t_end && needs_m(u))
-        bulk_load(Mst + (u & 1) * D * D, p.seg_M + base_of(u), sizeof(float) * D * D,
-                  full + (u & 1));
+    auto issue_m = [&](int64_t u) {  // thread 0: step u's M into stage u % kStages
+      if (threadIdx.x == 0 && u < t_end && needs_m(u)) {
+        const int st = static_cast<int>(kStages == 2 ? (u & 1) : u % kStages);
+        bulk_load(Mst + st * D * D, p.seg_M + base_of(u), sizeof(float) * D * D, full + st);
+      }
     };
     float2 lnext[kNT][2];  // L's accumulator pairs: [n8 tile][row g, g + 8]
     auto load_l = [&](int64_t u) {
@@ -621,13 +624,13 @@ __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool revers
           lnext[jn][hf] = __ldcg(reinterpret_cast<const float2*>(
               L + (r0 + g + 8 * hf) * D + vb + 8 * jn + 2 * t));
     };
-    issue_m(t0);
-    issue_m(t0 + 1);
+#pragma unroll
+    for (int k = 0; k < kStages; ++k) issue_m(t0 + k);
     load_l(t0);
     for (int64_t u = t0; u < t_end; ++u) {
       if (!needs(u)) {  // S_in(next) is not read: nothing was loaded for u
         if (u + 1 < t_end) load_l(u + 1);
-        issue_m(u + 2);  // stage u % 2 was not used by step u
+        issue_m(u + kStages);  // stage u % kStages was not used by step u
         continue;
       }
       float acc[kNT][4];
@@ -640,11 +643,11 @@ __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool revers
       }
       if (u + 1 < t_end) load_l(u + 1);  // in flight under this step's product
       if (needs_m(u)) {
-        const int s = static_cast<int>(u & 1);
-        mbar_wait(full + s, (phases >> s) & 1u);
-        phases ^= 1u << s;
-        const float* Mt = Mst + s * D * D;
-        const __half* Sh = Sbuf + s * 2 * kTile;  // S_in(prev), formed by step u - 1
+        const int ms = static_cast<int>(kStages == 2 ? (u & 1) : u % kStages);
+        mbar_wait(full + ms, (phases >> ms) & 1u);
+        phases ^= 1u << ms;
+        const float* Mt = Mst + ms * D * D;
+        const __half* Sh = Sbuf + (u & 1) * 2 * kTile;  // S_in(prev), formed by step u - 1
         const __half* Sl = Sh + kTile;
         const int odd = g & 1;
         // three independent accumulations (Mh Sh from L; the small terms Ml Sh, Mh Sl from 0,
@@ -708,27 +711,27 @@ __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool revers
           *reinterpret_cast<uint32_t*>(Wh + srow * kLd + col) = hi;
           *reinterpret_cast<uint32_t*>(Wl + srow * kLd + col) = lo;
         }
-      __syncthreads();  // the restaged state is complete; stage u % 2 and buffer u % 2 are read
-      issue_m(u + 2);
+      __syncthreads();  // the restaged state is complete; M's stage and buffer u % 2 are read
+      issue_m(u + kStages);
     }
     last_flag = exact[t_end - t0];
     __syncthreads();  // exact[] is rewritten for the next batch of steps (or sequence)
   }
 }
 
-template <int kWalkCols>
+template <int kWalkCols, int kStages = 2>
 __global__ void __launch_bounds__(NT, 1) seg_walk_kernel(SegParams p, bool reverse) {
   PdlCompletion pdl_completion;  // see its definition (mma.cuh)
   pdl_trigger();  // the chain's next kernel may start its blocks' prologues now
   if (p.seqs.failed()) return;
   extern __shared__ __align__(16) unsigned char smem_raw[];  // bulk copies: 16-byte aligned
-  float* Mst = reinterpret_cast<float*>(smem_raw);                // [2][D][D]
-  __half* Sbuf = reinterpret_cast<__half*>(Mst + 2 * D * D);      // [2][2][D][walk_ld]
+  float* Mst = reinterpret_cast<float*>(smem_raw);                // [kStages][D][D]
+  __half* Sbuf = reinterpret_cast<__half*>(Mst + kStages * D * D);  // [2][2][D][walk_ld]
   uint64_t* full = reinterpret_cast<uint64_t*>(Sbuf + 4 * D * walk_ld<kWalkCols>());
   __shared__ bool exact[NT + 1];
   if (threadIdx.x == 0) {
-    mbar_init(full, 1);
-    mbar_init(full + 1, 1);
+#pragma unroll
+    for (int k = 0; k < kStages; ++k) mbar_init(full + k, 1);
     fence_mbar_init();
   }
   __syncthreads();
@@ -736,7 +739,7 @@ __global__ void __launch_bounds__(NT, 1) seg_walk_kernel(SegParams p, bool rever
   const int64_t walks = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;  // sequences
   for (int64_t r = blockIdx.x; r < walks; r += gridDim.x) {
     const int64_t n = p.split_seqs != nullptr ? p.split_seqs[1 + r] : r;
-    walk_sequence_tc<kWalkCols>(p, reverse, n, blockIdx.y, blockIdx.z * kWalkCols, Mst, Sbuf,
+    walk_sequence_tc<kWalkCols, kStages>(p, reverse, n, blockIdx.y, blockIdx.z * kWalkCols, Mst, Sbuf,
                                 full, phases, exact);
   }
 }

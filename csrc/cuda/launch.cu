@@ -700,9 +700,12 @@ void launch_seg_walk(const Problem& p, const SegParams& f, bool reverse, cudaStr
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(seg_walk_kernel<16>, walk_smem<16>());
+    set_smem(seg_walk_kernel<16, 3>, walk_smem<16, 3>());
     set_smem(seg_walk_kernel<32>, walk_smem<32>());
   });
   const int cols = walk_cols();
+  // FLASHGDN_CP_WALK_STAGES=3 (16 columns; opt-in, not yet timed): M three steps ahead
+  const bool three = cols == 16 && env_int_or("FLASHGDN_CP_WALK_STAGES", 2) == 3;
   const int64_t col_blocks = D / cols;
   const int64_t per_slot = p.Hv * col_blocks;  // blocks of one sequence slot
   const int64_t slots = f.split_seqs != nullptr
@@ -713,6 +716,9 @@ void launch_seg_walk(const Problem& p, const SegParams& f, bool reverse, cudaStr
   if (cols == 32)
     launch_kernel(seg_walk_kernel<32>, grid, walk_smem<32>(), st, pdl, "seg_walk_kernel launch",
                   f, reverse);
+  else if (three)
+    launch_kernel(seg_walk_kernel<16, 3>, grid, walk_smem<16, 3>(), st, pdl,
+                  "seg_walk_kernel launch", f, reverse);
   else
     launch_kernel(seg_walk_kernel<16>, grid, walk_smem<16>(), st, pdl, "seg_walk_kernel launch",
                   f, reverse);
