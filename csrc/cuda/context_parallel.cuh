@@ -543,16 +543,18 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
 //   of both operands, M S = Ml Sh + Mh Sl + Mh Sh up to the Ml Sl term, as add_split_product.
 //   kWalkCols state columns a block (128 / kWalkCols blocks a head): warp w holds rows (keys)
 //   16 w .. + 15 in m16n8 accumulators started from L_prev (loaded a step ahead). M (64 KB
-//   fp32, contiguous) comes by one bulk copy a step into two stages, issued two steps ahead
-//   by thread 0 and completing on the stage's mbarrier: a step's loads are off its chain
+//   fp32, contiguous) comes by one bulk copy a step into two stages (three: kStages, opt-in),
+//   issued that many steps ahead by thread 0 and completing on the stage's mbarrier: a
+//   step's loads are off its chain
 //   (loading M's A fragments from global memory a step ahead into registers, each block
 //   spent ~2.2 us a step on them, whatever its columns; H200 2026-11-26). The state a step
 //   forms is restaged in shared memory as hi / lo tiles (two buffers, one barrier a step)
 //   for the next step's B fragments.
 //   M's tile is unpadded, so its A fragments are read as float4 under a permutation of each
 //   k16 step's keys that both operands share: slot s of the step (the mma's k) is key
-//   walk_key(s), so that a thread's a0 / a2 pairs (slots 2t, 2t + 1, 2t + 8, 2t + 9) are keys
-//   4t .. 4t + 3, one float4; the restaged state puts key q of a step in row walk_slot(q).
+//   4 ((s & 7) >> 1) + (s & 1) + 2 (s >> 3), so that a thread's a0 / a2 pairs (slots 2t,
+//   2t + 1, 2t + 8, 2t + 9) are keys 4t .. 4t + 3, one float4; the restaged state puts key q
+//   of a step in row walk_slot(q).
 //   Odd g read the two k16 steps of a pair in the other order, so a quarter warp's float4
 //   loads fill all 32 banks once.
 //   reads  Lb, seg_L, seg_M, split_seqs     writes seg_in (and corr_ht, as seg_combine_kernel)
