@@ -178,16 +178,24 @@ def test_scan_matches_walk(case: Case, seg: int):
     ro, rh = reference(inp)
     check_split(f"{case.name} seg {seg} scan", case, o_scan, h_scan, o_ref, h_ref, ro, rh)
     check_split(f"{case.name} seg {seg} walk", case, o_walk, h_walk, o_ref, h_ref, ro, rh)
-    for h in (0, 1):  # the exact heads, head 1 with its decaying stretch
-        d_o = rel_err(o_scan[:, :, h], o_walk[:, :, h])
-        d_h = rel_err(h_scan[:, h], h_walk[:, h])
-        print(f"  head {h}: scan vs walk o {d_o:.2e} state {d_h:.2e}")
+    assert_chains_agree("scan", o_scan, h_scan, "walk", o_walk, h_walk, o_ref, ro)
+
+
+def assert_chains_agree(name, o, ht, other_name, o_other, h_other, o_ref, ro) -> None:
+    """Two chains' results on striped_gate_inputs: per exact head (head 1 with its decaying
+    stretch) o and the state within fp32 rounding of the fp16 state pass's rounding of each
+    other, and the first's o as accurate as the unsplit pass's (o_ref) against ro."""
+    for h in (0, 1):
+        d_o = rel_err(o[:, :, h], o_other[:, :, h])
+        d_h = rel_err(ht[:, h], h_other[:, h])
+        print(f"  head {h}: {name} vs {other_name} o {d_o:.2e} state {d_h:.2e}")
         # per head: all of the difference sits in the exact heads (over all heads the
         # benchmark rows measure 4e-4 .. 1.1e-3 on o); the bound that matters is the next one
-        assert d_o < 5e-3 and d_h < 2e-3, f"head {h}: scan vs walk o {d_o:.2e} state {d_h:.2e}"
-        e_o = rel_err(o_scan[:, :, h], ro[:, :, h])
+        assert d_o < 5e-3 and d_h < 2e-3, \
+            f"head {h}: {name} vs {other_name} o {d_o:.2e} state {d_h:.2e}"
+        e_o = rel_err(o[:, :, h], ro[:, :, h])
         e_ref = rel_err(o_ref[:, :, h], ro[:, :, h])
-        assert e_o < 1.25 * e_ref + 1e-4, f"head {h}: scan o error {e_o:.2e} vs {e_ref:.2e}"
+        assert e_o < 1.25 * e_ref + 1e-4, f"head {h}: {name} o error {e_o:.2e} vs {e_ref:.2e}"
 
 
 @pytest.mark.parametrize("cols", ["16", "32", "16s3"])
@@ -199,10 +207,11 @@ def test_scan_matches_walk(case: Case, seg: int):
 def test_tc_walk_matches_scan(case: Case, seg: int, cols: str):
     """The forward's chain as the combine's walk on tensor cores (seg_walk_kernel, the
     default, 16 or 32 columns a block: fp16 split products at fp32's accuracy, M by bulk
-    copies two steps ahead, or three: "16s3", not yet run on a GPU) against the scan (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8
-    segments of 4000 tokens, constant maps inside the chain (striped_gate_inputs), packed
-    sequences. The exact heads' o and state within the two chains' fp32 rounding of each
-    other (the bound test_scan_matches_walk uses), and as accurate as the unsplit pass."""
+    copies two steps ahead, or three: "16s3", not yet run on a GPU) against the scan
+    (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8 segments of 4000 tokens,
+    constant maps inside the chain (striped_gate_inputs), packed sequences. The exact heads'
+    o and state within the two chains' fp32 rounding of each other (assert_chains_agree, the
+    bound test_scan_matches_walk uses), and as accurate as the unsplit pass."""
     inp = striped_gate_inputs(case, seed=31)
     kernel = {"FLASHGDN_FWD_BW": "128"}
     with env_vars({"FLASHGDN_CP": "off", **kernel}):
@@ -217,15 +226,9 @@ def test_tc_walk_matches_scan(case: Case, seg: int, cols: str):
         o_walk, h_walk = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     ro, rh = reference(inp)
-    check_split(f"{case.name} seg {seg} tc walk {cols}", case, o_walk, h_walk, o_ref, h_ref, ro, rh)
-    for h in (0, 1):
-        d_o = rel_err(o_walk[:, :, h], o_scan[:, :, h])
-        d_h = rel_err(h_walk[:, h], h_scan[:, h])
-        print(f"  head {h}: tc walk vs scan o {d_o:.2e} state {d_h:.2e}")
-        assert d_o < 5e-3 and d_h < 2e-3, f"head {h}: tc walk vs scan o {d_o:.2e} state {d_h:.2e}"
-        e_o = rel_err(o_walk[:, :, h], ro[:, :, h])
-        e_ref = rel_err(o_ref[:, :, h], ro[:, :, h])
-        assert e_o < 1.25 * e_ref + 1e-4, f"head {h}: tc walk o error {e_o:.2e} vs {e_ref:.2e}"
+    check_split(f"{case.name} seg {seg} tc walk {cols}", case, o_walk, h_walk, o_ref, h_ref,
+                ro, rh)
+    assert_chains_agree("tc walk", o_walk, h_walk, "scan", o_scan, h_scan, o_ref, ro)
 
 
 @pytest.mark.parametrize("walk", ["0", "16"])

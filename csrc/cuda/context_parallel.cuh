@@ -436,44 +436,80 @@ __device__ __forceinline__ void add_m_times_s_wide(float (&acc)[4], const float*
   }
 }
 
+// The steps of sequence n's chain of segment summaries for head h, as both walks take them
+// (combine_sequence, walk_sequence_tc): step u goes from segment prev(u) to next(u) in pass
+// order (last to first for the reverse pass), reads that segment's summaries at base(u) and
+// writes the state entering next(u), or with SegParams::corr one step more from the last
+// segment to the sequence's final state (taken where the last segment is exact: phase 0
+// does not run it then). Steps go in batches of up to NT, whose decisions which segments
+// start exact flags() makes at once, a thread a step.
+struct ChainSteps {
+  const SegParams& p;
+  bool reverse;
+  int64_t n, h, z0, count, chunk0, nch, steps;
+  __device__ __forceinline__ ChainSteps(const SegParams& p_, bool reverse_, int64_t n_,
+                                        int64_t h_)
+      : p(p_), reverse(reverse_), n(n_), h(h_) {
+    sequence_segments(p, n, z0, count);
+    chunk0 = p.seqs.first_chunk(n);
+    nch = (p.seqs.seq_len(n) + C - 1) / C;
+    steps = count - 1 + (p.corr_ht != nullptr ? 1 : 0);
+  }
+  __device__ __forceinline__ int64_t prev(int64_t u) const { return reverse ? count - 1 - u : u; }
+  __device__ __forceinline__ size_t base(int64_t u) const {
+    return static_cast<size_t>((z0 + prev(u)) * p.Hv + h) * D * D;
+  }
+  __device__ __forceinline__ float* out(int64_t u) const {
+    const int64_t next = reverse ? prev(u) - 1 : prev(u) + 1;
+    return u == count - 1 ? p.corr_ht + static_cast<size_t>(n * p.Hv + h) * D * D
+                          : p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
+  }
+  // exact[1 + i]: step t0 + i (< t_end) goes to a segment that starts exact (the sequence's
+  // end, for the corr step: its last segment is exact); exact[0] = last, the same for the
+  // step before the batch; then a barrier. Every thread of the block calls it.
+  __device__ __forceinline__ void flags(int64_t t0, int64_t t_end, bool last,
+                                        bool* exact) const {
+    const int64_t t = t0 + threadIdx.x;
+    if (t < t_end) {
+      const int64_t pv = prev(t), next = reverse ? pv - 1 : pv + 1;
+      exact[1 + threadIdx.x] =
+          segment_start(p, chunk0, nch, h, t == count - 1 ? pv : next, reverse).src ==
+          SegSource::Exact;
+    }
+    if (threadIdx.x == 0) exact[0] = last;
+    __syncthreads();
+  }
+};
+
+// The sequences whose chains slot blockIdx.x of seg_combine_kernel / seg_walk_kernel walks:
+// fixed-length inputs, sequence blockIdx.x; packed ones, the device's split sequences
+// (split_seqs) blockIdx.x, blockIdx.x + gridDim.x, ...
+template <typename Body>
+__device__ __forceinline__ void for_each_chain_sequence(const SegParams& p, Body&& body) {
+  const int64_t walks = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;  // sequences
+  for (int64_t r = blockIdx.x; r < walks; r += gridDim.x)
+    body(p.split_seqs != nullptr ? p.split_seqs[1 + r] : r);
+}
+
 // The chain of sequence n (seg_combine_kernel): columns vb .. vb + kCombineCols of head h.
 __device__ __forceinline__ void combine_sequence(const SegParams& p, bool reverse, int64_t n,
                                                  int64_t h, int vb, float* Mbuf, float* Sc,
                                                  bool* exact) {
-  static_assert(kCombineThreads == 2 * D && kCombineCols == 8,
-                "two threads a row, 4 columns each");
-  int64_t z0, count;
-  sequence_segments(p, n, z0, count);
-  const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
+  static_assert(kCombineThreads == 2 * D && kCombineThreads == NT && kCombineCols == 8,
+                "two threads a row, 4 columns each; a thread a step of a batch");
+  const ChainSteps cs(p, reverse, n, h);
   const int row = threadIdx.x % D, c0 = (threadIdx.x / D) * 4;
-  // exact[1 + i]: step t0 + i goes from segment prev to segment next (pass order) and next
-  // starts exact; exact[0]: the same for the step before the batch (prev is exact)
-  auto prev_of = [&](int64_t t) { return reverse ? count - 1 - t : t; };
-  auto base_of = [&](int64_t t) {
-    return static_cast<size_t>((z0 + prev_of(t)) * p.Hv + h) * D * D;
-  };
   bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
-  // SegParams::corr: one more step, from the last segment to the sequence's final state,
-  // taken where the last segment is exact (phase 0 does not run it then)
-  const int64_t steps = count - 1 + (p.corr_ht != nullptr ? 1 : 0);
-  for (int64_t t0 = 0; t0 < steps; t0 += kCombineThreads) {
-    const int64_t t = t0 + threadIdx.x, t_end =
-        t0 + kCombineThreads < steps ? t0 + kCombineThreads : steps;
-    if (t < t_end) {
-      const int64_t prev = prev_of(t), next = reverse ? prev - 1 : prev + 1;
-      exact[1 + threadIdx.x] =
-          segment_start(p, chunk0, nch, h, t == count - 1 ? prev : next, reverse).src ==
-          SegSource::Exact;
-    }
-    if (threadIdx.x == 0) exact[0] = last_flag;
-    __syncthreads();
+  for (int64_t t0 = 0; t0 < cs.steps; t0 += NT) {
+    const int64_t t_end = t0 + NT < cs.steps ? t0 + NT : cs.steps;
+    cs.flags(t0, t_end, last_flag, exact);
     pdl_wait();  // phase 1's summaries (seg_M, seg_L) are complete from here on
     auto needs = [&](int64_t u) { return exact[1 + u - t0]; };
     auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
     auto load_m = [&](int64_t u) {  // step u's M into buffer u % 2 (one commit group)
       if (needs_m(u)) {
         float* dst = Mbuf + (u & 1) * D * kMLd;
-        const float* src = p.seg_M + base_of(u);
+        const float* src = p.seg_M + cs.base(u);
         for (int e = threadIdx.x; e < D * D / 4; e += kCombineThreads)
           cp_async16(dst + (e / (D / 4)) * kMLd + 4 * (e % (D / 4)), src + 4 * e, true);
       }
@@ -482,7 +518,7 @@ __device__ __forceinline__ void combine_sequence(const SegParams& p, bool revers
     auto load_l = [&](int64_t u, float (&l)[4]) {
       if (!needs(u)) return;
       const float4 v =
-          __ldcg(reinterpret_cast<const float4*>(p.seg_L + base_of(u) + row * D + vb + c0));
+          __ldcg(reinterpret_cast<const float4*>(p.seg_L + cs.base(u) + row * D + vb + c0));
       l[0] = v.x;
       l[1] = v.y;
       l[2] = v.z;
@@ -506,9 +542,7 @@ __device__ __forceinline__ void combine_sequence(const SegParams& p, bool revers
         add_m_times_s_wide(acc, Mbuf + (u & 1) * D * kMLd, Sc, row, c0);
         __syncthreads();  // Sc read (and M: its buffer is refilled for step u + 2)
       }
-      const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
-      float* out = u == count - 1 ? p.corr_ht + static_cast<size_t>(n * p.Hv + h) * D * D
-                                  : p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
+      float* out = cs.out(u);
       const float4 v = make_float4(acc[0], acc[1], acc[2], acc[3]);
       *reinterpret_cast<float4*>(Sc + row * kCombineCols + c0) = v;
       __stcg(reinterpret_cast<float4*>(out + row * D + vb + c0), v);
@@ -528,11 +562,9 @@ __global__ void __launch_bounds__(kCombineThreads) seg_combine_kernel(SegParams 
   float* Mbuf = reinterpret_cast<float*>(smem_raw);  // [2][D][kMLd] M of the previous segment
   float* Sc = Mbuf + 2 * D * kMLd;                  // [D][kCombineCols] its S_in
   __shared__ bool exact[kCombineThreads + 1];
-  const int64_t walks = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;  // sequences
-  for (int64_t r = blockIdx.x; r < walks; r += gridDim.x) {
-    const int64_t n = p.split_seqs != nullptr ? p.split_seqs[1 + r] : r;
+  for_each_chain_sequence(p, [&](int64_t n) {
     combine_sequence(p, reverse, n, blockIdx.y, blockIdx.z * kCombineCols, Mbuf, Sc, exact);
-  }
+  });
 }
 
 // seg_walk_kernel  grid (sequence slots, H_v, 128 / kWalkCols), 256 threads, ~153 KB smem
@@ -586,39 +618,25 @@ __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool revers
                                                  uint64_t* full, uint32_t& phases, bool* exact) {
   constexpr int kLd = walk_ld<kWalkCols>(), kTile = D * kLd;
   constexpr int kNT = kWalkCols / 8;  // n8 tiles of the warp's rows
-  int64_t z0, count;
-  sequence_segments(p, n, z0, count);
-  const int64_t chunk0 = p.seqs.first_chunk(n), nch = (p.seqs.seq_len(n) + C - 1) / C;
+  const ChainSteps cs(p, reverse, n, h);
   const int g = lane_id() >> 2, t = lane_id() & 3, r0 = 16 * (threadIdx.x >> 5);
-  auto prev_of = [&](int64_t u) { return reverse ? count - 1 - u : u; };
-  auto base_of = [&](int64_t u) {
-    return static_cast<size_t>((z0 + prev_of(u)) * p.Hv + h) * D * D;
-  };
   bool last_flag = false;  // the first segment's S_in (h0 / dht) is inside its L
-  const int64_t steps = count - 1 + (p.corr_ht != nullptr ? 1 : 0);
-  for (int64_t t0 = 0; t0 < steps; t0 += NT) {
-    const int64_t tt = t0 + threadIdx.x, t_end = t0 + NT < steps ? t0 + NT : steps;
-    if (tt < t_end) {  // as combine_sequence: exact[1 + i] for step t0 + i, exact[0] before
-      const int64_t prev = prev_of(tt), next = reverse ? prev - 1 : prev + 1;
-      exact[1 + threadIdx.x] =
-          segment_start(p, chunk0, nch, h, tt == count - 1 ? prev : next, reverse).src ==
-          SegSource::Exact;
-    }
-    if (threadIdx.x == 0) exact[0] = last_flag;
-    __syncthreads();
+  for (int64_t t0 = 0; t0 < cs.steps; t0 += NT) {
+    const int64_t t_end = t0 + NT < cs.steps ? t0 + NT : cs.steps;
+    cs.flags(t0, t_end, last_flag, exact);
     pdl_wait();  // phase 1's summaries (seg_M, seg_L) are complete from here on
     auto needs = [&](int64_t u) { return exact[1 + u - t0]; };
     auto needs_m = [&](int64_t u) { return exact[1 + u - t0] && exact[u - t0]; };
     auto issue_m = [&](int64_t u) {  // thread 0: step u's M into stage u % kStages
       if (threadIdx.x == 0 && u < t_end && needs_m(u)) {
         const int st = static_cast<int>(kStages == 2 ? (u & 1) : u % kStages);
-        bulk_load(Mst + st * D * D, p.seg_M + base_of(u), sizeof(float) * D * D, full + st);
+        bulk_load(Mst + st * D * D, p.seg_M + cs.base(u), sizeof(float) * D * D, full + st);
       }
     };
     float2 lnext[kNT][2];  // L's accumulator pairs: [n8 tile][row g, g + 8]
     auto load_l = [&](int64_t u) {
       if (!needs(u)) return;
-      const float* L = p.seg_L + base_of(u);
+      const float* L = p.seg_L + cs.base(u);
 #pragma unroll
       for (int jn = 0; jn < kNT; ++jn)
 #pragma unroll
@@ -695,9 +713,7 @@ __device__ __forceinline__ void walk_sequence_tc(const SegParams& p, bool revers
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[jn][e] += xlh[jn][e] + xhl[jn][e];
       }
-      const int64_t prev = prev_of(u), next = reverse ? prev - 1 : prev + 1;
-      float* out = u == count - 1 ? p.corr_ht + static_cast<size_t>(n * p.Hv + h) * D * D
-                                  : p.seg_in + static_cast<size_t>((z0 + next) * p.Hv + h) * D * D;
+      float* out = cs.out(u);
       __half* Wh = Sbuf + ((u + 1) & 1) * 2 * kTile;  // read by step u + 1
       __half* Wl = Wh + kTile;
 #pragma unroll
@@ -738,12 +754,10 @@ __global__ void __launch_bounds__(NT, 1) seg_walk_kernel(SegParams p, bool rever
   }
   __syncthreads();
   uint32_t phases = 0;
-  const int64_t walks = p.split_seqs != nullptr ? p.split_seqs[0] : p.seqs.N;  // sequences
-  for (int64_t r = blockIdx.x; r < walks; r += gridDim.x) {
-    const int64_t n = p.split_seqs != nullptr ? p.split_seqs[1 + r] : r;
-    walk_sequence_tc<kWalkCols, kStages>(p, reverse, n, blockIdx.y, blockIdx.z * kWalkCols, Mst, Sbuf,
-                                full, phases, exact);
-  }
+  for_each_chain_sequence(p, [&](int64_t n) {
+    walk_sequence_tc<kWalkCols, kStages>(p, reverse, n, blockIdx.y, blockIdx.z * kWalkCols,
+                                         Mst, Sbuf, full, phases, exact);
+  });
 }
 
 // sub_start_kernel  grid (segments x (nsub - 1), H_v, 128 / kSubCols), 256 threads,
