@@ -610,11 +610,8 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 }
 
 
-// SegParams::p0_merge: the plan's (SegmentPlan::p0_merge), FLASHGDN_CP_P0_MERGE=<m> forces m.
-int p0_merge(const SegmentPlan& plan) {
-  const int v = env_int_or("FLASHGDN_CP_P0_MERGE", 0);
-  return std::max(1, v > 0 ? v : plan.p0_merge);
-}
+// FLASHGDN_CP_P0_MERGE=<m>: SegParams::p0_merge forced to m (0: the plan's or the device's).
+int forced_p0_merge() { return std::max(0, env_int_or("FLASHGDN_CP_P0_MERGE", 0)); }
 
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
@@ -642,11 +639,13 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     FwdParams fm = fz;
     const bool merge_ok =
         f.phase == 0 && !f.corr && (f.starts == 0 || (f.starts == 2 && f.schedule_dev));
-    const bool forced = env_int_or("FLASHGDN_CP_P0_MERGE", 0) > 0;
-    fm.p0_merge = merge_ok && (subs == 1 || forced) ? p0_merge(plan) : 1;
+    const int forced = forced_p0_merge();
+    fm.p0_merge = 1;
+    if (merge_ok && forced > 0) fm.p0_merge = forced;
+    else if (merge_ok && subs == 1) fm.p0_merge = std::max(1, plan.p0_merge);
     // the device's merge in the forward only (not yet run under the backward's GPU tests;
     // state_pass_params keeps it out of the recomputation's choice as well)
-    fm.p0_merge_dev = merge_ok && !forced && f.h == nullptr && f.seg_chunks_dev != nullptr
+    fm.p0_merge_dev = merge_ok && forced == 0 && f.h == nullptr && f.seg_chunks_dev != nullptr
                           ? f.seg_chunks_dev + 3
                           : nullptr;
     auto go = [&](auto kernel, size_t bytes) {
