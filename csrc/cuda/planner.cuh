@@ -133,6 +133,14 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
     st0.longest = static_cast<double>(longest);
     st0.total = static_cast<double>(total);
     st0.segs = static_cast<double>(s.N);  // unsplit: one segment per sequence
+    auto split_stats = [&](int k) {  // the sequences cut at candidate length k
+      LoadStats st = st0;
+      st.segs = static_cast<double>(sc.segs[k]);
+      st.seg_blocks = st.segs;
+      st.seqs = static_cast<double>(s.N);
+      st.max_segs_per_seq = static_cast<double>(segments_of(longest, sc.seg[k]));
+      return st;
+    };
     const int ncand = 3 * (1 + nk);
     for (int i = threadIdx.x; i < ncand; i += kThreads) {
       const int bw = bws[i % 3], k = i / 3 - 1;  // k < 0: unsplit
@@ -143,11 +151,7 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
                  seg_candidate_for(bw, sc.seg[k], longest, choice.cost.overlap) &&
                  (choice.split_col_blocks == 0 ||
                   (choice.split_col_blocks & col_block_bit(bw)) != 0)) {
-        LoadStats st = st0;
-        st.segs = static_cast<double>(sc.segs[k]);
-        st.seg_blocks = st.segs;
-        st.seqs = static_cast<double>(s.N);
-        st.max_segs_per_seq = static_cast<double>(segments_of(longest, sc.seg[k]));
+        const LoadStats st = split_stats(k);
         const double seg = static_cast<double>(sc.seg[k]);
         seq = estimate_state_pass_us(sequential, st, choice.heads, choice.sms, bw, seg);
         bool overlapped = false;
@@ -181,11 +185,8 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
       if (split >= 0 && split_us < (1.0 - choice.cost.min_gain) * best) {
         best_seg = sc.seg[split / 3 - 1], best_bw = bws[split % 3];
         if (!ov && best_bw == 128) {  // the sequential split's phase 0 in merged segments
-          LoadStats st = st0;
           const int k = split / 3 - 1;
-          st.segs = st.seg_blocks = static_cast<double>(sc.segs[k]);
-          st.seqs = static_cast<double>(s.N);
-          st.max_segs_per_seq = static_cast<double>(segments_of(longest, sc.seg[k]));
+          const LoadStats st = split_stats(k);
           merge = best_p0_merge(
               sequential, st,
               split_terms(sequential, st, choice.heads, choice.sms, 128,
