@@ -147,12 +147,12 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
 // nsub sub-segments of the shortest segments) and the second stream cost time (H100, 2/8
 // heads, 28672 + 4096 tokens: 0.402 -> 0.419 ms, 8192 x 4: 0.377 -> 0.393), while every
 // measured gain was on fewer chunks (2/8 1024 + 7168: 0.294 -> 0.220).
-static bool overlapped_as_one_sequence(const SegmentQuery& q, const ForwardCost& given) {
+static SegmentPlan plan_as_one_sequence(const SegmentQuery& q, const ForwardCost& given) {
   SegmentQuery one = q;
   one.N = 1;
   one.fixed_chunks = one.total_chunks = std::max<int64_t>(1, q.total_chunks - q.N);
   one.longest_hint = -1;
-  return plan_segments_any(one, given).overlap;
+  return plan_segments_any(one, given);
 }
 
 // The plan among the column blocks q allows (see plan_segments).
@@ -284,9 +284,18 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       d.est_us = best_split.est_us;
       d.device_choice = true;
       d.device_col_block = lengths_unknown;
+      // Where one sequence of all the chunks would take the saturated schedule (no
+      // sub-segments) the device may pick it too (choose_plan): the overlapped launches
+      // without sub-segments, unless the caller's hint on the longest sequence rules it out
+      // (the overlapped launches cost the device's sequential choice ~1%: H200, 4/16 heads,
+      // 16384 + 16384 0.500 -> 0.506 ms, 8192 x 4 0.500 -> 0.507)
+      const SegmentPlan one = plan_as_one_sequence(q, given);
+      const bool one_sat = one.overlap && one.nsub <= 1 && !one.corr;
+      const bool sat_ruled_out = one_sat && q.longest_hint > 0 &&
+                                 static_cast<double>(q.longest_hint) < given.sat_min_longest;
       d.device_overlap = given.overlap && d.col_block == 128 && overlap_may_fit(q, given) &&
-                         overlapped_as_one_sequence(q, given);
-      d.nsub = d.device_overlap && given.nsub > 1 ? given.nsub : 1;
+                         one.overlap && !sat_ruled_out;
+      d.nsub = d.device_overlap && given.nsub > 1 && !one_sat ? given.nsub : 1;
       if (lengths_unknown)
         d.device_col_blocks =
             device_col_blocks(q, cost, bound, false) | col_block_bit(d.col_block);

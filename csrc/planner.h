@@ -146,8 +146,9 @@ struct ForwardCost {
   // H100, 2/8 heads 28672 + 4096 tokens in segments of 40: 88 + 48 blocks for 132 SMs,
   // 0.340 ms against 0.385 in the segments of 48 the exact test let the device take).
   double overlap_fit = 1.04;
-  // The overlapped schedule where its blocks do not fit in one wave (host-made plans of known
-  // lengths only, no sub-segments: estimate_saturated_overlap_us; opt-in, FLASHGDN_CP_SAT=1).
+  // The overlapped schedule where its blocks do not fit in one wave (no sub-segments:
+  // estimate_saturated_overlap_us; the host's plans of known lengths and, since session 35,
+  // the device's for packed sequences). History: opt-in (FLASHGDN_CP_SAT=1) until 2026-11-26.
   // With more blocks than SMs the pass is bound by its block-steps, and running the
   // warm-started blocks beside the exact chain lets them fill the SMs the chain leaves idle
   // (H200, 2026-11-25, forward, sequential -> saturated at the sequential plan's segments:
@@ -160,9 +161,18 @@ struct ForwardCost {
   // chain's share) separates the two groups. sat_factor: measured over modelled block-steps
   // (0.98 and 1.08 on the first two rows); taken where its estimate is at most sat_margin
   // of the best sequential split's.
-  bool overlap_saturated = false;
+  // The default since 2026-11-26 (H200, session 35, with the walk on tensor cores and merged
+  // phase-0 segments; sequential -> saturated, forward ms): taken where the estimate is at
+  // most sat_margin = 0.95 of the sequential split's and the longest sequence has at least
+  // sat_min_longest = 384 chunks, which keeps the measured winners, 4/16 x 32768 0.506 ->
+  // 0.491 and 28672 + 4096 0.511 -> 0.497 (model 0.93 / 0.94), and leaves out the losers:
+  // 8/24 x 32768 0.722 -> 0.807 (model 0.97), 8/32 x 8192 0.301 -> 0.328 and 16/32 x 8192
+  // 0.322 -> 0.349 (0.92, 128 chunks); also out, 8/24 x 16384 0.410 -> 0.402 (0.90, 256
+  // chunks). FLASHGDN_CP_SAT=1 (force_saturated) takes it at 0.99 of any length, =0 never.
+  bool overlap_saturated = true;
   double sat_factor = 1.05;
-  double sat_margin = 0.99;
+  double sat_margin = 0.95;
+  double sat_min_longest = 384;
   // Exact segments' outputs by correction (SegmentPlan::corr; host-made splits of the
   // forward's fp16 pass at 16 or 32 columns, estimate_corr_us): a phase-1 step with outputs
   // relative to a phase-0 step (H100, 2026-11-24, 2/8 x 4096, segments of 24 at 32 columns:
@@ -394,15 +404,24 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
 // sub-segments where its blocks exceed one wave (ForwardCost::overlap_saturated; 1e300 where
 // it does not apply): the larger of the exact chain (summaries, combine, the exact segments'
 // phase 0), a warm-started segment, and the block-steps of both phases spread over the SMs.
-inline double estimate_saturated_overlap_us(const ForwardCost& c, const LoadStats& s,
-                                            double heads, int sms, double seg) {
-  if (!c.overlap || !c.overlap_saturated || seg <= 0) return 1e300;
+inline FLASHGDN_HD double estimate_saturated_overlap_us(const ForwardCost& c, const LoadStats& s,
+                                                        double heads, int sms, double seg) {
+  if (!c.overlap || !c.overlap_saturated || seg <= 0 || s.longest < c.sat_min_longest)
+    return 1e300;
   const SplitTerms r = split_terms(c, s, heads, sms, 128, seg);
   if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
   const double chain = r.crit1 + r.combine + r.len * r.t;
   const double bound = (r.work0 + r.work1) * c.sat_factor;
   const double m = chain > r.crit0 ? chain : r.crit0;
   return m > bound ? m : bound;
+}
+
+// FLASHGDN_CP_SAT=1: the saturated schedule wherever its estimate is at most 0.99 of the
+// sequential split's, at any length (the opt-in of sessions 30-34).
+inline void force_saturated(ForwardCost& c) {
+  c.overlap_saturated = true;
+  c.sat_margin = 0.99;
+  c.sat_min_longest = 0;
 }
 
 // Estimated time (us) of a split state pass whose exact segments' outputs come by correction

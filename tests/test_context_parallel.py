@@ -305,6 +305,28 @@ def test_saturated_overlap_opt_in():
         assert_as_exact(h, o_s, h_s, o_ref, h_ref, ro, rh)
 
 
+@pytest.mark.parametrize("case", [Case("sat_packed", [24576, 1536], 4, 16, gate="mixed"),
+                                  Case("sat_packed3", [9000, 3000, 20000], 4, 16,
+                                       gate="mixed")],
+                         ids=lambda c: c.name)
+def test_saturated_overlap_device_plan(case: Case):
+    """FLASHGDN_CP_SAT=1 with packed sequences: the host makes the overlapped launches
+    without sub-segments (one sequence of all the chunks takes the saturated schedule) and
+    the device's plan (choose_plan) may put its best sequential split on that schedule,
+    the exact segments a block each, not looped. Against CP off and the float64 reference,
+    as exact as unsplit on the g == 0 heads, also from a CUDA graph."""
+    inp = make_inputs(case, "cuda", seed=47)
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP": "auto", "FLASHGDN_CP_SAT": "1"}):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
+    ro, rh = reference(inp)
+    check_split(f"{case.name} saturated", case, o, ht, o_ref, h_ref, ro, rh)
+
+
 def test_cp_auto_takes_correction_on_short_tp_sequence():
     """Auto mode at 2/8 heads x 4096 tokens (64 chunks: no split paid before the exact outputs
     by correction) takes the correction plan, segments of 24 chunks at 32 columns on the
@@ -359,9 +381,12 @@ def test_overlap_bit_identical(case: Case, bw: str):
     run on the caller's stream beside the exact heads' chain (phase 1, combine, exact
     phase 0) on a second stream. The same blocks do the same arithmetic: o and the final
     state equal the sequential schedule's bit for bit (varlen mixes, grouped heads, g == 0
-    and very negative gates, h0), eagerly and replayed from a CUDA graph."""
+    and very negative gates, h0), eagerly and replayed from a CUDA graph. Phase 0 in the
+    plan's segments on both (FLASHGDN_CP_P0_MERGE=1: a merged block carries its state past
+    a segment's start, which the overlapped launches, a block a segment, do not)."""
     inp = make_inputs(case, "cuda", seed=11)
-    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2", "FLASHGDN_FWD_BW": bw}
+    split = {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2", "FLASHGDN_FWD_BW": bw,
+             "FLASHGDN_CP_P0_MERGE": "1"}
     with env_vars(split):
         o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars({**split, "FLASHGDN_CP_OVERLAP": "1"}):

@@ -494,8 +494,9 @@ bool bwd_cols(const Problem& p) {
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
 // are the 128-column kernel's): not a candidate for the backward's plans, nor with
-// FLASHGDN_CP_OVERLAP=0 (its saturated form, more blocks than a wave, opt-in:
-// FLASHGDN_CP_SAT=1); FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of 16 and
+// FLASHGDN_CP_OVERLAP=0 (its saturated form, more blocks than a wave: ForwardCost's rule,
+// FLASHGDN_CP_SAT=1 takes it wherever the model prefers it, =0 never);
+// FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of 16 and
 // 32 columns are the forward's fp16 pass's.
 ForwardCost plan_cost(bool backward) {
   ForwardCost c;
@@ -504,7 +505,9 @@ ForwardCost plan_cost(bool backward) {
     c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
   }
   c.overlap = !backward && env_int_or("FLASHGDN_CP_OVERLAP", -1) != 0;
-  c.overlap_saturated = env_int_or("FLASHGDN_CP_SAT", 0) == 1;
+  const int sat = env_int_or("FLASHGDN_CP_SAT", -1);
+  if (sat == 0) c.overlap_saturated = false;
+  if (sat == 1) force_saturated(c);
   const int n = env_int_or("FLASHGDN_CP_SUB", c.nsub);
   c.nsub = n >= 2 && n <= 8 ? n : 1;
   // FLASHGDN_STEP_US_BW128=<us>: the forward's 128-column chunk step in the cost model
@@ -983,6 +986,7 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
     choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
     // the device's split runs sequentially unless the overlapped launches are made for it
     choice.cost.overlap = dev_schedule;
+    choice.cost.nsub = b.nsub > 1 ? b.nsub : 1;  // the sub-segments the workspace holds
     // its phase-0 merge (chosen[3]) for the forward alone; the recomputation's plan as before
     choice.cost.p0_merge = f.h == nullptr;
     choice.split_col_blocks = dev_schedule ? col_block_bit(D) : 0;
@@ -1005,7 +1009,10 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   f.seg_items = b.seg_items;
   // looped where the host sized the grids for lengths it does not know: packed sequences
   // (one packed sequence's segments are exact)
-  f.looped = b.split_seqs != nullptr && p.N > 1 && b.nsub <= 1;
+  // (not under the overlapped launches the device schedules: there, few sequences (the plan's
+  // fit test) and a block per segment, so that the exact segments' blocks take SMs as the
+  // warm-started ones end)
+  f.looped = b.split_seqs != nullptr && p.N > 1 && b.nsub <= 1 && !dev_schedule;
   f.seg_chunks_dev = plan.device_choice ? b.seg_chunks : nullptr;
   f.col_block_dev = plan.device_col_block ? b.seg_chunks + 1 : nullptr;
   f.schedule_dev = dev_schedule ? b.seg_chunks + 2 : nullptr;
@@ -1034,13 +1041,18 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   // The device's choice (its cost model, ~13 us on one SM: H100, 2/8 heads 28672 + 4096
   // tokens, 2026-11-25) needs nothing of wy_kernel, which needs only the chunk table: the
   // table first, then the choice and the segment tables on the chain stream beside wy_kernel
-  const ChainStream* cs =
-      p.varlen() && choice.chosen != nullptr ? chain_stream(p.device_id, st) : nullptr;
+  // (FLASHGDN_PLAN_ASIDE=0: the whole planner before wy_kernel in the call's stream)
+  const ChainStream* cs = p.varlen() && choice.chosen != nullptr &&
+                                  env_int_or("FLASHGDN_PLAN_ASIDE", 1) != 0
+                              ? chain_stream(p.device_id, st)
+                              : nullptr;
   if (cs != nullptr) {
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, st, PlanPart::Table);
     cs->fork_from(st);
+    const bool wy_first = env_int_or("FLASHGDN_PLAN_ASIDE", 1) == 2;
+    if (wy_first) launch_wy<In>(p, f, st);
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, cs->stream, PlanPart::Segments);
-    launch_wy<In>(p, f, st);
+    if (!wy_first) launch_wy<In>(p, f, st);
     cs->join_into(st);
   } else {
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);

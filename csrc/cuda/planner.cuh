@@ -180,6 +180,15 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
       if (overlapped >= 0 && split >= 0 &&
           sc.est[overlapped][1] <= choice.cost.overlap_margin * split_us)
         split = overlapped, split_us = sc.est[overlapped][1], ov = true;
+      if (!ov && split >= 0 && bws[split % 3] == 128 && choice.cost.overlap &&
+          choice.cost.overlap_saturated && choice.cost.nsub <= 1) {
+        // the best sequential split's segments on the overlapped schedule past one wave,
+        // without sub-segments (the host's rule for lengths it knows, planner.cpp)
+        const int k = split / 3 - 1;
+        const double sat = estimate_saturated_overlap_us(
+            choice.cost, split_stats(k), choice.heads, choice.sms, static_cast<double>(sc.seg[k]));
+        if (sat <= choice.cost.sat_margin * split_us) split_us = sat, ov = true;
+      }
       int64_t best_seg = total + 1;  // unsplit: longer than any sequence
       int merge = 1;
       if (split >= 0 && split_us < (1.0 - choice.cost.min_gain) * best) {

@@ -13,7 +13,7 @@
 // --seg L (FLASHGDN_CP_SEG with auto), --bw 16|32|128 (FLASHGDN_FWD_BW), --step128 us (the
 // cost model's 128-column chunk step, ForwardCost::step_us_bw128), --combine us (the chain's
 // cost a segment, ForwardCost::combine_us: FLASHGDN_COMBINE_US), --no-overlap
-// (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --nsub n (FLASHGDN_CP_SUB), --no-merge
+// (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n (FLASHGDN_CP_SUB), --no-merge
 // (ForwardCost::p0_merge off: phase 0 in the plan's segments), --off, --on (FLASHGDN_CP).
 #include <cstdio>
 #include <cstdlib>
@@ -47,7 +47,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--combine") && has_value) c.combine_us = std::atof(argv[++i]);
     else if (!std::strcmp(a, "--varlen")) varlen = true;
     else if (!std::strcmp(a, "--no-overlap")) c.overlap = false;
-    else if (!std::strcmp(a, "--sat")) c.overlap_saturated = true;
+    else if (!std::strcmp(a, "--sat")) force_saturated(c);
+    else if (!std::strcmp(a, "--no-sat")) c.overlap_saturated = false;
     else if (!std::strcmp(a, "--no-merge")) c.p0_merge = false;
     else if (!std::strcmp(a, "--off")) q.mode = CpMode::Off;
     else if (!std::strcmp(a, "--on")) q.mode = CpMode::On;

@@ -258,6 +258,7 @@ TEST(Planner, PhaseZeroMergesSegmentsWhereTwoWavesBecomeOne) {
   auto q = query(1, 512, 16);
   q.allow_cols = true;
   flashgdn::ForwardCost c;
+  c.overlap_saturated = false;  // (the default takes the saturated schedule here)
   const auto p = plan_segments(q, c);
   EXPECT_TRUE(p.split && !p.overlap);
   EXPECT_EQ(p.col_block, 128);
@@ -337,9 +338,13 @@ TEST(Planner, OverlappedScheduleOnlyWhereItFitsOneWave) {
   EXPECT_TRUE(plan_segments(q).overlap);
   EXPECT_EQ(plan_segments(q).seg_chunks, 40);
   q = query(1, 512, 16);  // 4/16 heads: 6 segments of 86 overlapped, 0.611 against 0.616:
-  q.allow_cols = true;    // the model does not take it (with sub-segments, in one wave)
-  EXPECT_FALSE(plan_segments(q).overlap);  // (the saturated schedule is opt-in)
+  q.allow_cols = true;    // the model does not take it (with sub-segments, in one wave);
+  flashgdn::ForwardCost no_sat;  // since session 35 the saturated schedule at 32 chunks
+  no_sat.overlap_saturated = false;
+  EXPECT_FALSE(plan_segments(q, no_sat).overlap);
+  EXPECT_EQ(plan_segments(q, no_sat).seg_chunks, 32);
   EXPECT_EQ(plan_segments(q).seg_chunks, 32);
+  EXPECT_EQ(plan_segments(q).nsub, 1);
   // packed sequences whose lengths the device sees: never the host's schedule (the device
   // picks it: DeviceOverlapForFewPackedSequences)
   q = query(4, 512, 8, /*varlen=*/true);
@@ -604,11 +609,12 @@ TEST(Planner, BackwardColumnBlockRule) {
 TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   // 4/16 heads x 32768 tokens: the sequential split's 16 segments of 32 (256 blocks, two
   // waves) run overlapped without sub-segments (H200, 2026-11-25: state pass 434 -> 410 us)
-  // (opt-in: FLASHGDN_CP_SAT=1, ForwardCost::overlap_saturated)
+  // (FLASHGDN_CP_SAT=1: force_saturated, at 0.99 of the sequential estimate, any length)
   auto q = query(1, 512, 16);
   q.allow_cols = true;
   flashgdn::ForwardCost off, on;
-  on.overlap_saturated = true;
+  off.overlap_saturated = false;
+  flashgdn::force_saturated(on);
   off.p0_merge = on.p0_merge = false;  // the sequential estimate of the segments' own phase 0
   const auto seq = plan_segments(q, off), p = plan_segments(q, on);
   EXPECT_TRUE(seq.split && !seq.overlap);
@@ -637,11 +643,36 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   q = query(2, 256, 16, /*varlen=*/true);
   q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q, on).overlap);
-  // the default: sequential (4/16 x 32768 above)
-  q = query(1, 512, 32);
+  // the default (ForwardCost::sat_margin 0.95, sat_min_longest 384 chunks, measured on the
+  // H200 2026-11-26): 4/16 x 32768 saturated (model 0.93 of sequential), 8/32 x 32768 (0.97)
+  // and 8/24 x 32768 (0.97, measured 12% slower) sequential, and 8/32 x 8192 (128 chunks,
+  // measured 9% slower) sequential
+  q = query(1, 512, 16);
   q.allow_cols = true;
-  EXPECT_TRUE(plan_segments(q).split);
+  EXPECT_TRUE(plan_segments(q).overlap);
+  EXPECT_EQ(plan_segments(q).nsub, 1);
+  for (const int hv : {32, 24}) {
+    q = query(1, 512, hv);
+    q.allow_cols = true;
+    EXPECT_TRUE(plan_segments(q).split) << hv;
+    EXPECT_FALSE(plan_segments(q).overlap) << hv;
+  }
+  q = query(1, 128, 32);
+  q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q).overlap);
+  EXPECT_TRUE(plan_segments(q, on).overlap);
+  // packed, 4/16 heads: one sequence of all the chunks would take it, so the device may
+  // (the overlapped launches without sub-segments), unless the hint on the longest sequence
+  // is below 384 chunks (8192 x 4: the device's sequential split, looped)
+  q = query(2, 256, 16, /*varlen=*/true);
+  q.allow_cols = true;
+  auto d = plan_segments(q);
+  EXPECT_TRUE(d.device_choice && d.device_overlap);
+  EXPECT_EQ(d.nsub, 1);
+  q.longest_hint = 128;
+  d = plan_segments(q);
+  EXPECT_TRUE(d.device_choice);
+  EXPECT_FALSE(d.device_overlap);
   // the estimate itself: no value where the blocks fit one wave, and never below the block-
   // steps of both phases
   flashgdn::ForwardCost c = on;
