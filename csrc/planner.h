@@ -194,8 +194,15 @@ struct ForwardCost {
 #endif
 
 // Segments of a sequence of `chunks` chunks cut every `seg` chunks (at least one).
+// Where both fit in 31 bits (every real length) the quotient comes from a 32-bit division:
+// the same value, a fraction of a 64-bit division's dependent instructions on the GPU
+// (plan_kernel runs it for every sequence and candidate length).
 inline FLASHGDN_HD int64_t segments_of(int64_t chunks, int64_t seg) {
-  return chunks > seg ? (chunks + seg - 1) / seg : 1;
+  if (chunks <= seg) return 1;
+  if (((chunks | seg) >> 31) == 0)
+    return (static_cast<uint32_t>(chunks) + static_cast<uint32_t>(seg) - 1u) /
+           static_cast<uint32_t>(seg);
+  return (chunks + seg - 1) / seg;
 }
 
 // Levels of the log-depth scan that forms the exact segments' entering states (the
@@ -352,12 +359,67 @@ inline FLASHGDN_HD int best_p0_merge(const ForwardCost& c, const LoadStats& s, c
   return best;
 }
 
+// The estimates of a split plan (column block bw, segments of seg > 0 chunks) that share one
+// SplitTerms: the sequential schedule (per launch the larger of the critical path and the
+// block-steps spread over the SMs, plus the summary pass and the combine; at column block
+// 128 phase 0 in best_p0_merge's merged segments) and, for a split at column block 128, the
+// overlapped schedule where its blocks fit in one wave (ForwardCost::overlap; kept only where
+// it is the cheaper) and the saturated one where they do not (saturated_from_terms).
+struct SplitEstimate {
+  double sequential = 0;
+  double overlapped = 1e300;  // 1e300: none, or not below the sequential one
+  double saturated = 1e300;   // 1e300: none (estimate_saturated_overlap_us's conditions)
+  int merge = 1;              // phase 0's merge factor in the sequential estimate
+};
+
+// The saturated schedule's estimate from a 128-column split's terms (see
+// estimate_saturated_overlap_us).
+inline FLASHGDN_HD double saturated_from_terms(const ForwardCost& c, const LoadStats& s,
+                                               const SplitTerms& r) {
+  if (!c.overlap || !c.overlap_saturated || s.longest < c.sat_min_longest) return 1e300;
+  if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
+  const double chain = r.crit1 + r.combine + r.len * r.t;
+  const double bound = (r.work0 + r.work1) * c.sat_factor;
+  const double m = chain > r.crit0 ? chain : r.crit0;
+  return m > bound ? m : bound;
+}
+
+inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const LoadStats& s,
+                                                double heads, int sms, int bw, double seg) {
+  SplitEstimate e;
+  const SplitTerms r = split_terms(c, s, heads, sms, bw, seg);
+  const double crit0 = r.crit0 * (r.blocks > r.nsm ? ceil_pos(r.blocks / r.nsm) : 1.0);
+  double phase0 = crit0 > r.work0 ? crit0 : r.work0;
+  if (bw == 128) {
+    e.merge = best_p0_merge(c, s, r, heads);
+    phase0 = phase0_merged_us(c, s, r, heads, e.merge);
+    e.saturated = saturated_from_terms(c, s, r);
+  }
+  e.sequential = phase0 + (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
+  // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
+  // blocks each: L and M), then their nsub sub-segments.
+  const double ns = c.nsub > 1 ? c.nsub : 1.0;
+  // The summaries must fit beside the warm-started blocks, and the sub-segments in a wave of
+  // their own; where they do not fit beside the warm-started blocks as well, they start when
+  // those end (H100, 2/8 heads x 16384 tokens, segments of 24 chunks: 66 warm-started blocks
+  // and 20 exact segments of 4 sub-segments, 0.245 ms against 0.259 at segments of 32,
+  // which fit beside each other)
+  if (bw != 128 || !c.overlap || r.warm_blocks + 2.0 * r.exact_blocks > c.overlap_fit * r.nsm ||
+      r.exact_blocks * ns > r.nsm)
+    return e;
+  double chain = r.crit1 + r.combine + (ns > 1.0 ? c.sub_start_us : 0.0);
+  if (r.warm_blocks + r.exact_blocks * ns > r.nsm && chain < crit0) chain = crit0;
+  chain += ceil_pos(r.len / ns) * r.t;
+  const double crit = crit0 > chain ? crit0 : chain;
+  const double ov = crit > r.work0 + r.work1 ? crit : r.work0 + r.work1;
+  if (ov < e.sequential) e.overlapped = ov;
+  return e;
+}
+
 // Estimated time (us) of the state pass with column block bw, split into segments of seg
-// chunks (seg = 0: unsplit): per launch, the larger of the critical path and the
-// block-steps spread over the SMs; split plans add the summary pass and the combine. For a
-// split at column block 128 the overlapped schedule (ForwardCost::overlap) is estimated as
-// well where its blocks fit in one wave; *overlapped (if given) says whether it is the
-// cheaper, and the estimate returned.
+// chunks (seg = 0: unsplit; split: estimate_split's sequential schedule or, where cheaper, its
+// one-wave overlapped one); *overlapped (if given) says whether the overlapped schedule is
+// the cheaper, and the estimate returned.
 inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const LoadStats& s,
                                                  double heads, int sms, int bw, double seg,
                                                  bool* overlapped = nullptr) {
@@ -374,30 +436,12 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
       return s.longest * tw;
     return s.longest * t > work ? s.longest * t : work;
   }
-  const SplitTerms r = split_terms(c, s, heads, sms, bw, seg);
-  const double crit0 = r.crit0 * (r.blocks > r.nsm ? ceil_pos(r.blocks / r.nsm) : 1.0);
-  const double phase0 = bw == 128 ? phase0_merged_us(c, s, r, heads, best_p0_merge(c, s, r, heads))
-                                  : (crit0 > r.work0 ? crit0 : r.work0);
-  const double sequential = phase0 + (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
-  // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
-  // blocks each: L and M), then their nsub sub-segments.
-  const double ns = c.nsub > 1 ? c.nsub : 1.0;
-  // The summaries must fit beside the warm-started blocks, and the sub-segments in a wave of
-  // their own; where they do not fit beside the warm-started blocks as well, they start when
-  // those end (H100, 2/8 heads x 16384 tokens, segments of 24 chunks: 66 warm-started blocks
-  // and 20 exact segments of 4 sub-segments, 0.245 ms against 0.259 at segments of 32,
-  // which fit beside each other)
-  if (bw != 128 || !c.overlap || r.warm_blocks + 2.0 * r.exact_blocks > c.overlap_fit * r.nsm ||
-      r.exact_blocks * ns > r.nsm)
-    return sequential;
-  double chain = r.crit1 + r.combine + (ns > 1.0 ? c.sub_start_us : 0.0);
-  if (r.warm_blocks + r.exact_blocks * ns > r.nsm && chain < crit0) chain = crit0;
-  chain += ceil_pos(r.len / ns) * r.t;
-  const double crit = crit0 > chain ? crit0 : chain;
-  const double ov = crit > r.work0 + r.work1 ? crit : r.work0 + r.work1;
-  if (ov >= sequential) return sequential;
-  if (overlapped != nullptr) *overlapped = true;
-  return ov;
+  const SplitEstimate e = estimate_split(c, s, heads, sms, bw, seg);
+  if (e.overlapped < e.sequential) {
+    if (overlapped != nullptr) *overlapped = true;
+    return e.overlapped;
+  }
+  return e.sequential;
 }
 
 // Estimated time (us) of a split 128-column pass on the overlapped schedule without
@@ -406,14 +450,8 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
 // phase 0), a warm-started segment, and the block-steps of both phases spread over the SMs.
 inline FLASHGDN_HD double estimate_saturated_overlap_us(const ForwardCost& c, const LoadStats& s,
                                                         double heads, int sms, double seg) {
-  if (!c.overlap || !c.overlap_saturated || seg <= 0 || s.longest < c.sat_min_longest)
-    return 1e300;
-  const SplitTerms r = split_terms(c, s, heads, sms, 128, seg);
-  if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
-  const double chain = r.crit1 + r.combine + r.len * r.t;
-  const double bound = (r.work0 + r.work1) * c.sat_factor;
-  const double m = chain > r.crit0 ? chain : r.crit0;
-  return m > bound ? m : bound;
+  if (seg <= 0) return 1e300;
+  return saturated_from_terms(c, s, split_terms(c, s, heads, sms, 128, seg));
 }
 
 // FLASHGDN_CP_SAT=1: the saturated schedule wherever its estimate is at most 0.99 of the
@@ -463,15 +501,17 @@ constexpr int64_t kMinCorrSegChunks = 12;
 // one block per SM can fill their wave: 2/8 heads x 32768 tokens, H100, 2026-11-25, the
 // overlapped schedule in 13 segments of 40 chunks 0.338 ms, 12 of 43 0.348; the steps of
 // 4/3 and 3/2 before, 24, 32, 48, 64, ..., had no length between 32 and 48).
-// The power of two e with seg = m e, m in 1 .. 7 (m in 4 .. 7 for lengths of the grid).
-inline FLASHGDN_HD int64_t seg_scale(int64_t seg) {
-  int64_t e = 1;
-  while (seg >= 8 * e) e *= 2;
-  return e;
+// The power of two 2^b with seg = m 2^b, m in 1 .. 7 (m in 4 .. 7 for lengths of the grid),
+// as b: m = seg >> b, a shift where a division would be a 64-bit division on the GPU.
+inline FLASHGDN_HD int seg_scale_log2(int64_t seg) {
+  int b = 0;
+  while (seg >= (int64_t{8} << b)) ++b;
+  return b;
 }
 inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
   // seg = m e with m in 4 .. 7 (any other length: the next power of two up)
-  const int64_t e = seg_scale(seg), m = seg / e;
+  const int b = seg_scale_log2(seg);
+  const int64_t e = int64_t{1} << b, m = seg >> b;
   return m < 4 ? 4 * e : m < 7 ? (m + 1) * e : 8 * e;
 }
 
@@ -485,7 +525,7 @@ inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
 inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest,
                                           bool fine = false) {
   if (bw != 128) return (seg & (seg - 1)) == 0;
-  const int64_t m = seg / seg_scale(seg);
+  const int64_t m = seg >> seg_scale_log2(seg);
   if (!fine && m != 4 && m != 6) return false;
   return seg >= 32 || longest >= 128;
 }

@@ -1,9 +1,10 @@
 // Device-side planner for packed (varlen) calls. cu_seqlens lives on the GPU, so
 // the chunk table is built on the GPU too: no host-device sync, graph capturable.
 //
-// plan_kernel  grid 1 x 512 threads (kPlanThreads; 64 registers, 8 bytes of spill since it
-//              also picks the phase-0 merge: at 1024 the cost model's fp64 estimates
-//              spilled ~500 bytes)
+// plan_kernel  grid 1 x 512 threads (kPlanThreads; 92 registers, no spill: at 1024 the cost
+//              model's fp64 estimates spilled ~500 bytes), or 64 (kPlanAsideThreads: held to
+//              64 registers by its launch bounds, 28 bytes of spill, so that it fits beside
+//              three wy blocks; at 72 registers, session 34's, it did not)
 //   reads  cu_seqlens [N + 1]
 //   writes chunk_offsets [N + 1] (prefix sum of ceil(len / 64)), error (0 or 1:
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
@@ -41,9 +42,10 @@ namespace flashgdn {
 namespace cuda {
 
 constexpr int kPlanThreads = 512;
-// The choice's launch beside wy_kernel (PlanPart::Segments): 64 threads (4096 registers) fit
-// beside three wy_kernel blocks of 256 threads at 80 registers (61440 of an SM's 65536), so
-// the choice takes no wy_kernel block's place
+// The choice's launch beside wy_kernel (PlanPart::Segments): 64 threads (4096 registers at
+// the 64 a thread plan_kernel's launch bounds hold them to) fit beside three wy_kernel
+// blocks of 256 threads at 80 registers (61440 of an SM's 65536), and its 4.3 KB of shared
+// memory beside their 3 x 73 KB, so the choice takes no wy_kernel block's place
 constexpr int kPlanAsideThreads = 64;
 
 // The device's choice of segment length (varlen, SegmentPlan::device_choice): the cost
@@ -71,18 +73,27 @@ struct DeviceSegChoice {
 constexpr int kMaxSegCandidates = 32;
 constexpr int kMaxPlanCandidates = 3 * (1 + kMaxSegCandidates);  // x column blocks 16, 32, 128
 
+// Sequences whose chunk counts the choice keeps in shared memory, a lane a candidate length
+// summing their segments (choose_plan): most packed calls of TP rows.
+constexpr int kFewSeqs = 64;
+
 struct ChoiceScratch {
+  int64_t chunks[kFewSeqs];          // the sequences' chunks, where N <= kFewSeqs
   int64_t seg[kMaxSegCandidates];    // candidate segment lengths
   unsigned long long segs[kMaxSegCandidates];  // segments they cut the sequences into
-  double est[kMaxPlanCandidates][2];  // [unsplit, then each length] x [16, 32, 128]:
-                                      //   sequential and overlapped estimates (1e300: none)
+  double est[kMaxPlanCandidates][3];  // [unsplit, then each length] x [16, 32, 128]:
+                                      //   sequential, overlapped and saturated estimates
+                                      //   (estimate_split; 1e300: none)
+  int merge[kMaxPlanCandidates];      // the sequential estimate's phase-0 merge
   int n;                              // candidate lengths
   int64_t chosen;                     // the segment length chosen
 };
 
 // plan_kernel's choice (all threads call it; returns the segment length chosen, or
-// seg_chunks when only the column block is chosen). Every thread sums the segments its
-// sequences make at each candidate length; a thread per candidate evaluates the cost model
+// seg_chunks when only the column block is chosen). A thread per candidate length sums the
+// segments the sequences make at it (up to kFewSeqs sequences, from their counts in shared
+// memory; more: every thread its sequences' at each length, reduced by shuffles and
+// atomics); a thread per candidate evaluates the cost model
 // (fp64, once per candidate: when all 1024 threads evaluated every candidate the kernel
 // took 17 us, H100, 16/32 heads 8192 x 4 tokens, 5 us without the choice; at 2/8 heads
 // 28672 + 4096 tokens with four lengths a factor of two, 24 us with one warp's lanes, 22
@@ -106,19 +117,32 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
     sc.n = n;
   }
   if (threadIdx.x < kMaxSegCandidates) sc.segs[threadIdx.x] = 0;
+  const bool few = s.N <= kFewSeqs;
+  if (few && threadIdx.x < s.N) sc.chunks[threadIdx.x] = chunks_of(threadIdx.x);
   __syncthreads();
   const int nk = sc.n;
-  // sequences outer, candidates inner: each thread reads its sequences' lengths once (the
-  // other order reloaded them per candidate, a dependent global round trip each)
-  for (int64_t base = 0; base < s.N; base += kThreads) {
-    const int64_t n = base + threadIdx.x;
-    const int64_t chunks = n < s.N ? chunks_of(n) : -1;
-    for (int k = 0; k < nk; ++k) {
-      unsigned long long acc =
-          chunks >= 0 ? static_cast<unsigned long long>(segments_of(chunks, sc.seg[k])) : 0;
+  if (few) {
+    // a thread a candidate length over the few sequences' counts in shared memory: no
+    // dependent chain of shuffles and atomics per candidate
+    if (threadIdx.x < nk) {
+      unsigned long long acc = 0;
+      for (int64_t n = 0; n < s.N; ++n)
+        acc += static_cast<unsigned long long>(segments_of(sc.chunks[n], sc.seg[threadIdx.x]));
+      sc.segs[threadIdx.x] = acc;
+    }
+  } else {
+    // sequences outer, candidates inner: each thread reads its sequences' lengths once (the
+    // other order reloaded them per candidate, a dependent global round trip each)
+    for (int64_t base = 0; base < s.N; base += kThreads) {
+      const int64_t n = base + threadIdx.x;
+      const int64_t chunks = n < s.N ? chunks_of(n) : -1;
+      for (int k = 0; k < nk; ++k) {
+        unsigned long long acc =
+            chunks >= 0 ? static_cast<unsigned long long>(segments_of(chunks, sc.seg[k])) : 0;
 #pragma unroll
-      for (int o = 16; o > 0; o /= 2) acc += __shfl_down_sync(0xffffffffu, acc, o);
-      if (lane == 0 && acc != 0) atomicAdd(&sc.segs[k], acc);
+        for (int o = 16; o > 0; o /= 2) acc += __shfl_down_sync(0xffffffffu, acc, o);
+        if (lane == 0 && acc != 0) atomicAdd(&sc.segs[k], acc);
+      }
     }
   }
   __syncthreads();
@@ -144,25 +168,23 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
     const int ncand = 3 * (1 + nk);
     for (int i = threadIdx.x; i < ncand; i += kThreads) {
       const int bw = bws[i % 3], k = i / 3 - 1;  // k < 0: unsplit
-      double seq = 1e300, ov = 1e300;
+      SplitEstimate e;  // unsplit: its sequential estimate only
+      e.sequential = 1e300;
       if (candidate(bw) && k < 0) {
-        seq = estimate_state_pass_us(sequential, st0, choice.heads, choice.sms, bw, 0.0);
+        e.sequential = estimate_state_pass_us(sequential, st0, choice.heads, choice.sms, bw, 0.0);
       } else if (candidate(bw) &&
                  seg_candidate_for(bw, sc.seg[k], longest, choice.cost.overlap) &&
                  (choice.split_col_blocks == 0 ||
                   (choice.split_col_blocks & col_block_bit(bw)) != 0)) {
-        const LoadStats st = split_stats(k);
-        const double seg = static_cast<double>(sc.seg[k]);
-        seq = estimate_state_pass_us(sequential, st, choice.heads, choice.sms, bw, seg);
-        bool overlapped = false;
-        const double t = choice.cost.overlap
-                             ? estimate_state_pass_us(choice.cost, st, choice.heads, choice.sms,
-                                                      bw, seg, &overlapped)
-                             : 1e300;
-        if (overlapped) ov = t;
+        // every schedule's estimate from one SplitTerms (the sequential one, its merge, the
+        // one-wave overlapped and the saturated ones), the candidate's thread alone
+        e = estimate_split(choice.cost, split_stats(k), choice.heads, choice.sms, bw,
+                           static_cast<double>(sc.seg[k]));
       }
-      sc.est[i][0] = seq;
-      sc.est[i][1] = ov;
+      sc.est[i][0] = e.sequential;
+      sc.est[i][1] = e.overlapped;
+      sc.est[i][2] = e.saturated;
+      sc.merge[i] = e.merge;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -184,24 +206,14 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
           choice.cost.overlap_saturated && choice.cost.nsub <= 1) {
         // the best sequential split's segments on the overlapped schedule past one wave,
         // without sub-segments (the host's rule for lengths it knows, planner.cpp)
-        const int k = split / 3 - 1;
-        const double sat = estimate_saturated_overlap_us(
-            choice.cost, split_stats(k), choice.heads, choice.sms, static_cast<double>(sc.seg[k]));
+        const double sat = sc.est[split][2];
         if (sat <= choice.cost.sat_margin * split_us) split_us = sat, ov = true;
       }
       int64_t best_seg = total + 1;  // unsplit: longer than any sequence
       int merge = 1;
       if (split >= 0 && split_us < (1.0 - choice.cost.min_gain) * best) {
         best_seg = sc.seg[split / 3 - 1], best_bw = bws[split % 3];
-        if (!ov && best_bw == 128) {  // the sequential split's phase 0 in merged segments
-          const int k = split / 3 - 1;
-          const LoadStats st = split_stats(k);
-          merge = best_p0_merge(
-              sequential, st,
-              split_terms(sequential, st, choice.heads, choice.sms, 128,
-                          static_cast<double>(sc.seg[k])),
-              choice.heads);
-        }
+        if (!ov && best_bw == 128) merge = sc.merge[split];  // its phase 0 in merged segments
       } else {
         ov = true;  // unsplit: every segment starts from h0, the overlapped launch runs it
       }
@@ -221,12 +233,14 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
 // and the segment tables.
 enum class PlanPart : int { All = 0, Table = 1, Segments = 2 };
 
+// (The launch bounds hold the 64-thread launch, kPlanAsideThreads, to 64 registers a thread.)
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThreads) : 1)
     plan_kernel(SeqLayout s, int64_t total_tokens, int64_t seg_chunks, int64_t* chunk_offsets,
                 int64_t* seg_offsets, int64_t* split_seqs, int64_t* seg_items, int* error,
                 DeviceSegChoice choice, PlanPart part) {
-  static_assert(kThreads >= kMaxSegCandidates && kThreads % 32 == 0, "a thread a length");
+  static_assert(kThreads >= kMaxSegCandidates && kThreads >= kFewSeqs && kThreads % 32 == 0,
+                "a thread a length, and one for each of few sequences");
   const bool table = part != PlanPart::Segments;
   if (part == PlanPart::Table) seg_offsets = nullptr, choice.chosen = nullptr;
   using Scan = cub::BlockScan<int64_t, kThreads>;
