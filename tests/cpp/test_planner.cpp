@@ -784,3 +784,50 @@ TEST(Planner, FourThousandTokensAtManyHeadsSplitAtTheFasterStep) {
   EXPECT_EQ(a.seg_chunks, b.seg_chunks);
   EXPECT_EQ(a.overlap, b.overlap);
 }
+
+// estimate_split (the device's choice evaluates a candidate with it once) against the
+// host's entry points: the state pass's estimate is its sequential one or, where cheaper, its
+// overlapped one (and says so), its saturated one is estimate_saturated_overlap_us's, its
+// merge best_p0_merge's, over column blocks, heads, lengths and the cost switches.
+TEST(Planner, SplitEstimateAgreesWithTheEstimates) {
+  int checked = 0, overlapped_seen = 0, saturated_seen = 0, merged_seen = 0;
+  for (const bool overlap : {false, true})
+    for (const int nsub : {1, 4})
+      for (const double heads : {2.0, 8.0, 16.0, 32.0, 64.0})
+        for (const int bw : {16, 32, 128})
+          for (const double longest : {64.0, 256.0, 448.0, 512.0, 2048.0})
+            for (const double seg : {12.0, 24.0, 32.0, 40.0, 64.0, 200.0}) {
+              flashgdn::ForwardCost c;
+              c.overlap = overlap;
+              c.nsub = nsub;
+              flashgdn::LoadStats s;
+              s.longest = s.total = longest;
+              s.segs = s.max_segs_per_seq =
+                  static_cast<double>(flashgdn::segments_of(static_cast<int64_t>(longest),
+                                                            static_cast<int64_t>(seg)));
+              const auto e = flashgdn::estimate_split(c, s, heads, 132, bw, seg);
+              bool ov = false;
+              const double t = flashgdn::estimate_state_pass_us(c, s, heads, 132, bw, seg, &ov);
+              EXPECT_EQ(ov, e.overlapped < e.sequential);
+              EXPECT_EQ(t, ov ? e.overlapped : e.sequential);
+              if (bw == 128) {
+                EXPECT_EQ(e.saturated,
+                          flashgdn::estimate_saturated_overlap_us(c, s, heads, 132, seg));
+                EXPECT_EQ(e.merge, flashgdn::best_p0_merge(
+                                       c, s, flashgdn::split_terms(c, s, heads, 132, bw, seg),
+                                       heads));
+                saturated_seen += e.saturated < 1e299;
+                merged_seen += e.merge > 1;
+              } else {
+                EXPECT_GT(e.saturated, 1e299);
+                EXPECT_EQ(e.merge, 1);
+              }
+              overlapped_seen += ov;
+              ++checked;
+            }
+  EXPECT_EQ(checked, 1800);
+  // the grid reaches every schedule
+  EXPECT_GT(overlapped_seen, 0);
+  EXPECT_GT(saturated_seen, 0);
+  EXPECT_GT(merged_seen, 0);
+}
