@@ -140,9 +140,9 @@ bool overlap_may_fit(const SegmentQuery& q, const ForwardCost& c) {
 
 static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& given);
 
-// Whether the host would run one sequence of q's tokens on the overlapped schedule (varlen
-// total_chunks counts a partial chunk per sequence on top of the tokens' chunks). Packed
-// sequences take the overlapped launches (SegmentPlan::device_overlap) only then: where the
+// The host's plan for one sequence of q's tokens (varlen total_chunks counts a partial chunk
+// per sequence on top of the tokens' chunks). Packed sequences take the overlapped launches
+// (SegmentPlan::device_overlap) only where it is overlapped: where the
 // device then picks the sequential split, the overlapped launches' empty blocks (sized for
 // nsub sub-segments of the shortest segments) and the second stream cost time (H100, 2/8
 // heads, 28672 + 4096 tokens: 0.402 -> 0.419 ms, 8192 x 4: 0.377 -> 0.393), while every
@@ -264,6 +264,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
         cost, load_stats(q, best_split), static_cast<double>(q.Hv), q.sms,
         static_cast<double>(best_split.seg_chunks));
     best_saturated.overlap = true;
+    best_saturated.saturated = true;
     best_saturated.nsub = 1;
     if (best_saturated.est_us <= cost.sat_margin * best_split.est_us) best_split = best_saturated;
   }
@@ -290,12 +291,11 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       // (the overlapped launches cost the device's sequential choice ~1%: H200, 4/16 heads,
       // 16384 + 16384 0.500 -> 0.506 ms, 8192 x 4 0.500 -> 0.507)
       const SegmentPlan one = plan_as_one_sequence(q, given);
-      const bool one_sat = one.overlap && one.nsub <= 1 && !one.corr;
-      const bool sat_ruled_out = one_sat && q.longest_hint > 0 &&
+      const bool sat_ruled_out = one.saturated && q.longest_hint > 0 &&
                                  static_cast<double>(q.longest_hint) < given.sat_min_longest;
       d.device_overlap = given.overlap && d.col_block == 128 && overlap_may_fit(q, given) &&
                          one.overlap && !sat_ruled_out;
-      d.nsub = d.device_overlap && given.nsub > 1 && !one_sat ? given.nsub : 1;
+      d.nsub = d.device_overlap && given.nsub > 1 && !one.saturated ? given.nsub : 1;
       if (lengths_unknown)
         d.device_col_blocks =
             device_col_blocks(q, cost, bound, false) | col_block_bit(d.col_block);

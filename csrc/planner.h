@@ -34,6 +34,8 @@ struct SegmentPlan {
   // nsub sub-segments
   bool overlap = false;
   int nsub = 1;
+  // overlap past one wave of blocks, without sub-segments (ForwardCost::overlap_saturated)
+  bool saturated = false;
   // the sequential schedule at column block 128 (host-made plans): phase 0 in blocks of
   // p0_merge segments (SegParams::p0_merge; best_p0_merge), phase 1 and the chain in the
   // plan's segments
@@ -54,7 +56,8 @@ struct SegmentPlan {
   // device_choice at column block 128 where a split's blocks may fit in one wave beside
   // each other (at least N + 1 segments per head) and one sequence of all the tokens would
   // run overlapped (planner.cpp): the host launches the overlapped schedule's two streams,
-  // with nsub sub-segments, and the device picks the schedule with the split
+  // with nsub sub-segments (none where that sequence's plan is the saturated one), and the
+  // device picks the schedule with the split
   // (plan_kernel): a sequential split then runs every phase-0 block in the chain's launch
   // (the other returns at once) and no sub-segments. 16 and 32 columns only unsplit then.
   // Without it, the device's splits run sequentially. (H100, 2/8 heads, 6144 + 2048

@@ -1041,15 +1041,16 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   // The device's choice (its cost model, ~13 us on one SM: H100, 2/8 heads 28672 + 4096
   // tokens, 2026-11-25) needs nothing of wy_kernel, which needs only the chunk table: the
   // table first, then the choice and the segment tables on the chain stream beside wy_kernel
-  // (FLASHGDN_PLAN_ASIDE=0: the whole planner before wy_kernel in the call's stream)
-  const ChainStream* cs = p.varlen() && choice.chosen != nullptr &&
-                                  env_int_or("FLASHGDN_PLAN_ASIDE", 1) != 0
+  // (FLASHGDN_PLAN_ASIDE=0: the whole planner before wy_kernel in the call's stream; =2:
+  // wy_kernel launched before the choice; measurement switches)
+  const int aside = env_int_or("FLASHGDN_PLAN_ASIDE", 1);
+  const ChainStream* cs = p.varlen() && choice.chosen != nullptr && aside != 0
                               ? chain_stream(p.device_id, st)
                               : nullptr;
   if (cs != nullptr) {
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, st, PlanPart::Table);
     cs->fork_from(st);
-    const bool wy_first = env_int_or("FLASHGDN_PLAN_ASIDE", 1) == 2;
+    const bool wy_first = aside == 2;
     if (wy_first) launch_wy<In>(p, f, st);
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, cs->stream, PlanPart::Segments);
     if (!wy_first) launch_wy<In>(p, f, st);

@@ -13,8 +13,9 @@
 // --seg L (FLASHGDN_CP_SEG with auto), --bw 16|32|128 (FLASHGDN_FWD_BW), --step128 us (the
 // cost model's 128-column chunk step, ForwardCost::step_us_bw128), --combine us (the chain's
 // cost a segment, ForwardCost::combine_us: FLASHGDN_COMBINE_US), --no-overlap
-// (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n (FLASHGDN_CP_SUB), --no-merge
-// (ForwardCost::p0_merge off: phase 0 in the plan's segments), --off, --on (FLASHGDN_CP).
+// (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
+// (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
+// --off, --on (FLASHGDN_CP).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -71,10 +72,12 @@ int main(int argc, char** argv) {
               p.col_block, p.split ? "split" : "unsplit", static_cast<long long>(p.seg_chunks),
               static_cast<long long>(p.max_segments));
   if (p.split && !p.device_choice)
-    std::printf(", %s%s, nsub %d, phase 0 merge %d", p.overlap ? "overlapped" : "sequential",
+    std::printf(", %s%s, nsub %d, phase 0 merge %d",
+                p.saturated ? "saturated" : p.overlap ? "overlapped" : "sequential",
                 p.corr ? " with correction" : "", p.nsub, p.p0_merge);
   if (p.device_choice) std::printf(", the device picks the segments");
-  if (p.device_overlap) std::printf(" and may take the overlapped schedule");
+  if (p.device_overlap)
+    std::printf(" and may take the overlapped schedule (nsub %d)", p.nsub);
   if (p.device_col_block) std::printf(", the device picks the column block");
   std::printf(", estimate %.1f us\n", p.est_us);
   return 0;

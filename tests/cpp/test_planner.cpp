@@ -650,7 +650,12 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   q = query(1, 512, 16);
   q.allow_cols = true;
   EXPECT_TRUE(plan_segments(q).overlap);
+  EXPECT_TRUE(plan_segments(q).saturated);
   EXPECT_EQ(plan_segments(q).nsub, 1);
+  q = query(1, 512, 8);  // the one-wave overlapped plan is not the saturated one
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).overlap);
+  EXPECT_FALSE(plan_segments(q).saturated);
   for (const int hv : {32, 24}) {
     q = query(1, 512, hv);
     q.allow_cols = true;
