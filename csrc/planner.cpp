@@ -326,6 +326,53 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
   return p;
 }
 
+void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, int64_t n,
+                           int64_t seg_chunks, int64_t out[4]) {
+  int64_t longest = 0, total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    longest = std::max(longest, chunks[i]);
+    total += chunks[i];
+  }
+  int64_t seg[kMaxSegCandidates];
+  unsigned long long segs[kMaxSegCandidates] = {};
+  const int nk = device_seg_candidates(c, longest, seg);
+  for (int k = 0; k < nk; ++k)
+    for (int64_t i = 0; i < n; ++i)
+      segs[k] += static_cast<unsigned long long>(segments_of(chunks[i], seg[k]));
+  double est[kMaxPlanCandidates][3];
+  int merge[kMaxPlanCandidates];
+  const int ncand = 3 * (1 + nk);
+  for (int i = 0; i < ncand; ++i) {
+    const SplitEstimate e = device_candidate(c, i, seg, segs, longest, total, n);
+    est[i][0] = e.sequential;
+    est[i][1] = e.overlapped;
+    est[i][2] = e.saturated;
+    merge[i] = e.merge;
+  }
+  device_pick(c, ncand, est, merge, seg, total, seg_chunks, out);
+}
+
+DeviceChoiceParams device_choice_params(const SegmentPlan& plan, ForwardCost cost, bool forward,
+                                        bool device_schedule, int nsub, int64_t Hv, int sms) {
+  DeviceChoiceParams c;
+  c.cost = cost;
+  // the device's split runs sequentially unless the overlapped launches are made for it
+  c.cost.overlap = device_schedule;
+  c.cost.nsub = nsub > 1 ? nsub : 1;  // the sub-segments the workspace holds
+  // its phase-0 merge (chosen[3]) for the forward alone; the recomputation's plan as before
+  c.cost.p0_merge = forward;
+  c.split_col_blocks = device_schedule ? col_block_bit(128) : 0;
+  c.heads = static_cast<double>(Hv);
+  c.sms = sms;
+  c.col_block = plan.col_block;
+  c.pick_col_block = plan.device_col_block;
+  c.allow_cols = plan.cols;
+  c.col_blocks = plan.device_col_block ? plan.device_col_blocks : col_block_bit(plan.col_block);
+  c.allow_split = plan.device_choice;
+  c.min_seg = plan.seg_chunks;
+  return c;
+}
+
 CpMode cp_mode_from_env() {
   const char* v = std::getenv("FLASHGDN_CP");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return CpMode::Auto;

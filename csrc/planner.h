@@ -533,11 +533,137 @@ inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest,
   return seg >= 32 || longest >= 128;
 }
 
+// The device's choice of plan for packed sequences (SegmentPlan::device_choice /
+// device_col_block; plan_kernel's choose_plan, csrc/cuda/planner.cuh): the cost model on the
+// actual lengths, over unsplit and min_seg and the longer candidates after it
+// (next_seg_candidate). Its steps are host-device functions, so that the host makes the
+// same choice from lengths it is given (device_choice_on_host: tests, flashgdn_plan --lens).
+struct DeviceChoiceParams {
+  ForwardCost cost;             // cost.overlap: the overlapped schedule is a candidate
+                                //   (SegmentPlan::device_overlap)
+  double heads = 0;
+  int sms = 0, col_block = 32;
+  bool pick_col_block = false;  // also choose the column block (16, 32, or 128 if allow_cols)
+  bool allow_cols = false;      // column block 128 (state_fwd_cols_kernel) is a candidate
+  bool allow_split = true;      // false: only the column block is chosen (unsplit plan)
+  int col_blocks = 0;           // the column blocks launched (SegmentPlan::device_col_blocks)
+  int split_col_blocks = 0;     // the column blocks a split may take (0: any launched)
+  int64_t min_seg = 0;
+};
+
+// Segment lengths the device tries at most (min_seg, then next_seg_candidate's steps: 32 of
+// them reach 2^8 times min_seg), and its candidates: unsplit, then each length, x column
+// blocks 16, 32, 128 (candidate i: column block kDeviceBws[i % 3], length i / 3 - 1, < 0
+// unsplit).
+constexpr int kMaxSegCandidates = 32;
+constexpr int kMaxPlanCandidates = 3 * (1 + kMaxSegCandidates);
+inline FLASHGDN_HD int device_bw(int i) { return i % 3 == 0 ? 16 : i % 3 == 1 ? 32 : 128; }
+
+// The candidate lengths for sequences of at most `longest` chunks into seg[]; their count.
+inline FLASHGDN_HD int device_seg_candidates(const DeviceChoiceParams& c, int64_t longest,
+                                             int64_t* seg) {
+  int n = 0;
+  for (int64_t l = c.min_seg; c.allow_split && l > 0 && l < longest && n < kMaxSegCandidates;
+       l = next_seg_candidate(l))
+    seg[n++] = l;
+  return n;
+}
+
+// Candidate i's estimates (SplitEstimate; unsplit: its sequential estimate only, 1e300 for
+// column blocks or lengths the device does not try), the sequences (n_seqs of them, the
+// longest `longest`, `total` chunks in all) cut into segs[k] segments at length seg[k].
+inline FLASHGDN_HD SplitEstimate device_candidate(const DeviceChoiceParams& c, int i,
+                                                  const int64_t* seg,
+                                                  const unsigned long long* segs,
+                                                  int64_t longest, int64_t total,
+                                                  int64_t n_seqs) {
+  const int bw = device_bw(i), k = i / 3 - 1;
+  SplitEstimate e;
+  e.sequential = 1e300;
+  const bool candidate = !c.pick_col_block
+                             ? bw == c.col_block
+                             : (bw != 128 || c.allow_cols) && (c.col_blocks & col_block_bit(bw)) != 0;
+  if (!candidate) return e;
+  LoadStats st;
+  st.longest = static_cast<double>(longest);
+  st.total = static_cast<double>(total);
+  st.segs = static_cast<double>(n_seqs);  // unsplit: one segment per sequence
+  if (k < 0) {
+    ForwardCost sequential = c.cost;
+    sequential.overlap = false;
+    e.sequential = estimate_state_pass_us(sequential, st, c.heads, c.sms, bw, 0.0);
+    return e;
+  }
+  if (!seg_candidate_for(bw, seg[k], longest, c.cost.overlap) ||
+      (c.split_col_blocks != 0 && (c.split_col_blocks & col_block_bit(bw)) == 0))
+    return e;
+  st.segs = st.seg_blocks = static_cast<double>(segs[k]);
+  st.seqs = static_cast<double>(n_seqs);
+  st.max_segs_per_seq = static_cast<double>(segments_of(longest, seg[k]));
+  // every schedule's estimate from one SplitTerms: the sequential one, its merge, the
+  // one-wave overlapped and the saturated ones
+  return estimate_split(c.cost, st, c.heads, c.sms, bw, static_cast<double>(seg[k]));
+}
+
+// The choice from the candidates' estimates (est[i] = sequential, overlapped, saturated;
+// merge[i]): the cheapest unsplit column block; the best split where it beats that by
+// min_gain, on the one-wave overlapped schedule where its estimate is at most overlap_margin
+// of the best sequential split's (the host's rule, planner.cpp), else the best sequential
+// split's segments on the saturated schedule where that is at most sat_margin of it
+// (without sub-segments: cost.nsub <= 1). out = [chunks per segment (unsplit: total + 1, or
+// seg_chunks where only the column block is chosen), column block, schedule (0 sequential
+// split, 1 overlapped or unsplit), phase-0 merge of a sequential 128-column split, else 1].
+inline FLASHGDN_HD void device_pick(const DeviceChoiceParams& c, int ncand,
+                                    const double (*est)[3], const int* merge,
+                                    const int64_t* seg, int64_t total, int64_t seg_chunks,
+                                    int64_t* out) {
+  int best_bw = c.col_block;
+  double best = 1e300;
+  for (int b = 0; b < 3; ++b)
+    if (est[b][0] < best) best = est[b][0], best_bw = device_bw(b);
+  int split = -1, overlapped = -1;  // the best sequential split, the best overlapped one
+  for (int i = 3; i < ncand; ++i) {
+    if (est[i][0] < (split < 0 ? 1e300 : est[split][0])) split = i;
+    if (est[i][1] < (overlapped < 0 ? 1e300 : est[overlapped][1])) overlapped = i;
+  }
+  double split_us = split < 0 ? 1e300 : est[split][0];
+  bool ov = false;
+  if (overlapped >= 0 && split >= 0 && est[overlapped][1] <= c.cost.overlap_margin * split_us)
+    split = overlapped, split_us = est[overlapped][1], ov = true;
+  if (!ov && split >= 0 && device_bw(split) == 128 && c.cost.overlap &&
+      c.cost.overlap_saturated && c.cost.nsub <= 1 &&
+      est[split][2] <= c.cost.sat_margin * split_us)
+    split_us = est[split][2], ov = true;
+  int64_t best_seg = total + 1;  // unsplit: longer than any sequence
+  int m = 1;
+  if (split >= 0 && split_us < (1.0 - c.cost.min_gain) * best) {
+    best_seg = seg[split / 3 - 1], best_bw = device_bw(split);
+    if (!ov && best_bw == 128) m = merge[split];  // its phase 0 in merged segments
+  } else {
+    ov = true;  // unsplit: every segment starts from h0, the overlapped launch runs it
+  }
+  out[0] = c.allow_split ? best_seg : seg_chunks;
+  out[1] = best_bw;
+  out[2] = ov ? 1 : 0;
+  out[3] = c.allow_split ? m : 1;
+}
+
 SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost = ForwardCost{});
 
 // FLASHGDN_CP = auto (default) | on | off, FLASHGDN_CP_SEG = chunks per segment when on (with
 // auto: the only length the planner tries),
 // FLASHGDN_FWD_BW = 16 | 32 | 128 forces the column block.
+// The device's choice (device_pick's out) made on the host from the sequences' chunk counts,
+// step for step as plan_kernel makes it.
+void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, int64_t n,
+                           int64_t seg_chunks, int64_t out[4]);
+// What launch.cu hands plan_kernel for a plan the device completes (device_choice or
+// device_col_block): the cost model (cost: the pass's, forward = !backward), the schedule
+// the launches allow (the overlapped launches: SegmentPlan::device_overlap unless forced
+// off), the workspace's sub-segments, H_v and the SM count.
+DeviceChoiceParams device_choice_params(const SegmentPlan& plan, ForwardCost cost, bool forward,
+                                        bool device_schedule, int nsub, int64_t Hv, int sms);
+
 CpMode cp_mode_from_env();
 int64_t cp_seg_chunks_from_env();
 int col_block_from_env();

@@ -983,22 +983,10 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   DeviceSegChoice choice{};
   const bool dev_schedule = device_schedule(plan);
   if (plan.device_choice || plan.device_col_block) {
-    choice.cost = plan_cost(f.h != nullptr);  // the recomputation runs the backward's plan
-    // the device's split runs sequentially unless the overlapped launches are made for it
-    choice.cost.overlap = dev_schedule;
-    choice.cost.nsub = b.nsub > 1 ? b.nsub : 1;  // the sub-segments the workspace holds
-    // its phase-0 merge (chosen[3]) for the forward alone; the recomputation's plan as before
-    choice.cost.p0_merge = f.h == nullptr;
-    choice.split_col_blocks = dev_schedule ? col_block_bit(D) : 0;
-    choice.heads = static_cast<double>(p.Hv);
-    choice.sms = sm_count(p.device_id);
-    choice.col_block = plan.col_block;
-    choice.pick_col_block = plan.device_col_block;
-    choice.allow_cols = plan.cols;
-    choice.col_blocks =
-        plan.device_col_block ? plan.device_col_blocks : col_block_bit(plan.col_block);
-    choice.allow_split = plan.device_choice;
-    choice.min_seg = plan.seg_chunks;
+    // (the recomputation, f.h set, runs the backward's plan)
+    static_cast<DeviceChoiceParams&>(choice) =
+        device_choice_params(plan, plan_cost(f.h != nullptr), f.h == nullptr, dev_schedule,
+                             b.nsub, p.Hv, sm_count(p.device_id));
     choice.chosen = b.seg_chunks;
   }
   f.seg_chunks = plan.seg_chunks;

@@ -48,30 +48,13 @@ constexpr int kPlanThreads = 512;
 // memory beside their 3 x 73 KB, so the choice takes no wy_kernel block's place
 constexpr int kPlanAsideThreads = 64;
 
-// The device's choice of segment length (varlen, SegmentPlan::device_choice): the cost
-// model of csrc/planner.h on the actual lengths, over unsplit and min_seg and the longer
-// candidates after it (next_seg_candidate)
-struct DeviceSegChoice {
-  ForwardCost cost;             // cost.overlap: the overlapped schedule is a candidate
-                                //   (SegmentPlan::device_overlap)
-  double heads = 0;
-  int sms = 0, col_block = 32;
-  bool pick_col_block = false;  // also choose the column block (16, 32, or 128 if allow_cols)
-  bool allow_cols = false;      // column block 128 (state_fwd_cols_kernel) is a candidate
-  bool allow_split = true;      // false: only the column block is chosen (unsplit plan)
-  int col_blocks = 0;           // the column blocks launched (SegmentPlan::device_col_blocks)
-  int split_col_blocks = 0;     // the column blocks a split may take (0: any launched)
-  int64_t min_seg = 0;
-  int64_t* chosen = nullptr;  // writes [chunks per segment, column block, schedule, phase-0
-                              //   merge] here (schedule: 0 sequential split, 1 overlapped or
-                              //   unsplit; merge: SegParams::p0_merge of a sequential split
-                              //   at column block 128, best_p0_merge, else 1)
+// The device's choice (DeviceChoiceParams, csrc/planner.h) and where it writes it: [chunks
+// per segment, column block, schedule, phase-0 merge] (device_pick's out: schedule 0
+// sequential split, 1 overlapped or unsplit; merge: SegParams::p0_merge of a sequential
+// split at column block 128, best_p0_merge, else 1)
+struct DeviceSegChoice : DeviceChoiceParams {
+  int64_t* chosen = nullptr;
 };
-
-// Segment lengths the device tries at most (min_seg, then next_seg_candidate's steps of
-// 4/3 and 3/2: 32 of them reach 2^16 times min_seg).
-constexpr int kMaxSegCandidates = 32;
-constexpr int kMaxPlanCandidates = 3 * (1 + kMaxSegCandidates);  // x column blocks 16, 32, 128
 
 // Sequences whose chunk counts the choice keeps in shared memory, a lane a candidate length
 // summing their segments (choose_plan): most packed calls of TP rows.
@@ -83,39 +66,30 @@ struct ChoiceScratch {
   unsigned long long segs[kMaxSegCandidates];  // segments they cut the sequences into
   double est[kMaxPlanCandidates][3];  // [unsplit, then each length] x [16, 32, 128]:
                                       //   sequential, overlapped and saturated estimates
-                                      //   (estimate_split; 1e300: none)
+                                      //   (device_candidate; 1e300: none)
   int merge[kMaxPlanCandidates];      // the sequential estimate's phase-0 merge
   int n;                              // candidate lengths
   int64_t chosen;                     // the segment length chosen
 };
 
 // plan_kernel's choice (all threads call it; returns the segment length chosen, or
-// seg_chunks when only the column block is chosen). A thread per candidate length sums the
-// segments the sequences make at it (up to kFewSeqs sequences, from their counts in shared
-// memory; more: every thread its sequences' at each length, reduced by shuffles and
-// atomics); a thread per candidate evaluates the cost model
-// (fp64, once per candidate: when all 1024 threads evaluated every candidate the kernel
-// took 17 us, H100, 16/32 heads 8192 x 4 tokens, 5 us without the choice; at 2/8 heads
-// 28672 + 4096 tokens with four lengths a factor of two, 24 us with one warp's lanes, 22
-// with a thread each: most of it is elsewhere, 2026-11-25); thread 0 then compares the
-// estimates in a fixed order. Unsplit at 16, 32, 128 first; a split must
-// beat the best of them by min_gain; the overlapped schedule replaces the best sequential
-// split where its estimate is at most overlap_margin of it (the host's rule, planner.cpp).
+// seg_chunks when only the column block is chosen): the steps of device_choice_on_host
+// (csrc/planner.h, planner.cpp) spread over the block. Thread 0 lists the candidate lengths
+// (device_seg_candidates); a thread per length sums the segments the sequences make at it
+// (up to kFewSeqs sequences, from their counts in shared memory; more: every thread its
+// sequences' at each length, reduced by shuffles and atomics); a thread per candidate
+// evaluates the cost model (device_candidate: fp64, every schedule's estimate from one
+// SplitTerms); thread 0 picks (device_pick). (When all 1024 threads evaluated every
+// candidate the kernel took 17 us, H100, 16/32 heads 8192 x 4 tokens, 5 us without the
+// choice; H200 2026-11-26, 4/16 heads 28672 + 4096, 64 threads: 18 us, before the
+// candidates' estimates shared their terms.)
 template <int kThreads, typename ChunksOf>
 __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chunks_of,
                                                int64_t longest, int64_t total,
                                                int64_t seg_chunks, const DeviceSegChoice& choice,
                                                ChoiceScratch& sc) {
-  const int bws[3] = {16, 32, 128};
   const int lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    int n = 0;
-    for (int64_t seg = choice.min_seg; choice.allow_split && seg > 0 && seg < longest &&
-                                       n < kMaxSegCandidates;
-         seg = next_seg_candidate(seg))
-      sc.seg[n++] = seg;
-    sc.n = n;
-  }
+  if (threadIdx.x == 0) sc.n = device_seg_candidates(choice, longest, sc.seg);
   if (threadIdx.x < kMaxSegCandidates) sc.segs[threadIdx.x] = 0;
   const bool few = s.N <= kFewSeqs;
   if (few && threadIdx.x < s.N) sc.chunks[threadIdx.x] = chunks_of(threadIdx.x);
@@ -146,83 +120,20 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
     }
   }
   __syncthreads();
-  {
-    auto candidate = [&](int bw) {
-      if (!choice.pick_col_block) return bw == choice.col_block;
-      return (bw != 128 || choice.allow_cols) && (choice.col_blocks & col_block_bit(bw)) != 0;
-    };
-    ForwardCost sequential = choice.cost;
-    sequential.overlap = false;
-    LoadStats st0;
-    st0.longest = static_cast<double>(longest);
-    st0.total = static_cast<double>(total);
-    st0.segs = static_cast<double>(s.N);  // unsplit: one segment per sequence
-    auto split_stats = [&](int k) {  // the sequences cut at candidate length k
-      LoadStats st = st0;
-      st.segs = static_cast<double>(sc.segs[k]);
-      st.seg_blocks = st.segs;
-      st.seqs = static_cast<double>(s.N);
-      st.max_segs_per_seq = static_cast<double>(segments_of(longest, sc.seg[k]));
-      return st;
-    };
-    const int ncand = 3 * (1 + nk);
-    for (int i = threadIdx.x; i < ncand; i += kThreads) {
-      const int bw = bws[i % 3], k = i / 3 - 1;  // k < 0: unsplit
-      SplitEstimate e;  // unsplit: its sequential estimate only
-      e.sequential = 1e300;
-      if (candidate(bw) && k < 0) {
-        e.sequential = estimate_state_pass_us(sequential, st0, choice.heads, choice.sms, bw, 0.0);
-      } else if (candidate(bw) &&
-                 seg_candidate_for(bw, sc.seg[k], longest, choice.cost.overlap) &&
-                 (choice.split_col_blocks == 0 ||
-                  (choice.split_col_blocks & col_block_bit(bw)) != 0)) {
-        // every schedule's estimate from one SplitTerms (the sequential one, its merge, the
-        // one-wave overlapped and the saturated ones), the candidate's thread alone
-        e = estimate_split(choice.cost, split_stats(k), choice.heads, choice.sms, bw,
-                           static_cast<double>(sc.seg[k]));
-      }
-      sc.est[i][0] = e.sequential;
-      sc.est[i][1] = e.overlapped;
-      sc.est[i][2] = e.saturated;
-      sc.merge[i] = e.merge;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int best_bw = choice.col_block;
-      double best = 1e300;
-      for (int b = 0; b < 3; ++b)
-        if (sc.est[b][0] < best) best = sc.est[b][0], best_bw = bws[b];
-      int split = -1, overlapped = -1;  // the best sequential split, the best overlapped one
-      for (int i = 3; i < ncand; ++i) {
-        if (sc.est[i][0] < (split < 0 ? 1e300 : sc.est[split][0])) split = i;
-        if (sc.est[i][1] < (overlapped < 0 ? 1e300 : sc.est[overlapped][1])) overlapped = i;
-      }
-      double split_us = split < 0 ? 1e300 : sc.est[split][0];
-      bool ov = false;
-      if (overlapped >= 0 && split >= 0 &&
-          sc.est[overlapped][1] <= choice.cost.overlap_margin * split_us)
-        split = overlapped, split_us = sc.est[overlapped][1], ov = true;
-      if (!ov && split >= 0 && bws[split % 3] == 128 && choice.cost.overlap &&
-          choice.cost.overlap_saturated && choice.cost.nsub <= 1) {
-        // the best sequential split's segments on the overlapped schedule past one wave,
-        // without sub-segments (the host's rule for lengths it knows, planner.cpp)
-        const double sat = sc.est[split][2];
-        if (sat <= choice.cost.sat_margin * split_us) split_us = sat, ov = true;
-      }
-      int64_t best_seg = total + 1;  // unsplit: longer than any sequence
-      int merge = 1;
-      if (split >= 0 && split_us < (1.0 - choice.cost.min_gain) * best) {
-        best_seg = sc.seg[split / 3 - 1], best_bw = bws[split % 3];
-        if (!ov && best_bw == 128) merge = sc.merge[split];  // its phase 0 in merged segments
-      } else {
-        ov = true;  // unsplit: every segment starts from h0, the overlapped launch runs it
-      }
-      sc.chosen = choice.allow_split ? best_seg : seg_chunks;
-      choice.chosen[0] = sc.chosen;
-      choice.chosen[1] = best_bw;
-      choice.chosen[2] = ov ? 1 : 0;
-      choice.chosen[3] = choice.allow_split ? merge : 1;
-    }
+  const int ncand = 3 * (1 + nk);
+  for (int i = threadIdx.x; i < ncand; i += kThreads) {
+    const SplitEstimate e = device_candidate(choice, i, sc.seg, sc.segs, longest, total, s.N);
+    sc.est[i][0] = e.sequential;
+    sc.est[i][1] = e.overlapped;
+    sc.est[i][2] = e.saturated;
+    sc.merge[i] = e.merge;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t out[4];
+    device_pick(choice, ncand, sc.est, sc.merge, sc.seg, total, seg_chunks, out);
+    sc.chosen = out[0];
+    for (int j = 0; j < 4; ++j) choice.chosen[j] = out[j];
   }
   __syncthreads();
   return sc.chosen;

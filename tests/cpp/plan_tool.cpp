@@ -16,9 +16,16 @@
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
 // (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
 // --off, --on (FLASHGDN_CP).
+//
+// --tokens a,b,... (packed sequences of those token counts, in place of --chunks / --n /
+// --varlen; the hint on the longest as cu_seqlens_cpu gives it, --no-hint drops it) also
+// prints the device's choice for those lengths (device_choice_on_host: plan_kernel's steps
+// on the host), e.g. flashgdn_plan --hv 16 --tokens 28672,4096
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "planner.h"
 
@@ -28,7 +35,8 @@ int main(int argc, char** argv) {
   q.N = 1;
   q.allow_cols = true;
   int64_t chunks = 0;
-  bool varlen = false;
+  bool varlen = false, hint = true;
+  std::vector<int64_t> seq_chunks;  // --tokens: each sequence's chunks
   ForwardCost c;
   c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
   c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
@@ -47,6 +55,16 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--step128") && has_value) c.step_us_bw128 = std::atof(argv[++i]);
     else if (!std::strcmp(a, "--combine") && has_value) c.combine_us = std::atof(argv[++i]);
     else if (!std::strcmp(a, "--varlen")) varlen = true;
+    else if (!std::strcmp(a, "--no-hint")) hint = false;
+    else if (!std::strcmp(a, "--tokens") && has_value) {
+      for (const char* t = argv[++i]; *t != '\0';) {
+        char* end = nullptr;
+        const long long n = std::strtoll(t, &end, 10);
+        if (end == t || n <= 0) break;
+        seq_chunks.push_back((n + 63) / 64);
+        t = *end == ',' ? end + 1 : end;
+      }
+    }
     else if (!std::strcmp(a, "--no-overlap")) c.overlap = false;
     else if (!std::strcmp(a, "--sat")) force_saturated(c);
     else if (!std::strcmp(a, "--no-sat")) c.overlap_saturated = false;
@@ -58,6 +76,13 @@ int main(int argc, char** argv) {
                            "header of tests/cpp/plan_tool.cpp)\n", a);
       return 2;
     }
+  }
+  if (!seq_chunks.empty()) {  // packed sequences of known lengths
+    varlen = true;
+    q.N = static_cast<int64_t>(seq_chunks.size());
+    chunks = q.N;  // total_chunks as Problem::max_chunks counts it (whole chunks here)
+    for (const int64_t n : seq_chunks) chunks += n;
+    if (hint) q.longest_hint = *std::max_element(seq_chunks.begin(), seq_chunks.end());
   }
   if (q.Hv <= 0 || chunks <= 0 || q.N <= 0) {
     std::fprintf(stderr, "flashgdn_plan: --hv and --chunks (and --n, if given) must be > 0\n");
@@ -80,5 +105,20 @@ int main(int argc, char** argv) {
     std::printf(" and may take the overlapped schedule (nsub %d)", p.nsub);
   if (p.device_col_block) std::printf(", the device picks the column block");
   std::printf(", estimate %.1f us\n", p.est_us);
+  if (!seq_chunks.empty() && (p.device_choice || p.device_col_block)) {
+    // as launch.cu hands it to plan_kernel (the forward; the workspace's sub-segments)
+    const DeviceChoiceParams d = device_choice_params(p, c, true, p.device_overlap,
+                                                      p.nsub > 1 ? p.nsub : 0, q.Hv, q.sms);
+    int64_t out[4];
+    device_choice_on_host(d, seq_chunks.data(), q.N, p.seg_chunks, out);
+    const bool split = out[0] <= *std::max_element(seq_chunks.begin(), seq_chunks.end()) &&
+                       d.allow_split;
+    std::printf("  the device's choice: col_block %lld, %s", static_cast<long long>(out[1]),
+                split ? "split" : "unsplit");
+    if (split)
+      std::printf(", seg %lld, %s, phase 0 merge %lld", static_cast<long long>(out[0]),
+                  out[2] ? "overlapped" : "sequential", static_cast<long long>(out[3]));
+    std::printf("\n");
+  }
   return 0;
 }

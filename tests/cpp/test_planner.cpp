@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <random>
+#include <vector>
 
 #include "planner.h"
 
@@ -835,4 +836,64 @@ TEST(Planner, SplitEstimateAgreesWithTheEstimates) {
   EXPECT_GT(overlapped_seen, 0);
   EXPECT_GT(saturated_seen, 0);
   EXPECT_GT(merged_seen, 0);
+}
+
+// The device's choice made on the host (device_choice_on_host: plan_kernel's steps) for the
+// packed rows session 35 measured on the H200, from the host's plan as launch.cu hands it on
+// (device_choice_params; cu_seqlens_cpu's hint on the longest sequence).
+namespace {
+struct DeviceChoice {
+  flashgdn::SegmentPlan plan;
+  int64_t out[4];
+};
+DeviceChoice device_choice_for(int64_t Hv, const std::vector<int64_t>& chunks) {
+  int64_t total = 0, longest = 0;
+  for (const int64_t n : chunks) total += n, longest = std::max(longest, n);
+  auto q = query(static_cast<int64_t>(chunks.size()), 1, Hv, /*varlen=*/true);
+  q.total_chunks = total + q.N;
+  q.longest_hint = longest;
+  q.allow_cols = true;
+  DeviceChoice d;
+  d.plan = flashgdn::plan_segments(q, fp16_cost());
+  const auto params = flashgdn::device_choice_params(
+      d.plan, fp16_cost(), /*forward=*/true, d.plan.device_overlap,
+      d.plan.nsub > 1 ? d.plan.nsub : 0, Hv, 132);
+  flashgdn::device_choice_on_host(params, chunks.data(), q.N, d.plan.seg_chunks, d.out);
+  return d;
+}
+}  // namespace
+
+TEST(Planner, DeviceChoiceOfMeasuredPackedRows) {
+  // 4/16 heads, 28672 + 4096 tokens: 16 segments of 32 on the saturated schedule (the
+  // overlapped launches without sub-segments; 0.514 -> 0.504 ms)
+  auto d = device_choice_for(16, {448, 64});
+  EXPECT_TRUE(d.plan.device_choice && d.plan.device_overlap);
+  EXPECT_EQ(d.plan.nsub, 1);
+  EXPECT_EQ(d.out[0], 32);
+  EXPECT_EQ(d.out[1], 128);
+  EXPECT_EQ(d.out[2], 1);
+  EXPECT_EQ(d.out[3], 1);
+  // 16384 + 16384: the longest (256 chunks) is under sat_min_longest, so no overlapped
+  // launches; the sequential split in merged pairs (0.504 ms)
+  d = device_choice_for(16, {256, 256});
+  EXPECT_FALSE(d.plan.device_overlap);
+  EXPECT_EQ(d.out[0], 32);
+  EXPECT_EQ(d.out[2], 0);
+  EXPECT_EQ(d.out[3], 2);
+  // 2/8 heads, 28672 + 4096: the one-wave overlapped schedule in segments of 40, four
+  // sub-segments (0.315 ms, 2.74x FLA)
+  d = device_choice_for(8, {448, 64});
+  EXPECT_TRUE(d.plan.device_overlap);
+  EXPECT_EQ(d.plan.nsub, 4);
+  EXPECT_EQ(d.out[0], 40);
+  EXPECT_EQ(d.out[2], 1);
+  // 8/24 heads, 28672 + 4096: segments of 24, sequential, merged pairs (0.914 ms against
+  // 0.722 for one sequence of 32768 in 11 of 47: perf-notes version 35's open question)
+  d = device_choice_for(24, {448, 64});
+  EXPECT_EQ(d.out[0], 24);
+  EXPECT_EQ(d.out[2], 0);
+  EXPECT_EQ(d.out[3], 2);
+  // a short packed pair the host keeps unsplit at 16 columns: no device choice
+  d = device_choice_for(8, {64, 64});
+  EXPECT_FALSE(d.plan.device_choice);
 }
