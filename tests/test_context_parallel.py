@@ -136,6 +136,21 @@ def assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh):
     assert eh < 1.5 * eh_ref + 1e-4, f"head {h} (g == 0): state error {eh:.3e} vs {eh_ref:.3e}"
 
 
+def check_split_env(label: str, case: Case, inp: dict, split: dict, off: dict) -> None:
+    """The unsplit pass (env `off`) and the split one (env `split`), eagerly and replayed from
+    a CUDA graph (the same bits), the split one against the float64 reference and the
+    unsplit pass (check_split)."""
+    with env_vars(off):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars(split):
+        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), f"{label}: graph replay differs"
+    ro, rh = reference(inp)
+    check_split(label, case, o, ht, o_ref, h_ref, ro, rh)
+
+
 def striped_gate_inputs(case: Case, seed: int) -> dict:
     """make_inputs(case) with head 1's gates zero but for a stretch of strong decay (tokens
     [n/3, n/3 + 200) of each sequence of n, at g = -2): its segments start exact, then from a
@@ -316,15 +331,8 @@ def test_saturated_overlap_device_plan(case: Case):
     the exact segments a block each, not looped. Against CP off and the float64 reference,
     as exact as unsplit on the g == 0 heads, also from a CUDA graph."""
     inp = make_inputs(case, "cuda", seed=47)
-    with cp_env("off"):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({"FLASHGDN_CP": "auto", "FLASHGDN_CP_SAT": "1"}):
-        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
-    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
-    ro, rh = reference(inp)
-    check_split(f"{case.name} saturated", case, o, ht, o_ref, h_ref, ro, rh)
+    check_split_env(f"{case.name} saturated", case, inp,
+                    {"FLASHGDN_CP": "auto", "FLASHGDN_CP_SAT": "1"}, {"FLASHGDN_CP": "off"})
 
 
 def test_cp_auto_takes_correction_on_short_tp_sequence():
@@ -778,16 +786,10 @@ def test_phase0_merged_segments(case: Case, seg: str, merge: str):
     MANY_SPLIT's 40 of one to 12 segments)."""
     inp = make_inputs(case, "cuda", seed=41)
     kernel = {"FLASHGDN_FWD_BW": "128"}
-    with env_vars({"FLASHGDN_CP": "off", **kernel}):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": seg, "FLASHGDN_CP_OVERLAP": "0",
-                   "FLASHGDN_CP_P0_MERGE": merge, **kernel}):
-        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
-    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
-    ro, rh = reference(inp)
-    check_split(f"{case.name} seg {seg} merge {merge}", case, o, ht, o_ref, h_ref, ro, rh)
+    check_split_env(f"{case.name} seg {seg} merge {merge}", case, inp,
+                    {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": seg, "FLASHGDN_CP_OVERLAP": "0",
+                     "FLASHGDN_CP_P0_MERGE": merge, **kernel},
+                    {"FLASHGDN_CP": "off", **kernel})
 
 
 def test_device_plan_merged_phase0():
