@@ -162,9 +162,10 @@ NB_MODULE(_C, m) {
       "fwd_workspace_size",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray o, OptArray ht, int32_t state_layout, int64_t max_seqlen,
-         bool keep_for_backward) {
+         bool keep_for_backward, OptArray cu_host) {
         auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout, max_seqlen);
         a.keep_for_backward = keep_for_backward ? 1 : 0;
+        a.cu_seqlens_host = to_tensor(cu_host, "cu_seqlens_host");
         size_t bytes = 0;
         check(flashgdn_fwd_workspace_size(&a, &bytes));
         return bytes;
@@ -172,22 +173,24 @@ NB_MODULE(_C, m) {
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"),
       nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0, nb::arg("keep_for_backward") = false,
+      none("cu_seqlens_host") = nb::none(),
       "Bytes of workspace the forward needs (0 on the CPU). Validates the arguments.");
 
   m.def(
       "fwd",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray o, OptArray ht, OptArray ws, uintptr_t stream,
-         int32_t state_layout, int64_t max_seqlen, bool keep_for_backward) {
+         int32_t state_layout, int64_t max_seqlen, bool keep_for_backward, OptArray cu_host) {
         auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout, max_seqlen);
         a.keep_for_backward = keep_for_backward ? 1 : 0;
+        a.cu_seqlens_host = to_tensor(cu_host, "cu_seqlens_host");
         set_workspace(a, ws, stream);
         check(flashgdn_fwd(&a));
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"), none("workspace"),
       nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
-      nb::arg("keep_for_backward") = false,
+      nb::arg("keep_for_backward") = false, none("cu_seqlens_host") = nb::none(),
       "Chunked GDN forward into preallocated o (and final_state); asynchronous on CUDA.\n"
       "keep_for_backward: leave the backward's recomputation in the workspace (bwd's\n"
       "kept_workspace).");
@@ -197,10 +200,11 @@ NB_MODULE(_C, m) {
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
          OptArray dg, OptArray dbeta, OptArray dh0, int32_t state_layout, int64_t max_seqlen,
-         OptArray kept) {
+         OptArray kept, OptArray cu_host) {
         auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
                           state_layout, max_seqlen);
         set_kept(a, kept);
+        a.cu_seqlens_host = to_tensor(cu_host, "cu_seqlens_host");
         size_t bytes = 0;
         check(flashgdn_bwd_workspace_size(&a, &bytes));
         return bytes;
@@ -209,6 +213,7 @@ NB_MODULE(_C, m) {
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), nb::arg("state_layout") = 0,
       nb::arg("max_seqlen") = 0, none("kept_workspace") = nb::none(),
+      none("cu_seqlens_host") = nb::none(),
       "Bytes of workspace the backward needs (0 on the CPU); with kept_workspace, its own\n"
       "part next to a keep_for_backward forward's workspace. Validates the arguments.");
 
@@ -217,10 +222,11 @@ NB_MODULE(_C, m) {
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
          OptArray dg, OptArray dbeta, OptArray dh0, OptArray ws, uintptr_t stream,
-         int32_t state_layout, int64_t max_seqlen, OptArray kept) {
+         int32_t state_layout, int64_t max_seqlen, OptArray kept, OptArray cu_host) {
         auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
                           state_layout, max_seqlen);
         set_kept(a, kept);
+        a.cu_seqlens_host = to_tensor(cu_host, "cu_seqlens_host");
         set_workspace(a, ws, stream);
         check(flashgdn_bwd(&a));
       },
@@ -228,7 +234,7 @@ NB_MODULE(_C, m) {
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), none("workspace"),
       nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
-      none("kept_workspace") = nb::none(),
+      none("kept_workspace") = nb::none(), none("cu_seqlens_host") = nb::none(),
       "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.\n"
       "kept_workspace: the workspace of a keep_for_backward forward of the same inputs\n"
       "(read only); workspace then needs bwd_workspace_size(..., kept_workspace=...) bytes.");

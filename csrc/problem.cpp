@@ -154,15 +154,15 @@ StateBuf check_state(const flashgdn_tensor& t, const char* name, const Problem& 
 }
 
 template <typename I>
-void check_cu_values(const I* cu, int64_t n1, int64_t total) {
-  if (cu[0] != 0) fail("cu_seqlens[0] must be 0, got " + std::to_string(cu[0]));
+void check_cu_values(const I* cu, int64_t n1, int64_t total, const std::string& name = "cu_seqlens") {
+  if (cu[0] != 0) fail(name + "[0] must be 0, got " + std::to_string(cu[0]));
   for (int64_t i = 1; i < n1; ++i)
     if (cu[i] < cu[i - 1])
-      fail("cu_seqlens must be non-decreasing; cu_seqlens[" + std::to_string(i) + "] = " +
-           std::to_string(cu[i]) + " < cu_seqlens[" + std::to_string(i - 1) + "] = " +
+      fail(name + " must be non-decreasing; " + name + "[" + std::to_string(i) + "] = " +
+           std::to_string(cu[i]) + " < " + name + "[" + std::to_string(i - 1) + "] = " +
            std::to_string(cu[i - 1]));
   if (cu[n1 - 1] != total)
-    fail("cu_seqlens[-1] must equal the number of tokens T = " + std::to_string(total) + ", got " +
+    fail(name + "[-1] must equal the number of tokens T = " + std::to_string(total) + ", got " +
          std::to_string(cu[n1 - 1]));
 }
 
@@ -276,10 +276,40 @@ static void set_max_seqlen(Problem& p, int64_t max_seqlen) {
   p.max_seqlen = p.varlen() ? max_seqlen : 0;
 }
 
+// The optional host copy of cu_seqlens (packed sequences): checked as cu_seqlens is, on the
+// host; each sequence's chunks into p.host_chunks, and the max_seqlen hint from it where the
+// caller gave none.
+static void set_host_lengths(Problem& p, const flashgdn_tensor& cu) {
+  if (!present(cu)) return;
+  const std::string name = "cu_seqlens_host";
+  if (!p.varlen())
+    fail(name + " is the host copy of cu_seqlens; pass cu_seqlens too");
+  if (cu.device != FLASHGDN_DEVICE_CPU) fail(name + " must be in host memory (device CPU)");
+  check_dtype_in(cu, name.c_str(), {FLASHGDN_DTYPE_I32, FLASHGDN_DTYPE_I64});
+  if (cu.ndim != 1 || cu.shape[0] != p.N + 1)
+    fail(name + " must have the shape of cu_seqlens (" + std::to_string(p.N + 1) + ",), got " +
+         shape_str(cu));
+  check_contiguous(cu, name.c_str());
+  std::vector<int64_t> v(static_cast<size_t>(p.N + 1));
+  for (int64_t i = 0; i <= p.N; ++i)
+    v[i] = cu.dtype == FLASHGDN_DTYPE_I32 ? static_cast<const int32_t*>(cu.data)[i]
+                                          : static_cast<const int64_t*>(cu.data)[i];
+  check_cu_values(v.data(), p.N + 1, p.TT, name);
+  p.host_chunks.resize(static_cast<size_t>(p.N));
+  int64_t longest = 0;
+  for (int64_t i = 0; i < p.N; ++i) {
+    const int64_t len = v[i + 1] - v[i];
+    p.host_chunks[i] = (len + kChunk - 1) / kChunk;
+    longest = std::max(longest, len);
+  }
+  if (p.max_seqlen == 0) p.max_seqlen = longest;
+}
+
 Problem validate_fwd(const flashgdn_fwd_args& a, FwdOutputs* out) {
   Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale,
                               a.state_layout);
   set_max_seqlen(p, a.max_seqlen);
+  set_host_lengths(p, a.cu_seqlens_host);
   check_like(a.o, "o", a.v, "v", p);
   out->o = a.o.data;
   p.keep_for_backward = a.keep_for_backward != 0;
@@ -294,6 +324,7 @@ Problem validate_bwd(const flashgdn_bwd_args& a, BwdIO* io) {
   Problem p = validate_inputs(a.q, a.k, a.v, a.g, a.beta, a.initial_state, a.cu_seqlens, a.scale,
                               a.state_layout);
   set_max_seqlen(p, a.max_seqlen);
+  set_host_lengths(p, a.cu_seqlens_host);
   check_like(a.d_o, "do", a.v, "v (do is the gradient of o)", p);
   check_aligned(a.d_o, "do", p);
   io->d_o = a.d_o.data;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "flashgdn/flashgdn.h"
 
@@ -52,6 +53,10 @@ struct Problem {
   flashgdn_state_layout state_layout = FLASHGDN_STATE_LAYOUT_KV;
   const void* cu_seqlens = nullptr;  // optional (varlen)
   int64_t max_seqlen = 0;            // varlen planning hint: the longest sequence (0: unknown)
+  // varlen planning hint: each sequence's chunks from the caller's host copy of cu_seqlens
+  // (cu_seqlens_host; empty: none). The device's choice of plan is then made on the host
+  // (launch.cu state_pass_params); only the choice reads it
+  std::vector<int64_t> host_chunks;
   bool keep_for_backward = false;    // forward: run the backward's recomputation, keep it
 
   bool varlen() const { return cu_seqlens != nullptr; }

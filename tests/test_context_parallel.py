@@ -27,7 +27,8 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_COLS_WGMMA", "FLASHGDN_CP_OVERLAP", "FLASHGDN_CP_SUB", "FLASHGDN_CP_CORR",
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
-            "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES")
+            "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
+            "FLASHGDN_PLAN_ASIDE")
 
 
 @contextmanager
@@ -269,6 +270,43 @@ def test_scan_levels_do_not_trust_the_hint(walk: str):
     ro, rh = reference(inp)
     print(f"wrong hint: o {rel_err(o_w, ro):.2e} state {rel_err(ht_w, rh):.2e}")
     assert rel_err(o_w, ro) < O_TOL and rel_err(ht_w, rh) < STATE_TOL
+
+
+@pytest.mark.parametrize("case", [
+    Case("host_choice_cols", [3000, 700, 1800], 2, 8, gate="mixed"),  # the column block only
+    Case("host_choice_ov", [12000, 3000, 9000], 2, 8, gate="mixed"),  # overlapped, 4 subs
+    Case("host_choice_sat", [24576, 1536], 4, 16, gate="mixed"),      # saturated
+], ids=lambda c: c.name)
+def test_host_choice_is_the_device_choice(case: Case):
+    """With cu_seqlens_cpu the choice plan_kernel makes from cu_seqlens (segment length,
+    column block, schedule, merge; flashgdn_plan --tokens shows it for these lengths: 32
+    columns unsplit, 32-chunk segments overlapped, 28-chunk segments saturated) is made on
+    the host (device_choice_on_host) and
+    plan_kernel only writes it: the same bits as the device's own choice
+    (FLASHGDN_HOST_CHOICE=0; the two compute the same fp64 estimates), eagerly and from a
+    CUDA graph. A host copy claiming other lengths (well-formed) steers the choice only:
+    the reference's accuracy, the g == 0 heads as exact as unsplit."""
+    inp = make_inputs(case, "cuda", seed=53)
+    cu_cpu = inp["cu_seqlens"].cpu()
+    with cp_env("off"):
+        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_HOST_CHOICE": "0"}):
+        o_d, h_d = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                                   cu_seqlens_cpu=cu_cpu)
+    o_h, h_h = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                               cu_seqlens_cpu=cu_cpu)
+    o_g, h_g = forward_from_graph({**inp, "cu_seqlens_cpu": cu_cpu}, replays=2)
+    total = sum(case.lens)
+    wrong = torch.tensor([0] + [total * (i + 1) // len(case.lens) for i in range(len(case.lens))],
+                         dtype=torch.int64)  # equal lengths
+    o_w, h_w = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                               cu_seqlens_cpu=wrong)
+    torch.cuda.synchronize()
+    assert torch.equal(o_d, o_h) and torch.equal(h_d, h_h), "host and device choices differ"
+    assert torch.equal(o_h, o_g) and torch.equal(h_h, h_g), "graph replay differs"
+    ro, rh = reference(inp)
+    check_split(f"{case.name} host choice", case, o_h, h_h, o_ref, h_ref, ro, rh)
+    check_split(f"{case.name} wrong host copy", case, o_w, h_w, o_ref, h_ref, ro, rh)
 
 
 def off_and_auto(case: Case, seed: int):

@@ -86,6 +86,56 @@ def test_bad_cu_seqlens_values_cpu(name, values, msg):
         flashgdn.check_cu_seqlens(torch.tensor(values), a["q"].shape[1])
 
 
+CU_HOST_BAD = [
+    ("without_cu_seqlens", True, torch.tensor([0, 3, 8]), "pass cu_seqlens too"),
+    ("float", False, torch.tensor([0.0, 3.0, 8.0]), "cu_seqlens_host must have dtype"),
+    ("wrong_length", False, torch.tensor([0, 8]), "cu_seqlens_host must have the shape"),
+    ("two_dims", False, torch.tensor([[0, 3, 8]]), "cu_seqlens_host must have the shape"),
+    ("strided", False, torch.tensor([0, 0, 3, 0, 8, 0])[::2], "cu_seqlens_host must be contiguous"),
+    ("first_not_zero", False, torch.tensor([1, 3, 8]), "cu_seqlens_host\\[0\\] must be 0"),
+    ("decreasing", False, torch.tensor([0, 9, 8]), "cu_seqlens_host must be non-decreasing"),
+    ("wrong_total", False, torch.tensor([0, 3, 7]),
+     "cu_seqlens_host\\[-1\\] must equal the number of tokens"),
+]
+
+
+@pytest.mark.parametrize("name,drop_cu,host,msg", CU_HOST_BAD, ids=[c[0] for c in CU_HOST_BAD])
+def test_bad_cu_seqlens_host(name, drop_cu, host, msg):
+    """The bindings' host copy of cu_seqlens (what cu_seqlens_cpu is handed on as, a
+    planning hint the library reads on the host) is checked by the library itself, forward
+    and backward, with errors naming it (Python checks cu_seqlens_cpu before it gets there)."""
+    from flashgdn import _C
+    from flashgdn.ops import _d
+    a = base("cpu", varlen=True)
+    o = torch.empty_like(a["v"])
+    cu = None if drop_cu else a["cu_seqlens"]
+    args = (_d(a["q"]), _d(a["k"]), _d(a["v"]), _d(a["g"]), _d(a["beta"]), None, cu, 1.0, o, None)
+    with pytest.raises(ValueError, match=msg):
+        _C.fwd_workspace_size(*args, cu_seqlens_host=host)
+    bwd_args = (*args[:8], torch.zeros_like(a["v"]), None, torch.empty_like(a["q"]),
+                torch.empty_like(a["k"]), torch.empty_like(a["v"]), torch.empty_like(a["g"]),
+                torch.empty_like(a["beta"]), None)
+    with pytest.raises(ValueError, match=msg):
+        _C.bwd_workspace_size(*bwd_args, cu_seqlens_host=host)
+
+
+def test_cu_seqlens_cpu_gives_the_same_results_on_the_cpu():
+    """On the CPU the host copy only reaches the planner's inputs: the same o and state with
+    and without it, and the same gradients."""
+    a = base("cpu", varlen=True)
+    cu_cpu = a["cu_seqlens"].clone()
+    o1, h1 = call(**a)
+    o2, h2 = call(**a, cu_seqlens_cpu=cu_cpu)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    grads = []
+    for extra in ({}, {"cu_seqlens_cpu": cu_cpu}):
+        leaves = {n: a[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+        o, ht = call(**{**a, **leaves}, **extra)
+        grads.append(torch.autograd.grad(o.float().sum() + ht.sum(), list(leaves.values())))
+    for x, y in zip(*grads):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("name,values,msg", CU_VALUES_BAD, ids=[c[0] for c in CU_VALUES_BAD])

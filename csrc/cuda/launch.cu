@@ -988,6 +988,12 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
         device_choice_params(plan, plan_cost(f.h != nullptr), f.h == nullptr, dev_schedule,
                              b.nsub, p.Hv, sm_count(p.device_id));
     choice.chosen = b.seg_chunks;
+    // the caller's host copy of cu_seqlens: the same choice made here (plan_kernel then
+    // only writes it; FLASHGDN_HOST_CHOICE=0 leaves it to the device, for measurements)
+    if (!p.host_chunks.empty() && env_int_or("FLASHGDN_HOST_CHOICE", 1) != 0) {
+      device_choice_on_host(choice, p.host_chunks.data(), p.N, plan.seg_chunks, choice.preset);
+      choice.has_preset = true;
+    }
   }
   f.seg_chunks = plan.seg_chunks;
   const int64_t nch = (p.T + C - 1) / C;
@@ -1032,7 +1038,8 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
   // (FLASHGDN_PLAN_ASIDE=0: the whole planner before wy_kernel in the call's stream; =2:
   // wy_kernel launched before the choice; measurement switches)
   const int aside = env_int_or("FLASHGDN_PLAN_ASIDE", 1);
-  const ChainStream* cs = p.varlen() && choice.chosen != nullptr && aside != 0
+  const ChainStream* cs = p.varlen() && choice.chosen != nullptr && !choice.has_preset &&
+                                  aside != 0
                               ? chain_stream(p.device_id, st)
                               : nullptr;
   if (cs != nullptr) {
@@ -1096,7 +1103,8 @@ FwdParams recompute_params(const Problem& p, const SeqLayout& s, const BwdBuffer
 }
 
 // What a kept forward's records depend on, hashed (FNV-1a) into the workspace's tag: the
-// shapes, dtypes, scale, planning hint and layout switches. Not the inputs' addresses: saved-tensor hooks
+// shapes, dtypes, scale, planning hints (max_seqlen, the host copy of cu_seqlens) and layout
+// switches. Not the inputs' addresses: saved-tensor hooks
 // (offloading to the host, torch.library's own checks) hand the backward the same values
 // at other addresses. Never 0.
 unsigned long long problem_tag(const Problem& p) {
@@ -1105,6 +1113,9 @@ unsigned long long problem_tag(const Problem& p) {
     for (int i = 0; i < 8; ++i, x >>= 8) h = (h ^ (x & 0xff)) * 1099511628211ull;
   };
   for (int64_t x : {p.B, p.T, p.TT, p.Hqk, p.Hv, p.N, p.max_seqlen}) mix(static_cast<uint64_t>(x));
+  // the host copy of cu_seqlens makes the plan's choice on the host (state_pass_params)
+  mix(p.host_chunks.size());
+  for (const int64_t x : p.host_chunks) mix(static_cast<uint64_t>(x));
   for (int x : {static_cast<int>(p.qkv_dtype), static_cast<int>(p.g_dtype),
                 static_cast<int>(p.beta_dtype), static_cast<int>(p.cu_dtype),
                 static_cast<int>(p.h0_io.present()), static_cast<int>(p.varlen()),

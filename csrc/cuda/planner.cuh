@@ -16,9 +16,10 @@
 //          for_each_segment_block); with a
 //          DeviceSegChoice, first picks seg_chunks (and, if asked, the column block:
 //          16, 32 or 128, and the schedule) from the actual lengths under the planner's
-//          cost model (choose_plan) and writes them to choice.chosen [3]. PlanPart
+//          cost model (choose_plan) and writes them to choice.chosen [4], or writes the
+//          choice the host made from the caller's copy of cu_seqlens (has_preset). PlanPart
 //          splits it in two launches (the table and the error, then the choice and the
-//          segment tables) so that the choice runs beside wy_kernel (run_planner)
+//          segment tables) so that a choice made here runs beside wy_kernel (run_planner)
 // poison_kernel grid-stride, one launch for all of a call's outputs (PoisonList)
 //   writes NaN into the outputs when error is set, so a bad cu_seqlens is never
 //   silent garbage (the compute kernels skip all work in that case). One launch: two
@@ -54,6 +55,10 @@ constexpr int kPlanAsideThreads = 64;
 // split at column block 128, best_p0_merge, else 1)
 struct DeviceSegChoice : DeviceChoiceParams {
   int64_t* chosen = nullptr;
+  // the choice made on the host from the caller's copy of cu_seqlens (device_choice_on_host):
+  // plan_kernel writes it to chosen instead of choosing
+  bool has_preset = false;
+  int64_t preset[4] = {};
 };
 
 // Sequences whose chunk counts the choice keeps in shared memory, a lane a candidate length
@@ -195,7 +200,10 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThre
     carry += total;
     __syncthreads();
   }
-  if (choice.chosen != nullptr) {  // choose the segment length from the actual lengths
+  if (choice.chosen != nullptr && choice.has_preset) {  // the host's choice
+    if (threadIdx.x < 4) choice.chosen[threadIdx.x] = choice.preset[threadIdx.x];
+    seg_chunks = choice.preset[0];
+  } else if (choice.chosen != nullptr) {  // choose the segment length from the actual lengths
     longest = Reduce(tmp.reduce).Reduce(longest, [](int64_t a, int64_t b) { return a > b ? a : b; });
     if (threadIdx.x == 0) seg_shared = longest;
     __syncthreads();

@@ -21,6 +21,12 @@
  * plans for it instead of the worst case (one sequence holding every token), e.g. no split
  * at all for many short sequences. Only the choice of plan reads it: every plan is valid
  * for any lengths, so a wrong value costs speed, never correctness. 0 = unknown.
+ * cu_seqlens_host (packed sequences, optional): the host copy of cu_seqlens, checked like
+ * it (0 first, non-decreasing, T last). The planner then makes on the host the choice it
+ * otherwise makes on the device from cu_seqlens (segment length, column block, schedule),
+ * with no planning kernel beside the others, and takes max_seqlen from it when that is 0.
+ * Like max_seqlen it only steers the choice: a copy that differs from cu_seqlens costs
+ * speed, never correctness (the kernels read cu_seqlens).
  *
  * Calls are asynchronous on CUDA (enqueued on `stream`, a cudaStream_t) and never
  * synchronise with the host. CUDA calls need a caller-provided workspace of the
@@ -98,6 +104,8 @@ typedef struct {
                                     sequence in tokens, 0 = unknown (see below) */
   int32_t keep_for_backward;     /* != 0: leave in the workspace what the backward would
                                     recompute (see "Keeping the forward" below) */
+  flashgdn_tensor cu_seqlens_host; /* optional planning hint with cu_seqlens: its host copy
+                                      [N + 1] int32 or int64 (see below) */
 } flashgdn_fwd_args;
 
 typedef struct {
@@ -118,6 +126,7 @@ typedef struct {
                                     these inputs (read only): no recomputation, and
                                     `workspace` needs only the backward's own part */
   size_t kept_workspace_bytes;
+  flashgdn_tensor cu_seqlens_host; /* optional planning hint, as in flashgdn_fwd_args */
 } flashgdn_bwd_args;
 
 /*

@@ -80,14 +80,15 @@ def _fwd_op(
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
     max_seqlen: int = 0,
+    cu_seqlens_host: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     o, ht, _ = _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-                        state_layout, final_state_dtype, max_seqlen, keep=False)
+                        state_layout, final_state_dtype, max_seqlen, cu_seqlens_host, keep=False)
     return o, ht
 
 
 def _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-             state_layout, final_state_dtype, max_seqlen, keep: bool):
+             state_layout, final_state_dtype, max_seqlen, cu_seqlens_host, keep: bool):
     layout = _layout_code(state_layout)
     ht_dtype = _final_state_dtype(initial_state, final_state_dtype)
     o = torch.empty_like(v)
@@ -98,10 +99,10 @@ def _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
     )
     args = (_d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale, o, ht)
     nbytes = _C.fwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen,
-                                   keep_for_backward=keep)
+                                   keep_for_backward=keep, cu_seqlens_host=cu_seqlens_host)
     ws = _workspace(nbytes, q)
     _C.fwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
-           keep_for_backward=keep)
+           keep_for_backward=keep, cu_seqlens_host=cu_seqlens_host)
     if ht is None:
         ht = q.new_empty(_EMPTY_SHAPE, dtype=ht_dtype)
     if ws is None:
@@ -111,7 +112,7 @@ def _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-              state_layout="kv", final_state_dtype=None, max_seqlen=0):
+              state_layout="kv", final_state_dtype=None, max_seqlen=0, cu_seqlens_host=None):
     _layout_code(state_layout)
     ht_dtype = _final_state_dtype(initial_state, final_state_dtype)
     o = torch.empty_like(v)
@@ -136,16 +137,18 @@ def _fwd_kept_op(
     state_layout: str = "kv",
     final_state_dtype: Optional[torch.dtype] = None,
     max_seqlen: int = 0,
+    cu_seqlens_host: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """_fwd_op that also returns the kept workspace (uint8; empty on the CPU): what the
     backward would recompute, which _bwd_kept_op reads instead."""
     return _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-                    state_layout, final_state_dtype, max_seqlen, keep=True)
+                    state_layout, final_state_dtype, max_seqlen, cu_seqlens_host, keep=True)
 
 
 @_fwd_kept_op.register_fake
 def _fwd_kept_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
-                   state_layout="kv", final_state_dtype=None, max_seqlen=0):
+                   state_layout="kv", final_state_dtype=None, max_seqlen=0,
+                   cu_seqlens_host=None):
     o, ht = _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
                       state_layout, final_state_dtype, max_seqlen)
     nbytes = torch.library.get_ctx().new_dynamic_size()
@@ -169,13 +172,14 @@ def _bwd_op(
     dht: Optional[Tensor],
     state_layout: str = "kv",
     max_seqlen: int = 0,
+    cu_seqlens_host: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
-                    max_seqlen, None)
+                    max_seqlen, None, cu_seqlens_host)
 
 
 def _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
-             max_seqlen, kept: Optional[Tensor]):
+             max_seqlen, kept: Optional[Tensor], cu_seqlens_host: Optional[Tensor]):
     layout = _layout_code(state_layout)
     if kept is not None and kept.numel() == 0:  # the CPU keeps nothing
         kept = None
@@ -189,9 +193,10 @@ def _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_
     )
     kept = None if kept is None else kept.detach()
     ws = _workspace(_C.bwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen,
-                                          kept_workspace=kept), q)
+                                          kept_workspace=kept, cu_seqlens_host=cu_seqlens_host),
+                    q)
     _C.bwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
-           kept_workspace=kept)
+           kept_workspace=kept, cu_seqlens_host=cu_seqlens_host)
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return dq, dk, dv, dg, dbeta, dh0
@@ -199,7 +204,7 @@ def _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_
 
 @_bwd_op.register_fake
 def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout="kv",
-              max_seqlen=0):
+              max_seqlen=0, cu_seqlens_host=None):
     _layout_code(state_layout)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(
         _EMPTY_SHAPE, dtype=torch.float32)
@@ -222,27 +227,29 @@ def _bwd_kept_op(
     kept: Tensor,
     state_layout: str = "kv",
     max_seqlen: int = 0,
+    cu_seqlens_host: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """_bwd_op on the workspace _fwd_kept_op kept for these inputs (read, not written)."""
     return _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
-                    max_seqlen, kept)
+                    max_seqlen, kept, cu_seqlens_host)
 
 
 @_bwd_kept_op.register_fake
 def _bwd_kept_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, kept,
-                   state_layout="kv", max_seqlen=0):
+                   state_layout="kv", max_seqlen=0, cu_seqlens_host=None):
     return _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_layout,
                      max_seqlen)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, state_layout,
-     _final_state_dtype_arg, max_seqlen) = inputs
+     _final_state_dtype_arg, max_seqlen, cu_seqlens_host) = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.state_layout = state_layout
     ctx.max_seqlen = max_seqlen
+    ctx.cu_seqlens_host = cu_seqlens_host  # a host tensor, not versioned by autograd
 
 
 def _input_grads(ctx, do, dht, kept: Optional[Tensor]):
@@ -255,11 +262,13 @@ def _input_grads(ctx, do, dht, kept: Optional[Tensor]):
     # dht comes in the final state's dtype and layout; dh0 has initial_state's.
     args = (q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht)
     if kept is None:
-        dq, dk, dv, dg, dbeta, dh0 = _bwd_op(*args, ctx.state_layout, ctx.max_seqlen)
+        dq, dk, dv, dg, dbeta, dh0 = _bwd_op(*args, ctx.state_layout, ctx.max_seqlen,
+                                             ctx.cu_seqlens_host)
     else:
-        dq, dk, dv, dg, dbeta, dh0 = _bwd_kept_op(*args, kept, ctx.state_layout, ctx.max_seqlen)
+        dq, dk, dv, dg, dbeta, dh0 = _bwd_kept_op(*args, kept, ctx.state_layout, ctx.max_seqlen,
+                                                  ctx.cu_seqlens_host)
     return (dq, dk, dv, dg, dbeta, None, (dh0 if initial_state is not None else None), None, None,
-            None, None, None)
+            None, None, None, None)
 
 
 def _backward(ctx, do, dht):
@@ -454,6 +463,15 @@ def _max_seqlen(q: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optiona
     return int((cu[1:] - cu[:-1]).max())
 
 
+def _host_cu(cu_seqlens_cpu: Optional[Tensor]) -> Optional[Tensor]:
+    """The host copy of cu_seqlens handed to the planner (checked by _max_seqlen first):
+    with it the choice the device would make from cu_seqlens is made on the host (no
+    planning kernel beside the others). None while torch.compile traces, as for max_seqlen."""
+    if cu_seqlens_cpu is None or torch.compiler.is_compiling():
+        return None
+    return cu_seqlens_cpu.contiguous()
+
+
 def chunk_gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -530,7 +548,8 @@ def chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     args = (q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-            bool(output_final_state), state_layout, final_state_dtype, max_seqlen)
+            bool(output_final_state), state_layout, final_state_dtype, max_seqlen,
+            _host_cu(cu_seqlens_cpu))
     grads = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     if keep_for_backward and grads and q.is_cuda:
@@ -666,7 +685,8 @@ def chunk_gated_delta_rule_fwd(
     max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
     with torch.no_grad():
         o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-                        bool(output_final_state), state_layout, final_state_dtype, max_seqlen)
+                        bool(output_final_state), state_layout, final_state_dtype, max_seqlen,
+                        _host_cu(cu_seqlens_cpu))
     return o, (ht if output_final_state else None)
 
 
@@ -695,7 +715,7 @@ def chunk_gated_delta_rule_bwd(
     with torch.no_grad():
         dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, _resolve_scale(scale),
                                              initial_state, cu_seqlens, do, dht, state_layout,
-                                             max_seqlen)
+                                             max_seqlen, _host_cu(cu_seqlens_cpu))
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
 
 
