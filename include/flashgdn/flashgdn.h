@@ -136,12 +136,12 @@ typedef struct {
  * and final_state as usual and leaving its records in the workspace; the
  * flashgdn_fwd_workspace_size for it is larger (about 3x q, k and v together). Keep that
  * workspace unchanged and hand it to flashgdn_bwd as kept_workspace, with the same q, k,
- * v, g, beta, initial_state, cu_seqlens, scale and max_seqlen: the backward skips the
+ * v, g, beta, initial_state, cu_seqlens, scale, max_seqlen and cu_seqlens_host: the backward skips the
  * recomputation and its own workspace (flashgdn_bwd_workspace_size with kept_workspace
  * set) is smaller. The backward only reads the kept workspace, so it can run more than
  * once on it. The forward also writes a tag of its problem there (shapes, dtypes, scale,
- * max_seqlen), which the backward compares on the device: a kept workspace of a problem of
- * other shapes, dtypes or scale, or one never filled, gives NaN gradients (no host sync)
+ * max_seqlen, cu_seqlens_host), which the backward compares on the device: a kept workspace of a problem of
+ * other shapes, dtypes, scale or planning hints, or one never filled, gives NaN gradients (no host sync)
  * rather than garbage. The tag cannot tell two forwards of the same shapes apart (it
  * leaves out the inputs' addresses, which saved-tensor offloading changes): pairing each
  * backward with its forward's workspace is the caller's part.

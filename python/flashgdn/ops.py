@@ -514,11 +514,12 @@ def chunk_gated_delta_rule(
         final_state_dtype: dtype of the final state (fp32, bf16 or fp16); default: that
             of initial_state if given, else fp32. The math is fp32 in every case.
         cu_seqlens_cpu: optional host copy of cu_seqlens (as FLA takes it), int32/int64 on
-            the CPU. It is read on the host (no device sync) for the longest sequence, which
-            the context-parallel planner then plans for instead of the worst case (one
-            sequence holding every token): e.g. no split launches at all for many short
-            sequences. Every plan is valid for any lengths, so a copy that differs from
-            cu_seqlens costs speed, never correctness.
+            the CPU. It is read on the host (no device sync): the context-parallel planner
+            plans for the longest sequence instead of the worst case (one sequence holding
+            every token; e.g. no split launches at all for many short sequences) and makes
+            the choice it would make on the device from cu_seqlens on the host instead.
+            Every plan is valid for any lengths, so a copy that differs from cu_seqlens
+            costs speed, never correctness. Not read under torch.compile.
         transpose_state_layout, use_gate_in_kernel, A_log, dt_bias: FLA 0.5's keywords,
             for dropping in: transpose_state_layout=True is state_layout="vk";
             use_gate_in_kernel=True takes g as the raw gate input and forms
