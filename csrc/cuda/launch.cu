@@ -989,8 +989,12 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
                              b.nsub, p.Hv, sm_count(p.device_id));
     choice.chosen = b.seg_chunks;
     // the caller's host copy of cu_seqlens: the same choice made here (plan_kernel then
-    // only writes it; FLASHGDN_HOST_CHOICE=0 leaves it to the device, for measurements)
-    if (!p.host_chunks.empty() && env_int_or("FLASHGDN_HOST_CHOICE", 1) != 0) {
+    // only writes it; FLASHGDN_HOST_CHOICE=0 leaves it to the device, for measurements),
+    // for up to kHostChoiceSeqs sequences (the host's loop is sequences x candidate
+    // lengths, up to 32: ~0.1 ms of host time at that count; the device sums in parallel)
+    constexpr int64_t kHostChoiceSeqs = 2048;
+    if (!p.host_chunks.empty() && p.N <= kHostChoiceSeqs &&
+        env_int_or("FLASHGDN_HOST_CHOICE", 1) != 0) {
       device_choice_on_host(choice, p.host_chunks.data(), p.N, plan.seg_chunks, choice.preset);
       choice.has_preset = true;
     }
