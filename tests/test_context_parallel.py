@@ -28,7 +28,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
-            "FLASHGDN_PLAN_ASIDE")
+            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE")
 
 
 @contextmanager
@@ -307,6 +307,19 @@ def test_host_choice_is_the_device_choice(case: Case):
     ro, rh = reference(inp)
     check_split(f"{case.name} host choice", case, o_h, h_h, o_ref, h_ref, ro, rh)
     check_split(f"{case.name} wrong host copy", case, o_w, h_w, o_ref, h_ref, ro, rh)
+
+
+def test_host_schedule_opt_in():
+    """FLASHGDN_HOST_SCHEDULE=1: at 2/8 heads x 4 packed sequences of 8192 tokens the host
+    makes the device's choice from cu_seqlens_cpu, a sequential split (flashgdn_plan --hv 8
+    --tokens 8192,8192,8192,8192), so the overlapped launches made for it are dropped and
+    the choice is made again without them. Against CP off and the float64 reference, the
+    g == 0 heads as exact as unsplit, also from a CUDA graph."""
+    case = Case("host_schedule", [8192] * 4, 2, 8, gate="mixed")
+    inp = {**make_inputs(case, "cuda", seed=59)}
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    check_split_env("host schedule", case, inp,
+                    {"FLASHGDN_CP": "auto", "FLASHGDN_HOST_SCHEDULE": "1"}, {"FLASHGDN_CP": "off"})
 
 
 def off_and_auto(case: Case, seed: int):

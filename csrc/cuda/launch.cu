@@ -532,13 +532,43 @@ ForwardCost plan_cost(bool backward) {
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
 // recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
 // one block per head and segment).
+bool device_schedule(const SegmentPlan& plan);
+
+// The caller's host copy of cu_seqlens (Problem::host_chunks) makes the device's choice on
+// the host for up to this many sequences (state_pass_params; the host's loop is sequences x
+// candidate lengths, up to 32: ~1 us at 2 and 64 sequences; the device sums in parallel).
+constexpr int64_t kHostChoiceSeqs = 2048;
+bool host_choice(const Problem& p) {
+  return !p.host_chunks.empty() && p.N <= kHostChoiceSeqs &&
+         env_int_or("FLASHGDN_HOST_CHOICE", 1) != 0;
+}
+
 SegmentPlan plan_forward(const Problem& p, bool backward) {
   SegmentQuery q = sequence_query(p);
   q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols(p));
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
-  return plan_segments(q, plan_cost(backward));
+  SegmentPlan plan = plan_segments(q, plan_cost(backward));
+  // FLASHGDN_HOST_SCHEDULE=1 (opt-in, not yet timed): where the host makes the device's
+  // choice and it is a sequential split, the overlapped launches made for that choice
+  // (device_overlap: a second stream, empty blocks sized for sub-segments) are not made
+  // (they cost the sequential choice ~1-4%: H100, 2/8 heads 8192 x 4 0.377 -> 0.393 ms,
+  // H200 4/16 heads 8192 x 4 0.500 -> 0.507). The choice is then made again without them,
+  // which also lets 16- and 32-column splits in.
+  if (!backward && plan.device_overlap && device_schedule(plan) && host_choice(p) &&
+      env_int_or("FLASHGDN_HOST_SCHEDULE", 0) == 1) {
+    const DeviceChoiceParams c =
+        device_choice_params(plan, plan_cost(false), true, true,
+                             cp_subsegments(plan, fwd_pass(), false), p.Hv, sm_count(p.device_id));
+    int64_t out[4];
+    device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out);
+    if (out[2] == 0) {  // a sequential split
+      plan.device_overlap = false;
+      plan.nsub = 1;
+    }
+  }
+  return plan;
 }
 
 // Slots of blocks_per_slot blocks each that fill `waves` waves of one block per SM (at
@@ -989,12 +1019,8 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
                              b.nsub, p.Hv, sm_count(p.device_id));
     choice.chosen = b.seg_chunks;
     // the caller's host copy of cu_seqlens: the same choice made here (plan_kernel then
-    // only writes it; FLASHGDN_HOST_CHOICE=0 leaves it to the device, for measurements),
-    // for up to kHostChoiceSeqs sequences (the host's loop is sequences x candidate
-    // lengths, up to 32: ~0.1 ms of host time at that count; the device sums in parallel)
-    constexpr int64_t kHostChoiceSeqs = 2048;
-    if (!p.host_chunks.empty() && p.N <= kHostChoiceSeqs &&
-        env_int_or("FLASHGDN_HOST_CHOICE", 1) != 0) {
+    // only writes it; FLASHGDN_HOST_CHOICE=0 leaves it to the device, for measurements)
+    if (host_choice(p)) {
       device_choice_on_host(choice, p.host_chunks.data(), p.N, plan.seg_chunks, choice.preset);
       choice.has_preset = true;
     }
