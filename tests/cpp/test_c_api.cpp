@@ -147,6 +147,48 @@ TEST(CApi, MaxSeqlenHintIsCheckedAndChangesNothingOnTheCpu) {
   EXPECT_EQ(in.o, o0);
 }
 
+// cu_seqlens_host (the host copy of cu_seqlens, a planning hint): checked like cu_seqlens,
+// the errors naming it; on the CPU backend, which plans nothing, the same bits with it.
+TEST(CApi, CuSeqlensHostIsCheckedAndChangesNothingOnTheCpu) {
+  Inputs in(4);
+  auto a = in.args();
+  std::vector<int32_t> cu = {0, 30, in.T};
+  a.cu_seqlens = describe(cu.data(), FLASHGDN_DTYPE_I32, {3});
+  std::vector<float> ht2(size_t(2) * in.Hv * D * D);
+  a.final_state = describe(ht2.data(), FLASHGDN_DTYPE_F32, {2, in.Hv, D, D});
+  a.initial_state = flashgdn_tensor{};
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  const std::vector<uint16_t> o0 = in.o;
+  const std::vector<float> ht0 = ht2;
+  std::vector<int64_t> host = {0, 30, in.T};
+  a.cu_seqlens_host = describe(host.data(), FLASHGDN_DTYPE_I64, {3});
+  ASSERT_EQ(flashgdn_fwd(&a), 0) << flashgdn_last_error();
+  EXPECT_EQ(in.o, o0);
+  EXPECT_EQ(ht2, ht0);
+  auto expect_error = [&](const flashgdn_fwd_args& bad, const char* what) {
+    EXPECT_NE(flashgdn_fwd(&bad), 0) << what;
+    EXPECT_NE(std::string(flashgdn_last_error()).find(what), std::string::npos)
+        << flashgdn_last_error();
+  };
+  std::vector<int64_t> decreasing = {0, 50, 40}, short_total = {0, 30, 60}, two = {0, in.T};
+  auto b = a;
+  b.cu_seqlens_host = describe(decreasing.data(), FLASHGDN_DTYPE_I64, {3});
+  expect_error(b, "cu_seqlens_host must be non-decreasing");
+  b.cu_seqlens_host = describe(short_total.data(), FLASHGDN_DTYPE_I64, {3});
+  expect_error(b, "cu_seqlens_host[-1] must equal the number of tokens");
+  b.cu_seqlens_host = describe(two.data(), FLASHGDN_DTYPE_I64, {2});
+  expect_error(b, "cu_seqlens_host must have the shape of cu_seqlens");
+  b.cu_seqlens_host = describe(host.data(), FLASHGDN_DTYPE_F32, {3});
+  expect_error(b, "cu_seqlens_host must have dtype");
+  b.cu_seqlens_host = describe(host.data(), FLASHGDN_DTYPE_I64, {3});
+  b.cu_seqlens_host.device = FLASHGDN_DEVICE_CUDA;
+  expect_error(b, "cu_seqlens_host must be in host memory");
+  b = a;
+  b.cu_seqlens = flashgdn_tensor{};
+  b.final_state = flashgdn_tensor{};
+  expect_error(b, "cu_seqlens_host is the host copy of cu_seqlens; pass cu_seqlens too");
+}
+
 // keep_for_backward / kept_workspace (docs in flashgdn.h): the CPU backend keeps nothing and
 // ignores both, with the same bits as without them and no workspace.
 TEST(CApi, KeepForBackwardIsIgnoredOnTheCpu) {
