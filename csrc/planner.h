@@ -537,7 +537,8 @@ inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest,
 // device_col_block; plan_kernel's choose_plan, csrc/cuda/planner.cuh): the cost model on the
 // actual lengths, over unsplit and min_seg and the longer candidates after it
 // (next_seg_candidate). Its steps are host-device functions, so that the host makes the
-// same choice from lengths it is given (device_choice_on_host: tests, flashgdn_plan --lens).
+// same choice from lengths it is given (device_choice_on_host: the caller's host copy of
+// cu_seqlens, tests, flashgdn_plan --tokens).
 struct DeviceChoiceParams {
   ForwardCost cost;             // cost.overlap: the overlapped schedule is a candidate
                                 //   (SegmentPlan::device_overlap)
@@ -553,7 +554,7 @@ struct DeviceChoiceParams {
 
 // Segment lengths the device tries at most (min_seg, then next_seg_candidate's steps: 32 of
 // them reach 2^8 times min_seg), and its candidates: unsplit, then each length, x column
-// blocks 16, 32, 128 (candidate i: column block kDeviceBws[i % 3], length i / 3 - 1, < 0
+// blocks 16, 32, 128 (candidate i: column block device_bw(i), length i / 3 - 1, < 0
 // unsplit).
 constexpr int kMaxSegCandidates = 32;
 constexpr int kMaxPlanCandidates = 3 * (1 + kMaxSegCandidates);
