@@ -528,10 +528,6 @@ ForwardCost plan_cost(bool backward) {
   return c;
 }
 
-// Column block and segment plan of the forward's state pass (csrc/planner.h;
-// FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
-// recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
-// one block per head and segment).
 bool device_schedule(const SegmentPlan& plan);
 
 // The caller's host copy of cu_seqlens (Problem::host_chunks) makes the device's choice on
@@ -543,6 +539,10 @@ bool host_choice(const Problem& p) {
          env_int_or("FLASHGDN_HOST_CHOICE", 1) != 0;
 }
 
+// Column block and segment plan of the forward's state pass (csrc/planner.h;
+// FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
+// recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
+// one block per head and segment).
 SegmentPlan plan_forward(const Problem& p, bool backward) {
   SegmentQuery q = sequence_query(p);
   q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols(p));
