@@ -434,18 +434,19 @@ def _fla_keywords(g: Tensor, state_layout: str, transpose_state_layout: Optional
     return state_layout, g
 
 
-def _max_seqlen(q: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> int:
-    """The longest sequence in tokens from the host copy of cu_seqlens (0 without one).
+def _host_cu(q: Tensor, cu_seqlens: Optional[Tensor],
+             cu_seqlens_cpu: Optional[Tensor]) -> Optional[Tensor]:
+    """The host copy of cu_seqlens handed to the planner, checked (None without one).
 
     Checked on the host: a CPU tensor of cu_seqlens' shape and an integer dtype, with valid
-    offsets for the q's tokens (no device sync: cu_seqlens itself is not read).
+    offsets for the q's tokens (no device sync: cu_seqlens itself is not read). The library
+    takes the longest sequence from it (the max_seqlen hint) and makes the choice the device
+    would make from cu_seqlens on the host instead (no planning kernel beside the others).
+    None while torch.compile traces: reading values is data-dependent for the compiler, so
+    the plan assumes the worst case there (fullgraph=True keeps working).
     """
-    if cu_seqlens_cpu is None:
-        return 0
-    if torch.compiler.is_compiling():
-        # reading values is data-dependent for the compiler: plan without the hint there
-        # (torch.compile with fullgraph=True keeps working; the plan assumes the worst case)
-        return 0
+    if cu_seqlens_cpu is None or torch.compiler.is_compiling():
+        return None
     _require_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
     if cu_seqlens is None:
         raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens; pass cu_seqlens too")
@@ -459,16 +460,6 @@ def _max_seqlen(q: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optiona
                          f"{tuple(cu_seqlens.shape)}, got {tuple(cu_seqlens_cpu.shape)}")
     total = q.shape[0] * q.shape[1] if q.ndim >= 2 else 0
     check_cu_seqlens(cu_seqlens_cpu, total, name="cu_seqlens_cpu")
-    cu = cu_seqlens_cpu.to(torch.int64)
-    return int((cu[1:] - cu[:-1]).max())
-
-
-def _host_cu(cu_seqlens_cpu: Optional[Tensor]) -> Optional[Tensor]:
-    """The host copy of cu_seqlens handed to the planner (checked by _max_seqlen first):
-    with it the choice the device would make from cu_seqlens is made on the host (no
-    planning kernel beside the others). None while torch.compile traces, as for max_seqlen."""
-    if cu_seqlens_cpu is None or torch.compiler.is_compiling():
-        return None
     return cu_seqlens_cpu.contiguous()
 
 
@@ -545,12 +536,11 @@ def chunk_gated_delta_rule(
     _require_tensor("cu_seqlens", cu_seqlens, optional=True)
     _layout_code(state_layout)
     _final_state_dtype(initial_state, final_state_dtype)
-    max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
+    host_cu = _host_cu(q, cu_seqlens, cu_seqlens_cpu)  # gives max_seqlen in the library
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     args = (q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-            bool(output_final_state), state_layout, final_state_dtype, max_seqlen,
-            _host_cu(cu_seqlens_cpu))
+            bool(output_final_state), state_layout, final_state_dtype, 0, host_cu)
     grads = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     if keep_for_backward and grads and q.is_cuda:
@@ -683,11 +673,10 @@ def chunk_gated_delta_rule_fwd(
     """
     _layout_code(state_layout)
     _final_state_dtype(initial_state, final_state_dtype)
-    max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
+    host_cu = _host_cu(q, cu_seqlens, cu_seqlens_cpu)
     with torch.no_grad():
         o, ht = _fwd_op(q, k, v, g, beta, _resolve_scale(scale), initial_state, cu_seqlens,
-                        bool(output_final_state), state_layout, final_state_dtype, max_seqlen,
-                        _host_cu(cu_seqlens_cpu))
+                        bool(output_final_state), state_layout, final_state_dtype, 0, host_cu)
     return o, (ht if output_final_state else None)
 
 
@@ -712,11 +701,11 @@ def chunk_gated_delta_rule_bwd(
     :func:`chunk_gated_delta_rule`.
     """
     _layout_code(state_layout)
-    max_seqlen = _max_seqlen(q, cu_seqlens, cu_seqlens_cpu)
+    host_cu = _host_cu(q, cu_seqlens, cu_seqlens_cpu)
     with torch.no_grad():
         dq, dk, dv, dg, dbeta, dh0 = _bwd_op(q, k, v, g, beta, _resolve_scale(scale),
                                              initial_state, cu_seqlens, do, dht, state_layout,
-                                             max_seqlen, _host_cu(cu_seqlens_cpu))
+                                             0, host_cu)
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
 
 
