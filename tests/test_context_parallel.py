@@ -28,7 +28,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
-            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE")
+            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG")
 
 
 @contextmanager
@@ -929,6 +929,46 @@ def test_wy_batched_bit_identical(case: Case):
     assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
     ro, rh = reference(inp)
     print(f"wy batched {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
+    assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+
+
+TRI16_CASES = [
+    # the 128-column pass (16 heads), odd lengths, an initial state, 25% g == 0 heads
+    (Case("tri_cols_varlen", [1000, 77, 2100], 4, 16, gate="mixed"), {}),
+    (Case("tri_cols_fp16", [700, 130], 2, 8, gate="very_negative", dtype=torch.float16),
+     {"FLASHGDN_FWD_BW": "128"}),
+    # the narrow passes (state_fwd_f16_kernel at 16 and 32 columns), wy_kernel (one head a block)
+    (Case("tri_f16_bw32", [513, 64, 1], 2, 2, gate="zero_heads"), {"FLASHGDN_FWD_BW": "32"}),
+    (Case("tri_f16_bw16", [300, 45], 1, 1, gate="normal"), {"FLASHGDN_FWD_BW": "16"}),
+    # the planner's split plan (segments, the walk, the overlapped launches)
+    (Case("tri_cp_long", [16384], 4, 16, gate="mixed"), {}),
+    (Case("tri_cp_corr", [4096], 1, 2, gate="mixed"), {"FLASHGDN_CP_CORR": "1"}),
+]
+
+
+@pytest.mark.parametrize("case,env", TRI16_CASES, ids=lambda c: c.name if isinstance(c, Case) else "")
+def test_tri16_bit_identical(case: Case, env: dict):
+    """T diag(beta) and P as their lower block triangle (FwdParams::tri16, the default: wy
+    stores no block above the diagonal, the state passes copy none) against whole tiles
+    (FLASHGDN_TRI16=0): o and the final state equal bit for bit; with the unstored blocks
+    filled with NaN (FLASHGDN_DEBUG=16) too, eagerly and from a CUDA graph, so no product
+    reads them; and within the float64 reference's tolerance (the copies' blocks left as
+    they were are not read either)."""
+    inp = make_inputs(case, "cuda", seed=41)
+    with env_vars({**env, "FLASHGDN_TRI16": "0"}):
+        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars(env):
+        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({**env, "FLASHGDN_DEBUG": "16"}):
+        o2, h2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o2).all() and torch.isfinite(h2).all(), f"{case.name}: NaN read"
+    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{case.name}: tri16 differs"
+    assert torch.equal(o1, o2) and torch.equal(h1, h2), f"{case.name}: a NaN block was read"
+    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
+    ro, rh = reference(inp)
+    print(f"tri16 {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
     assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
 
 

@@ -74,6 +74,11 @@ struct FwdParams : SegParams {
   const __half *Kh, *Qh;  // [TT, Hqk, D] fp16 k and q of the fp16 pass (the inputs, or wy's copies)
   __half *Kh_w, *Qh_w;    // bf16 inputs: where wy_kernel writes the fp16 copies (else null)
   __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
+  // Tv16 and P16 hold only their lower block triangle (the 16 x 16 blocks at or below the
+  // diagonal: 10 of 16): wy_kernel does not store the zero blocks above it, and their
+  // readers (state_fwd_cols_kernel, state_fwd_f16_kernel, whose products take only those
+  // blocks) do not copy them. The plain forward of the default pass (launch.cu tri16).
+  bool tri16;
   int wy_heads;      // value heads a wy_kernel block takes (launch_wy sets it)
   float2* EG;        // [TT, Hv] (e^G, e^{G_last - G}) per token: the cols pass's (else null)
   // backward recomputation (state_fwd_kernel records them when h is set)
@@ -83,7 +88,8 @@ struct FwdParams : SegParams {
   float* U;          // [TT, Hv, D] or null; fp16 record blocks like h
   float* U_scale;    // [max_chunks, Hv, 8]
   int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads,
-                     // 4 no h / dh records, 8 no U / dVt (128-column passes)
+                     // 4 no h / dh records, 8 no U / dVt (128-column passes); tests: 16
+                     // NaN in the blocks tri16 leaves unstored (proves nothing reads them)
   // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether
   // its U left fp16's comfortable range (or its state turned non-finite); the tf32 pass
   // launched right after with redo_pass set recomputes exactly those blocks.
@@ -265,8 +271,20 @@ __device__ __forceinline__ void wy_kk_qk16(float (&kk)[4][4], float (&qk)[4][4],
   }
 }
 
+// FwdParams::tri16: whether the 16-byte piece of a Tv16 / P16 row r at column c (a multiple
+// of 8) lies in a block above the diagonal, where nothing is stored (debug & 16: NaN, which
+// no reader may take; tests/test_context_parallel.py test_tri16_bit_identical).
+__device__ __forceinline__ bool tri16_skip(const FwdParams& p, int r, int c) {
+  return p.tri16 && c / 16 > r / 16 && !(p.debug & 16);
+}
+__device__ __forceinline__ bool tri16_poison(const FwdParams& p, int r, int c) {
+  return p.tri16 && c / 16 > r / 16 && (p.debug & 16);
+}
+constexpr uint32_t kHalf2NaN = 0x7e007e00u;
+
 // Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward) of one value
-// head: 8 columns a thread, 16-byte stores (a warp covers 4 whole rows). t_at(r, s) points at
+// head: 8 columns a thread, 16-byte stores (a warp covers 4 whole rows); with p.tri16 only
+// the blocks at or below the diagonal. t_at(r, s) points at
 // T's row r, columns s .. s + 7, in a 16 x 16 block at or below the diagonal (T's blocks above
 // it are zero and not formed).
 template <typename TAt>
@@ -284,9 +302,12 @@ __device__ __forceinline__ void wy_store_tv16(const FwdParams& p, const float* b
     const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
     const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
     const int64_t idx = (row_off + r * p.Hv) * C + s;
-    *reinterpret_cast<uint4*>(p.Tv16 + idx) =
-        make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
-                   pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
+    if (tri16_poison(p, r, s))
+      *reinterpret_cast<uint4*>(p.Tv16 + idx) = make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN);
+    else if (!tri16_skip(p, r, s))
+      *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+          make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
+                     pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
     if (p.Tmat) {
       *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
       *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
@@ -470,11 +491,14 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
       if (p.P16 != nullptr) {
         for (int e = tid; e < L * (C / 8); e += nthreads) {
           const int r = e / (C / 8), c = 8 * (e % (C / 8));
+          if (tri16_skip(p, r, c)) continue;
           const float4 a = *reinterpret_cast<const float4*>(Ps + r * LDA + c);
           const float4 b = *reinterpret_cast<const float4*>(Ps + r * LDA + c + 4);
           *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + c) =
-              make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
-                         pack_half2(b.z, b.w));
+              tri16_poison(p, r, c)
+                  ? make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN)
+                  : make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
+                               pack_half2(b.z, b.w));
         }
       }
       if (p.Lb != nullptr && warp == lb_warp)  // warm-up bound of the chunk
@@ -722,9 +746,11 @@ __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
 #pragma unroll
         for (int e = lane; e < 16 * 4; e += 32) {  // 16 rows of 4 pieces of 8 values
           const int r = m0 + e / 4, c = 8 * (e % 4);
-          if (r < L)
+          if (r < L && !tri16_skip(p, r, n0 + c))
             *reinterpret_cast<uint4*>(p.P16 + (row_off + r * p.Hv) * C + n0 + c) =
-                *reinterpret_cast<const uint4*>(ps + (e / 4) * kWyPLd + c);
+                tri16_poison(p, r, n0 + c)
+                    ? make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN)
+                    : *reinterpret_cast<const uint4*>(ps + (e / 4) * kWyPLd + c);
         }
       }
       __syncwarp();  // ps is rewritten for the next head
@@ -1227,14 +1253,19 @@ __device__ __forceinline__ void state_fwd_f16_segment(const FwdParams& p, const 
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
+    // T diag(beta) and P: only their lower block triangle, the blocks the products below
+    // read (wy_kernel stores no other where p.tri16)
+    auto copy_tri = [&](__half* dst, const __half* src) {
+      cp_async_tile<C, C, LDP, true>(dst, src, p.Hv * C, L);
+    };
     if constexpr (kFree)  // T diag(beta) in the W tile's place
-      cp_async_tile<C, C, LDP>(Wst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+      copy_tri(Wst(s), p.Tv16 + (tok0 * p.Hv + h) * C);
     else
       cp_async_tile<C, D, LDH>(Wst(s), p.W + (tok0 * p.Hv + h) * D, p.Hv * D, L);
     cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
     if (want_o && ci >= c_begin) {
       cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-      cp_async_tile<C, C, LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+      copy_tri(Pst(s), p.P16 + (tok0 * p.Hv + h) * C);
     }
     if (threadIdx.x < C) {
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;

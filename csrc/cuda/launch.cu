@@ -140,6 +140,7 @@ struct FwdBuffers {
   __half* P16;        // the fp16 pass's P (forward only), else null
   __half *Kh, *Qh;    // the fp16 pass on bf16 inputs: fp16 copies of k and q, else null
   __half* Tv16;       // the default f16 pass: T diag(beta) (W and U0 are null)
+  bool tri16;         // Tv16 and P16 as their lower block triangle (FwdParams::tri16)
   float2* EG;         // f16 forward: (e^G, e^{G_last - G}) per token-head (cols kernel)
   float *seg_L, *seg_M, *seg_in;  // context parallelism: segment summaries, entering states
   float *o_loc, *q_eff;            // SegParams::corr: exact segments' local outputs, Q_eff
@@ -163,6 +164,16 @@ struct BwdBuffers {
   int* error = nullptr;
 };
 
+// Tv16 and P16 as their lower block triangle (FwdParams::tri16: 37.5% fewer of their bytes
+// written by wy_kernel and read by the state pass): the plain forward of the default pass,
+// whose readers are state_fwd_cols_kernel (mma.sync) and state_fwd_f16_kernel, not the
+// backward's kernels or the opt-in wgmma one. FLASHGDN_TRI16=0: wy stores whole tiles (those
+// two kernels copy the lower triangle either way).
+bool tri16_stores(FwdPass pass, bool backward) {
+  return !backward && pass == FwdPass::F16 && !cols_wgmma() &&
+         env_int_or("FLASHGDN_TRI16", 1) != 0;
+}
+
 // `backward`: the recomputation (no outputs: P only for the backward's kernels, tf32 in
 // fp32, or, with `p16` (the 128-column passes: BwdBuffers::rec16), fp16 in half the space).
 FwdBuffers carve_common(const Problem& p, bool backward, bool p16, Carver& c) {
@@ -183,6 +194,7 @@ FwdBuffers carve_common(const Problem& p, bool backward, bool p16, Carver& c) {
   if (backward || !uses_f16(pass))  // the backward's 128-column passes: P in fp16
     b.P = c.take<float>(p16 ? tokheads * C / 2 : tokheads * C);
   if (!backward && uses_f16(pass)) b.P16 = c.take<__half>(tokheads * C);
+  b.tri16 = tri16_stores(pass, backward);
   if (uses_f16(pass) && p.qkv_dtype == FLASHGDN_DTYPE_BF16) {
     b.Kh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
     b.Qh = c.take<__half>(static_cast<size_t>(p.TT * p.Hqk) * D);
@@ -418,6 +430,7 @@ FwdParams fwd_params(const Problem& p, const SeqLayout& s, const FwdBuffers& b) 
   f.Pmat = b.P;
   f.P16 = b.P16;
   f.Tv16 = b.Tv16;
+  f.tri16 = b.tri16;
   f.EG = b.EG;
   if (b.Kh != nullptr) {  // bf16 inputs: wy_kernel writes fp16 copies for the fp16 pass
     f.Kh = f.Kh_w = b.Kh;

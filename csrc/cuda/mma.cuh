@@ -406,14 +406,17 @@ struct PdlCompletion {
 // its index once and every further piece costs one pointer increment (no divisions).
 // cp_async_tile_by: the same spread over NTHR threads (tid in [0, NTHR)), e.g. one warpgroup.
 // kWhole: every row exists (L == ROWS; L is not read): no zero-fill predicates, the copies
-// in their plain 16-byte form.
+// in their plain 16-byte form. kLower (square 16-bit tiles): only the 16 x 16 blocks at or
+// below the diagonal (FwdParams::tri16); the others are left as they were.
 constexpr int kTileThreads = 256;
-template <int ROWS, int COLS, int LD, int NTHR, bool kWhole = false, typename T>
+template <int ROWS, int COLS, int LD, int NTHR, bool kWhole = false, bool kLower = false,
+          typename T>
 __device__ __forceinline__ void cp_async_tile_by(T* dst, const T* src, int64_t stride, int L,
                                                  int tid) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));
   constexpr int kPerRow = COLS / kPer;  // 16-byte pieces per row
   static_assert(COLS % kPer == 0 && NTHR % kPerRow == 0, "tile shape");
+  static_assert(!kLower || (ROWS == COLS && sizeof(T) == 2), "lower blocks: square 16-bit tiles");
   constexpr int kRowStep = NTHR / kPerRow;  // rows one pass covers
   static_assert(!kWhole || ROWS % kRowStep == 0, "whole tiles: passes cover the rows exactly");
   constexpr int kPasses = (ROWS + kRowStep - 1) / kRowStep;
@@ -425,7 +428,9 @@ __device__ __forceinline__ void cp_async_tile_by(T* dst, const T* src, int64_t s
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int r = r0 + i * kRowStep;
-    if constexpr (kWhole) {
+    if (kLower && c / 16 > r / 16) {
+      // a block above the diagonal: not copied
+    } else if constexpr (kWhole) {
       const uint32_t da = static_cast<uint32_t>(__cvta_generic_to_shared(d + i * kRowStep * LD));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(da), "l"(s));
     } else if (ROWS % kRowStep == 0 || r < ROWS) {
@@ -434,10 +439,10 @@ __device__ __forceinline__ void cp_async_tile_by(T* dst, const T* src, int64_t s
     s += step;
   }
 }
-template <int ROWS, int COLS, int LD, typename T>
+template <int ROWS, int COLS, int LD, bool kLower = false, typename T>
 __device__ __forceinline__ void cp_async_tile(T* dst, const T* src, int64_t stride, int L) {
-  cp_async_tile_by<ROWS, COLS, LD, kTileThreads>(dst, src, stride, L,
-                                                 static_cast<int>(threadIdx.x));
+  cp_async_tile_by<ROWS, COLS, LD, kTileThreads, false, kLower>(dst, src, stride, L,
+                                                                static_cast<int>(threadIdx.x));
 }
 
 // mbarriers in shared memory (CTA scope): a phase completes when its count of arrivals is

@@ -209,18 +209,21 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     constexpr bool kW = decltype(whole)::value;
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
+    // T diag(beta) and P: only their lower block triangle, the blocks the products read
+    // (wy_kernel stores no other where p.tri16)
+    auto copy_tri = [&](__half* dst, const __half* src) {
+      cp_async_tile_by<C, C, LDP, kIssuers, kW, true>(dst, src, p.Hv * C, L, itid);
+    };
     cp_async_tile_by<C, D, LDH, kIssuers, kW>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
                                               L, itid);
-    cp_async_tile_by<C, C, LDP, kIssuers, kW>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C,
-                                              L, itid);
+    copy_tri(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C);
     if (!identity)
       cp_async_tile_by<C, D, LDH, kIssuers, kW>(
           Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, L, itid);
     if (want_o && ci >= c_begin) {
       cp_async_tile_by<C, D, LDH, kIssuers, kW>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D,
                                                 p.Hqk * D, L, itid);
-      cp_async_tile_by<C, C, LDP, kIssuers, kW>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C,
-                                                L, itid);
+      copy_tri(Pst(s), p.P16 + (tok0 * p.Hv + h) * C);
     }
     if (itid < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
       const int r = kW || itid < L ? itid : L - 1;
