@@ -89,7 +89,8 @@ struct FwdParams : SegParams {
   float* U_scale;    // [max_chunks, Hv, 8]
   int debug;         // timing experiments only (FLASHGDN_DEBUG): 1 no output, 2 no loads,
                      // 4 no h / dh records, 8 no U / dVt (128-column passes); tests: 16
-                     // NaN in the blocks tri16 leaves unstored (proves nothing reads them)
+                     // NaN in the blocks tri16 leaves unstored (proves nothing reads them);
+                     // 32 no o stores to global memory (state_fwd_cols_kernel, ping-pong)
   // fp16 range guard (FLASHGDN_FWD_PASS=auto): the guarded fp16 pass writes, per block, whether
   // its U left fp16's comfortable range (or its state turned non-finite); the tf32 pass
   // launched right after with redo_pass set recomputes exactly those blocks.

@@ -427,7 +427,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 #pragma unroll
         for (int it = 0; it < 4; ++it) {
           const int piece = lane + 32 * it, r = piece >> 1, half = piece & 1;
-          if (r < L) st_global_16(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half, rows[it]);
+          if (r < L && !(p.debug & 32))
+            st_global_16(dst + ((tok0 + r) * p.Hv + h) * D + v0 + 8 * half, rows[it]);
         }
       } else {
 #pragma unroll
