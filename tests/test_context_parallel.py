@@ -28,7 +28,8 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
-            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG")
+            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
+            "FLASHGDN_WY_OCC4")
 
 
 @contextmanager
@@ -909,6 +910,8 @@ WY_CASES = [
     Case("wy_h3", [513, 64, 1], 2, 6, gate="very_negative"),  # wy_heads 3
     Case("wy_h2_fp16", [600, 45], 4, 8, gate="zero_heads", dtype=torch.float16),  # wy_heads 2
     Case("wy_auto_long", [16384], 4, 16, gate="mixed"),  # the planner's split plan
+    # wy_heads 2 on bf16 inputs: wy_batched_kernel<In, 2> (4 blocks per SM) with the fp16 copies
+    Case("wy_h2_bf16", [900, 200, 33], 3, 6, gate="mixed"),
 ]
 
 
@@ -917,7 +920,8 @@ def test_wy_batched_bit_identical(case: Case):
     """wy_batched_kernel (the default where a wy block takes several value heads: every phase
     of the WY part over all the block's heads at once) does wy_kernel<In, true, true>'s
     arithmetic (FLASHGDN_WY_BATCHED=0): o and the final state equal bit for bit, eagerly and
-    from a CUDA graph, with 2, 3 and 4 heads a block, two blocks a q/k head, bf16 and fp16."""
+    from a CUDA graph, with 2, 3 and 4 heads a block, two blocks a q/k head, bf16 and fp16
+    (2 heads: wy_batched_kernel<In, 2>, 47 KB and 4 blocks per SM)."""
     inp = make_inputs(case, "cuda", seed=31)
     with env_vars({"FLASHGDN_WY_BATCHED": "0"}):
         o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
@@ -973,7 +977,7 @@ def test_tri16_bit_identical(case: Case, env: dict):
 
 
 @pytest.mark.parametrize("cols", [0, 1], ids=["bwd_default", "bwd_cols"])
-@pytest.mark.parametrize("case", [WY_CASES[0], WY_CASES[2]], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [WY_CASES[0], WY_CASES[2], WY_CASES[5]], ids=lambda c: c.name)
 def test_wy_batched_bit_identical_backward(monkeypatch, case: Case, cols: int):
     """The backward's recomputation through wy_batched_kernel (T, fp32 P, Tv16 as the
     backward asks) against FLASHGDN_WY_BATCHED=0: every gradient equal bit for bit, and

@@ -630,8 +630,11 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
 }
 
 // ---------------------------------------------------------------------------------------
-// wy_batched_kernel  grid (max_chunks * H_v / wy_heads), 256 threads, 74 KB smem (3 blocks
-//   per SM); the default pass's wy_kernel<In, true, true> with the same outputs, bit for bit
+// wy_batched_kernel<In, kH>  grid (max_chunks * H_v / wy_heads), 256 threads, up to kH = 4
+//   value heads a block: 74 KB smem, 3 blocks per SM; kH = 2 (wy_heads 2, e.g. 16/32 heads):
+//   47 KB and 4 blocks per SM, 64 registers. Reads k, q, g, beta; writes Tv16 (T, P for the
+//   backward), P16, G, EG, Lb and the fp16 copies of k, q (as wy_kernel, its header).
+//   The default pass's wy_kernel<In, true, true> with the same outputs, bit for bit
 //   (tests/test_context_parallel.py test_wy_batched_bit_identical), from the same reads.
 //   There a block's value heads go through the epilogue, the substitution and the
 //   inverse's three block rows one after another, five block barriers a head, and in most
@@ -646,24 +649,116 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
 constexpr int kWyBLd = 24;  // a block's row stride (floats): A fragments' float2 loads conflict free
 constexpr int kWyBlk = 16 * kWyBLd;
 constexpr int kWyTri = 10;  // blocks of a 4 x 4 lower block triangle
-constexpr size_t kWyBatchedTiles = sizeof(float) * kWyMaxHeads * kWyTri * kWyBlk;
-static_assert(kWyBatchedTiles >= sizeof(uint16_t) * 2 * C * LDH, "the blocks cover the K, Q tiles");
+// the K, Q tiles, then kH heads' blocks over them
+constexpr size_t wy_batched_tiles(int kH) {
+  return sizeof(float) * kH * kWyTri * kWyBlk > sizeof(uint16_t) * 2 * C * LDH
+             ? sizeof(float) * kH * kWyTri * kWyBlk
+             : sizeof(uint16_t) * 2 * C * LDH;
+}
 // A warp's scratch: the block rows' X [16][kXsLd] fp32, or the epilogue's P rows [16][kWyPLd]
 // fp16 (its 16 x 32 accumulator tile, restaged so that a store covers 64 bytes of 8 rows)
 constexpr int kWyPLd = 40;  // 80-byte rows: the accumulator layout's 32-bit writes conflict free
 constexpr int kWyScratch = 16 * kWyPLd / 2;  // floats
 static_assert(kWyScratch >= 16 * kXsLd, "X fits in a warp's scratch");
-constexpr size_t kWyBatchedSmem = kWyBatchedTiles + sizeof(float) * (NT / 32) * kWyScratch + kWyTail;
+// the tail: beta and G of kH heads, |k|^2
+constexpr size_t wy_batched_tail(int kH) { return sizeof(float) * (2 * kH + 1) * C; }
+constexpr size_t wy_batched_smem(int kH) {
+  return wy_batched_tiles(kH) + sizeof(float) * (NT / 32) * kWyScratch + wy_batched_tail(kH);
+}
+static_assert(wy_batched_smem(kWyMaxHeads) <= 227 * 1024 / 3, "three blocks of 4 heads per SM");
+static_assert(wy_batched_smem(2) <= 227 * 1024 / 4, "four blocks of 2 heads per SM");
+
+// wy_batched_kernel's stores of the fp16 copies of k and q (wy_fp16_copies' values and
+// layout): thread t the 16-byte piece 8 (t % 16) of rows t / 16 + 16 i of K, then Q, its
+// addresses formed once (wy_fp16_copies' loop divides a piece index and multiplies 64-bit
+// strides for every piece: 18% of the kernel's instructions, H100 ncu source counters).
+template <typename In>
+__device__ __forceinline__ void wy_batched_fp16_copies(const FwdParams& p, const In* Ks,
+                                                       const In* Qs, int64_t qk_off, int L) {
+  constexpr int kPieces = D / 8, kRows = NT / kPieces;  // 16 pieces a row, 16 rows a pass
+  const int r0 = threadIdx.x / kPieces, c = (threadIdx.x % kPieces) * 8;
+  const int64_t stride = static_cast<int64_t>(p.Hqk) * D;
+  __half* gk = p.Kh_w + qk_off + r0 * stride + c;
+  __half* gq = p.Qh_w + qk_off + r0 * stride + c;
+  const In* sk = Ks + r0 * LDH + c;
+  const In* sq = Qs + r0 * LDH + c;
+  auto convert = [](const In* src) {
+    float f[8];
+    unpack8(f, *reinterpret_cast<const uint4*>(src), src);
+    return make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]), pack_half2(f[4], f[5]),
+                      pack_half2(f[6], f[7]));
+  };
+#pragma unroll
+  for (int i = 0; i < C / kRows; ++i) {
+    if (r0 + kRows * i < L) {
+      *reinterpret_cast<uint4*>(gk + kRows * i * stride) = convert(sk + kRows * i * LDH);
+      *reinterpret_cast<uint4*>(gq + kRows * i * stride) = convert(sq + kRows * i * LDH);
+    }
+  }
+}
+
+// wy_batched_kernel's Tv16 <- T diag(beta) (and T for the backward) of its heads (wy_store_tv16's
+// values and layout): thread t the 16-byte piece s = 8 (t % 8) of rows t / 8 + 32 i (i < 2),
+// the blocks' and the rows' offsets formed once for all heads.
+__device__ __forceinline__ void wy_batched_store_tv16(const FwdParams& p, const float* Ab,
+                                                      const float* bs_all, int64_t row_off0,
+                                                      int nh, int L) {
+  constexpr int B = 16, kRows = NT / (C / 8);  // 32 rows a pass
+  const int r0 = threadIdx.x / (C / 8), s = 8 * (threadIdx.x % (C / 8));
+  int toff[C / kRows];   // the piece's offset in a head's blocks (-1: above the diagonal)
+  int64_t gidx[C / kRows];
+#pragma unroll
+  for (int i = 0; i < C / kRows; ++i) {
+    const int r = r0 + kRows * i, bi = r / B, bj = s / B;
+    toff[i] = bj <= bi ? (bi * (bi + 1) / 2 + bj) * kWyBlk + (r % B) * kWyBLd + s % B : -1;
+    gidx[i] = (row_off0 + static_cast<int64_t>(r) * p.Hv) * C + s;
+  }
+  const bool tmat = p.Tmat != nullptr, t16 = p.T16 != nullptr;
+  for (int hi = 0; hi < nh; ++hi) {
+    const float* bs = bs_all + hi * C;
+    const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
+    const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
+#pragma unroll
+    for (int i = 0; i < C / kRows; ++i) {
+      const int r = r0 + kRows * i;
+      if (r >= L) continue;
+      float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
+      if (toff[i] >= 0) {
+        const float* tr = Ab + hi * kWyTri * kWyBlk + toff[i];
+        t0 = *reinterpret_cast<const float4*>(tr);
+        t1 = *reinterpret_cast<const float4*>(tr + 4);
+      }
+      const int64_t idx = gidx[i] + hi * C;
+      if (tri16_poison(p, r, s))
+        *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+            make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN);
+      else if (!tri16_skip(p, r, s))
+        *reinterpret_cast<uint4*>(p.Tv16 + idx) = make_uint4(
+            pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
+            pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
+      if (tmat) {
+        *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
+        *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
+      }
+      if (t16)
+        *reinterpret_cast<uint4*>(p.T16 + idx) =
+            make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
+                       pack_half2(t1.z, t1.w));
+    }
+  }
+}
 
 // Block (i, j), j <= i, of value head h's lower block triangle.
 __device__ __forceinline__ float* wy_blk(float* base, int h, int i, int j) {
   return base + (h * kWyTri + i * (i + 1) / 2 + j) * kWyBlk;
 }
 
-template <typename In>
-__global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
+template <typename In, int kH>
+__global__ void __launch_bounds__(NT, kH <= 2 ? 4 : 3) wy_batched_kernel(FwdParams p) {
+  static_assert(kH >= 2 && kH <= kWyMaxHeads, "value heads a block");
+  constexpr size_t kSmem = wy_batched_smem(kH);
   if (p.seqs.failed()) return;
-  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kWyMaxHeads
+  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
   const WyBlock wb = wy_block(p, nh);
   const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
   const ChunkRef ck = locate_chunk(p.seqs, chunk);
@@ -673,10 +768,10 @@ __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
   In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH], then the heads' blocks over them
   In* Qs = Ks + C * LDH;
   float* Ab = reinterpret_cast<float*>(smem_raw);  // [heads][kWyTri][kWyBlk] A, then T
-  float* xs = Ab + kWyMaxHeads * kWyTri * kWyBlk;  // [warps][kWyScratch] (kWyScratch)
-  float* bs_all = reinterpret_cast<float*>(smem_raw + kWyBatchedSmem - kWyTail);  // [heads][C]
-  float* Gs_all = bs_all + kWyMaxHeads * C;                                      // [heads][C]
-  float* kn = Gs_all + kWyMaxHeads * C;  // [C] |k_r|^2
+  float* xs = reinterpret_cast<float*>(smem_raw + wy_batched_tiles(kH));  // [warps][kWyScratch]
+  float* bs_all = reinterpret_cast<float*>(smem_raw + kSmem - wy_batched_tail(kH));  // [heads][C]
+  float* Gs_all = bs_all + kH * C;                                                  // [heads][C]
+  float* kn = Gs_all + kH * C;  // [C] |k_r|^2
 
   const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off0 = ck.tok0 * p.Hv + h0;
   cp_async_tile<C, D, LDH>(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, L);
@@ -687,7 +782,8 @@ __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
   cp_async_wait<0>();
   __syncthreads();
   wy_gates_carry(nh, Gs_all);
-  wy_fp16_copies(p, Ks, Qs, h0, qk_off, L);
+  if (p.Kh_w != nullptr && h0 % (p.Hv / p.Hqk) == 0)  // the first block of the q/k head
+    wy_batched_fp16_copies(p, Ks, Qs, qk_off, L);
   __syncthreads();
 
   // K K^T and Q K^T (as wy_kernel): warp w rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
@@ -790,7 +886,7 @@ __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
       bf[0] = __float_as_uint(round_tf32(m[(k0 + 2 * t) * ld + c + g]));
       bf[1] = __float_as_uint(round_tf32(m[(k0 + 2 * t + 1) * ld + c + g]));
     };
-    constexpr int kMaxTasks = (kWyMaxHeads * 2 * (C / B - 1) + NT / 32 - 1) / (NT / 32);
+    constexpr int kMaxTasks = (kH * 2 * (C / B - 1) + NT / 32 - 1) / (NT / 32);
 #pragma unroll
     for (int bi = 1; bi < C / B; ++bi) {
       const int ntask = nh * 2 * bi;
@@ -845,13 +941,11 @@ __global__ void __launch_bounds__(NT, 3) wy_batched_kernel(FwdParams p) {
 
   // Tv16 <- T diag(beta) in fp16 (and T, fp32 or fp16, for the backward), G, e^G, the warm-up
   // bound: every head (as wy_kernel's stores)
+  wy_batched_store_tv16(p, Ab, bs_all, row_off0, nh, L);
   for (int hi = 0; hi < nh; ++hi) {
     const float* bs = bs_all + hi * C;
     const float* Gs = Gs_all + hi * C;
     const int64_t row_off = row_off0 + hi;
-    wy_store_tv16(p, bs, row_off, L, [&](int r, int s) {
-      return wy_blk(Ab, hi, r / B, s / B) + (r % B) * kWyBLd + s % B;
-    });
     if (p.Lb != nullptr && warp == hi)  // warm-up bound of the chunk
       wy_store_lb(p, bs, Gs, kn, L, chunk * p.Hv + h0 + hi);
     wy_store_gates(p, Gs, row_off, L, threadIdx.x, NT);

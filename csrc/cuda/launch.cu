@@ -829,6 +829,9 @@ int wy_heads(const Problem& p) {
 // default where a block takes several); FLASHGDN_WY_BATCHED=0 one head after another
 // (wy_kernel<In, true, true>, bit-identical).
 bool wy_batched() { return env_int_or("FLASHGDN_WY_BATCHED", 1) != 0; }
+// Blocks of two value heads in wy_batched_kernel<In, 2> (47 KB, 4 blocks per SM; the same
+// bits) unless FLASHGDN_WY_OCC4=0 (the 4-head kernel's 74 KB, 3 blocks per SM).
+bool wy_occ4() { return env_int_or("FLASHGDN_WY_OCC4", 1) != 0; }
 
 template <typename In>
 void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
@@ -837,13 +840,16 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_kernel<In>, kWySmem<false>);
     set_smem(wy_kernel<In, true>, kWySmem<true>);
     set_smem(wy_kernel<In, true, true>, kWySmem<true, true>);
-    set_smem(wy_batched_kernel<In>, kWyBatchedSmem);
+    set_smem(wy_batched_kernel<In, 2>, wy_batched_smem(2));
+    set_smem(wy_batched_kernel<In, kWyMaxHeads>, wy_batched_smem(kWyMaxHeads));
   });
   if (p.max_chunks() == 0) return;
   f.wy_heads = f.Tv16 != nullptr ? wy_heads(p) : 1;
   const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
-  if (f.Tv16 != nullptr && f.wy_heads > 1 && wy_batched())
-    wy_batched_kernel<In><<<grid, NT, kWyBatchedSmem, st>>>(f);
+  if (f.Tv16 != nullptr && f.wy_heads == 2 && wy_batched() && wy_occ4())
+    wy_batched_kernel<In, 2><<<grid, NT, wy_batched_smem(2), st>>>(f);
+  else if (f.Tv16 != nullptr && f.wy_heads > 1 && wy_batched())
+    wy_batched_kernel<In, kWyMaxHeads><<<grid, NT, wy_batched_smem(kWyMaxHeads), st>>>(f);
   else if (f.Tv16 != nullptr && f.wy_heads > 1)
     wy_kernel<In, true, true><<<grid, NT, kWySmem<true, true>, st>>>(f);
   else if (f.Tv16 != nullptr)
