@@ -29,7 +29,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
-            "FLASHGDN_WY_OCC4")
+            "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG")
 
 
 @contextmanager
@@ -973,6 +973,39 @@ def test_tri16_bit_identical(case: Case, env: dict):
     assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
     ro, rh = reference(inp)
     print(f"tri16 {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
+    assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+
+
+OWG_CASES = [
+    # the 128-column pass unsplit: odd lengths, an initial state, 25% g == 0 heads
+    (Case("owg_varlen", [1000, 77, 2100], 4, 16, gate="mixed"), {"FLASHGDN_FWD_BW": "128"}),
+    (Case("owg_fp16", [700, 130], 2, 8, gate="very_negative", dtype=torch.float16),
+     {"FLASHGDN_FWD_BW": "128"}),
+    # the planner's split plan (warm-ups without outputs, exact segments after the walk)
+    (Case("owg_cp_long", [16384], 4, 16, gate="mixed"), {}),
+    # packed sequences in looped slots (the hand-overs' counts carried across segments)
+    (Case("owg_packed", [5000, 3000, 64, 1, 700], 2, 8, gate="mixed"),
+     {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "6", "FLASHGDN_FWD_BW": "128"}),
+]
+
+
+@pytest.mark.parametrize("case,env", OWG_CASES, ids=lambda c: c.name if isinstance(c, Case) else "")
+def test_owg_bit_identical(case: Case, env: dict):
+    """state_fwd_cols_owg_kernel (FLASHGDN_COLS_OWG=1: the 128-column phase 0 with its
+    outputs in a warpgroup of their own, from the chain's S^T and U^T handed over in shared
+    memory) gives state_fwd_cols_kernel's o and final state bit for bit, eagerly and from a
+    CUDA graph, unsplit, split and on packed sequences in looped slots."""
+    inp = make_inputs(case, "cuda", seed=43)
+    with env_vars(env):
+        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({**env, "FLASHGDN_COLS_OWG": "1"}):
+        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{case.name}: owg differs"
+    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
+    ro, rh = reference(inp)
+    print(f"owg {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
     assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
 
 

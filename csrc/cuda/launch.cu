@@ -16,6 +16,7 @@
 #include "planner.cuh"
 #include "state_bwd_cols.cuh"
 #include "state_fwd_cols.cuh"
+#include "state_fwd_cols_owg.cuh"
 
 namespace flashgdn {
 namespace {
@@ -76,7 +77,8 @@ int env_int_or(const char* name, int unset) {
 // FLASHGDN_PDL=0 turns it off): see launch_kernel.
 bool pdl_enabled() { return env_int_or("FLASHGDN_PDL", 1) != 0; }
 
-// kernel<<<grid, NT, smem, st>>>(args...); with `pdl` as the programmatic dependent of the
+// kernel<<<grid, threads, smem, st>>>(args...) (launch_kernel: NT threads); with `pdl` as the
+// programmatic dependent of the
 // kernel before it in `st` (sm_90): its blocks may start while that kernel still runs, as
 // soon as each of that kernel's blocks has called pdl_trigger or exited, and they wait for
 // its completion in pdl_wait (mma.cuh) before reading what it wrote. So the chain's
@@ -84,11 +86,11 @@ bool pdl_enabled() { return env_int_or("FLASHGDN_PDL", 1) != 0; }
 // to do run under the previous kernel's tail. Captured into CUDA graphs as programmatic
 // edges.
 template <typename... KArgs, typename... Args>
-void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_t st, bool pdl,
-                   const char* what, Args&&... args) {
+void launch_kernel_threads(void (*kernel)(KArgs...), dim3 grid, int threads, size_t smem,
+                           cudaStream_t st, bool pdl, const char* what, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(NT);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
   cudaLaunchAttribute attr[1];
@@ -97,6 +99,11 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_
   cfg.attrs = attr;
   cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+}
+template <typename... KArgs, typename... Args>
+void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_t st, bool pdl,
+                   const char* what, Args&&... args) {
+  launch_kernel_threads(kernel, grid, NT, smem, st, pdl, what, std::forward<Args>(args)...);
 }
 
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
@@ -109,6 +116,10 @@ bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 // its per-token factors formed mid-step by the issuing warpgroup, measured slower (H100,
 // 16/32 x 32768: 735 -> 869 us; docs/perf-notes.md version 31).
 bool cols_ping() { return env_int_or("FLASHGDN_COLS_PING", 1) != 0; }
+// FLASHGDN_COLS_OWG=1 (opt-in, not yet run on a GPU): phase 0 of the plain forward's
+// 128-column pass with the outputs in a warpgroup of their own (state_fwd_cols_owg_kernel,
+// 384 threads; the same bits as state_fwd_cols_kernel).
+bool cols_owg() { return env_int("FLASHGDN_COLS_OWG") == 1; }
 // FLASHGDN_COLS_STAGES=3 (opt-in; bit-identical, measured slower on the H200: phase 0 at
 // 4/16 x 32768 272 -> 282 us, docs/perf-notes.md version 33): the forward's ping-pong
 // 128-column pass (no records) with three stages of copies, chunk ci + 2's issued at the
@@ -672,6 +683,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_cols_kernel<In, false, false, true, 3>,
              StateFwdColsSmem::stage_bytes(3, false));
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
+    set_smem(state_fwd_cols_owg_kernel<In>, StateFwdOwgSmem::kBytes);
   });
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
@@ -707,6 +719,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     else if (f.h != nullptr)  // the backward's recomputation (launch.cu bwd_cols)
       ping ? go(state_fwd_cols_kernel<In, true, false, true>, Sm::ping_bytes(true))
            : go(state_fwd_cols_kernel<In, true>, Sm::kRecordBytes);
+    else if (f.phase == 0 && f.o != nullptr && cols_owg() && !(f.debug & 1))
+      launch_kernel_threads(state_fwd_cols_owg_kernel<In>, grid, kOwgThreads,
+                            StateFwdOwgSmem::kBytes, st, dep, what, fm);
     else if (ping && cols_three_stages())
       go(state_fwd_cols_kernel<In, false, false, true, 3>, Sm::stage_bytes(3, false));
     else

@@ -255,6 +255,38 @@ __device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t
                : "memory");
 }
 
+// Four 8 x 8 16-bit matrices from registers into shared memory as they are (sm_90): with
+// frag_a16's addresses, the A fragment that frag_a16 reads back (the same registers).
+__device__ __forceinline__ void stmatrix_x4(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
+                   smem_addr(p)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+// An A fragment (frag_a16's rows row0..row0+15, k0..k0+15) into a 16-bit tile [row][k].
+__device__ __forceinline__ void store_frag_a16(__half* s, int ld, int row0, int k0,
+                                               const uint32_t (&a)[4]) {
+  const int l = lane_id();
+  stmatrix_x4(s + (row0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + k0 + (l >> 4) * 8, a[0], a[1],
+              a[2], a[3]);
+}
+// A barrier of `count` threads (whole warps) on named barrier `id` (1..15; 0 is
+// __syncthreads').
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// The registers a thread of this warpgroup may use from here on (sm_90a; every thread of the
+// warpgroup executes it): more for one role, fewer for another, within the block's share.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
