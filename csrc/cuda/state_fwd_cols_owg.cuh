@@ -20,7 +20,7 @@
 // each with a full and a free mbarrier: the chain writes S^T of output chunk m after its
 // X product, once the output warps are done reading chunk m - 1's, and U^T after its U
 // product; the output warps free S^T after the second half's S Q^T and U^T after its P
-// product. setmaxnreg: the chain's warps 208 registers, the output's 96.
+// product. setmaxnreg: the chain's warps 200 registers, the output's 104 (kOwgChainRegs).
 //   reads  Kh, Qh, Tv16, v, P16, EG (wy_kernel), Lb, initial state, seg_in
 //   writes o, final state
 #pragma once
@@ -31,8 +31,14 @@ namespace flashgdn {
 namespace cuda {
 
 constexpr int kOwgThreads = 3 * 128;  // two chain warpgroups, one output warpgroup
-constexpr int kOwgChainRegs = 224, kOwgOutRegs = 64;
-static_assert(2 * 128 * kOwgChainRegs + 128 * kOwgOutRegs <= 65536, "the register file");
+// The block's pool is what its launch took: 168 registers a thread (65536 / 384, rounded down
+// to a multiple of 8), 64512 in all; setmaxnreg.inc waits until the pool has them, so the
+// roles' counts must fit it or the chain's warps wait for ever. 200 / 104: the fewest spills
+// (ptxas: 24 bytes, in the segments' set-up; 208 / 88: 68, 216 / 72: 84).
+constexpr int kOwgLaunchRegs = (65536 / kOwgThreads) / 8 * 8;
+constexpr int kOwgChainRegs = 200, kOwgOutRegs = 104;
+static_assert(2 * 128 * kOwgChainRegs + 128 * kOwgOutRegs <= kOwgThreads * kOwgLaunchRegs,
+              "the roles' registers fit the block's pool");
 
 struct StateFwdOwgSmem {
   static constexpr int LDP = C + 8;  // T diag(beta), P [64][72]; U^T [128][72]
