@@ -230,21 +230,33 @@ __device__ __forceinline__ void wy_gates_carry(int nh, float* Gs_all) {
 
 // fp16 copies of this chunk's k and q rows (staged in Ks, Qs) for the fp16 state pass, by the
 // first block of each q/k head (bf16 inputs; exact for |x| in [2^-14, 65504], the range of
-// l2-normalised q and k).
+// l2-normalised q and k). Thread t takes the 16-byte piece 8 (t % 16) of rows t / 16 + 16 i
+// of K and of Q, its addresses formed once (the loop over a piece index before 2026-11-26
+// divided it and multiplied 64-bit strides for every piece: 18% of wy_batched_kernel's
+// instructions, H100 ncu source counters).
 template <typename In>
 __device__ __forceinline__ void wy_fp16_copies(const FwdParams& p, const In* Ks, const In* Qs,
                                                int64_t h0, int64_t qk_off, int L) {
   if (p.Kh_w == nullptr || h0 % (p.Hv / p.Hqk) != 0) return;
-  constexpr int kPieces = D / 8;  // 8 values per 16-byte piece
-  for (int e = threadIdx.x; e < 2 * C * kPieces; e += NT) {
-    const int which = e / (C * kPieces), r = (e / kPieces) % C, c = (e % kPieces) * 8;
-    if (r >= L) continue;
-    const In* src = (which ? Qs : Ks) + r * LDH + c;
+  constexpr int kPieces = D / 8, kRows = NT / kPieces;  // 16 pieces a row, 16 rows a pass
+  const int r0 = threadIdx.x / kPieces, c = (threadIdx.x % kPieces) * 8;
+  const int64_t stride = static_cast<int64_t>(p.Hqk) * D;
+  __half* gk = p.Kh_w + qk_off + r0 * stride + c;
+  __half* gq = p.Qh_w + qk_off + r0 * stride + c;
+  const In* sk = Ks + r0 * LDH + c;
+  const In* sq = Qs + r0 * LDH + c;
+  auto convert = [](const In* src) {
     float f[8];
     unpack8(f, *reinterpret_cast<const uint4*>(src), src);
-    const uint4 out = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
-                                 pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
-    *reinterpret_cast<uint4*>((which ? p.Qh_w : p.Kh_w) + qk_off + r * p.Hqk * D + c) = out;
+    return make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]), pack_half2(f[4], f[5]),
+                      pack_half2(f[6], f[7]));
+  };
+#pragma unroll
+  for (int i = 0; i < C / kRows; ++i) {
+    if (r0 + kRows * i < L) {
+      *reinterpret_cast<uint4*>(gk + kRows * i * stride) = convert(sk + kRows * i * LDH);
+      *reinterpret_cast<uint4*>(gq + kRows * i * stride) = convert(sq + kRows * i * LDH);
+    }
   }
 }
 
@@ -668,35 +680,6 @@ constexpr size_t wy_batched_smem(int kH) {
 static_assert(wy_batched_smem(kWyMaxHeads) <= 227 * 1024 / 3, "three blocks of 4 heads per SM");
 static_assert(wy_batched_smem(2) <= 227 * 1024 / 4, "four blocks of 2 heads per SM");
 
-// wy_batched_kernel's stores of the fp16 copies of k and q (wy_fp16_copies' values and
-// layout): thread t the 16-byte piece 8 (t % 16) of rows t / 16 + 16 i of K, then Q, its
-// addresses formed once (wy_fp16_copies' loop divides a piece index and multiplies 64-bit
-// strides for every piece: 18% of the kernel's instructions, H100 ncu source counters).
-template <typename In>
-__device__ __forceinline__ void wy_batched_fp16_copies(const FwdParams& p, const In* Ks,
-                                                       const In* Qs, int64_t qk_off, int L) {
-  constexpr int kPieces = D / 8, kRows = NT / kPieces;  // 16 pieces a row, 16 rows a pass
-  const int r0 = threadIdx.x / kPieces, c = (threadIdx.x % kPieces) * 8;
-  const int64_t stride = static_cast<int64_t>(p.Hqk) * D;
-  __half* gk = p.Kh_w + qk_off + r0 * stride + c;
-  __half* gq = p.Qh_w + qk_off + r0 * stride + c;
-  const In* sk = Ks + r0 * LDH + c;
-  const In* sq = Qs + r0 * LDH + c;
-  auto convert = [](const In* src) {
-    float f[8];
-    unpack8(f, *reinterpret_cast<const uint4*>(src), src);
-    return make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]), pack_half2(f[4], f[5]),
-                      pack_half2(f[6], f[7]));
-  };
-#pragma unroll
-  for (int i = 0; i < C / kRows; ++i) {
-    if (r0 + kRows * i < L) {
-      *reinterpret_cast<uint4*>(gk + kRows * i * stride) = convert(sk + kRows * i * LDH);
-      *reinterpret_cast<uint4*>(gq + kRows * i * stride) = convert(sq + kRows * i * LDH);
-    }
-  }
-}
-
 // wy_batched_kernel's Tv16 <- T diag(beta) (and T for the backward) of its heads (wy_store_tv16's
 // values and layout): thread t the 16-byte piece s = 8 (t % 8) of rows t / 8 + 32 i (i < 2),
 // the blocks' and the rows' offsets formed once for all heads.
@@ -782,8 +765,7 @@ __global__ void __launch_bounds__(NT, kH <= 2 ? 4 : 3) wy_batched_kernel(FwdPara
   cp_async_wait<0>();
   __syncthreads();
   wy_gates_carry(nh, Gs_all);
-  if (p.Kh_w != nullptr && h0 % (p.Hv / p.Hqk) == 0)  // the first block of the q/k head
-    wy_batched_fp16_copies(p, Ks, Qs, qk_off, L);
+  wy_fp16_copies(p, Ks, Qs, h0, qk_off, L);
   __syncthreads();
 
   // K K^T and Q K^T (as wy_kernel): warp w rows 16 (w % 4) .. +16, columns 32 (w / 4) .. +32
