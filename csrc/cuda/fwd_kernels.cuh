@@ -295,40 +295,55 @@ __device__ __forceinline__ bool tri16_poison(const FwdParams& p, int r, int c) {
 }
 constexpr uint32_t kHalf2NaN = 0x7e007e00u;
 
-// Tv16 <- T diag(beta) in fp16 (and T itself, fp32 or fp16, for the backward) of one value
-// head: 8 columns a thread, 16-byte stores (a warp covers 4 whole rows); with p.tri16 only
-// the blocks at or below the diagonal. t_at(r, s) points at
-// T's row r, columns s .. s + 7, in a 16 x 16 block at or below the diagonal (T's blocks above
-// it are zero and not formed).
+// One 16-byte piece of Tv16 <- T diag(beta) in fp16 (and of T itself, fp32 Tmat or fp16 T16,
+// for the backward) at idx, row r, columns s .. s + 7: tr points at T's row piece, null for
+// a block above the diagonal (zero, not formed); b0, b1 are beta of those columns. With
+// p.tri16 no such block of Tv16 is stored.
+__device__ __forceinline__ void wy_store_tv16_piece(const FwdParams& p, int r, int s, int64_t idx,
+                                                    const float* tr, float4 b0, float4 b1) {
+  float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
+  if (tr != nullptr) {
+    t0 = *reinterpret_cast<const float4*>(tr);
+    t1 = *reinterpret_cast<const float4*>(tr + 4);
+  }
+  if (tri16_poison(p, r, s))
+    *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+        make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN);
+  else if (!tri16_skip(p, r, s))
+    *reinterpret_cast<uint4*>(p.Tv16 + idx) =
+        make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
+                   pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
+  if (p.Tmat) {
+    *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
+    *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
+  }
+  if (p.T16)
+    *reinterpret_cast<uint4*>(p.T16 + idx) =
+        make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
+                   pack_half2(t1.z, t1.w));
+}
+
+// The 16-byte pieces a thread stores of a chunk's 64 x 64 T: columns s = 8 (t % 8) of rows
+// t / 8 + 32 i (i < 2), a warp covering 4 whole rows a store.
+constexpr int kTvRows = NT / (C / 8);  // 32 rows a pass
+__device__ __forceinline__ int tv16_row0() { return static_cast<int>(threadIdx.x) / (C / 8); }
+__device__ __forceinline__ int tv16_col() { return 8 * (static_cast<int>(threadIdx.x) % (C / 8)); }
+
+// Tv16 (T, for the backward) of one value head, its pieces' rows and addresses formed once a
+// thread. t_at(r, s) points at T's row r, columns s .. s + 7, in a block at or below the
+// diagonal.
 template <typename TAt>
 __device__ __forceinline__ void wy_store_tv16(const FwdParams& p, const float* bs,
                                               int64_t row_off, int L, TAt t_at) {
-  for (int e = threadIdx.x; e < C * (C / 8); e += NT) {
-    const int r = e / (C / 8), s = 8 * (e % (C / 8));
-    if (r >= L) break;  // e grows with r
-    float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
-    if (s / 16 <= r / 16) {
-      const float* tr = t_at(r, s);
-      t0 = *reinterpret_cast<const float4*>(tr);
-      t1 = *reinterpret_cast<const float4*>(tr + 4);
-    }
-    const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
-    const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
-    const int64_t idx = (row_off + r * p.Hv) * C + s;
-    if (tri16_poison(p, r, s))
-      *reinterpret_cast<uint4*>(p.Tv16 + idx) = make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN);
-    else if (!tri16_skip(p, r, s))
-      *reinterpret_cast<uint4*>(p.Tv16 + idx) =
-          make_uint4(pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
-                     pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
-    if (p.Tmat) {
-      *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
-      *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
-    }
-    if (p.T16)
-      *reinterpret_cast<uint4*>(p.T16 + idx) =
-          make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
-                     pack_half2(t1.z, t1.w));
+  const int r0 = tv16_row0(), s = tv16_col();
+  const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
+  const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
+#pragma unroll
+  for (int i = 0; i < C / kTvRows; ++i) {
+    const int r = r0 + kTvRows * i;
+    if (r >= L) break;
+    wy_store_tv16_piece(p, r, s, (row_off + static_cast<int64_t>(r) * p.Hv) * C + s,
+                        s / 16 <= r / 16 ? t_at(r, s) : nullptr, b0, b1);
   }
 }
 
@@ -680,53 +695,32 @@ constexpr size_t wy_batched_smem(int kH) {
 static_assert(wy_batched_smem(kWyMaxHeads) <= 227 * 1024 / 3, "three blocks of 4 heads per SM");
 static_assert(wy_batched_smem(2) <= 227 * 1024 / 4, "four blocks of 2 heads per SM");
 
-// wy_batched_kernel's Tv16 <- T diag(beta) (and T for the backward) of its heads (wy_store_tv16's
-// values and layout): thread t the 16-byte piece s = 8 (t % 8) of rows t / 8 + 32 i (i < 2),
-// the blocks' and the rows' offsets formed once for all heads.
+// wy_batched_kernel's Tv16 (T, for the backward) of all its heads: wy_store_tv16's pieces, the
+// blocks' offsets and the rows' global offsets formed once for every head.
 __device__ __forceinline__ void wy_batched_store_tv16(const FwdParams& p, const float* Ab,
                                                       const float* bs_all, int64_t row_off0,
                                                       int nh, int L) {
-  constexpr int B = 16, kRows = NT / (C / 8);  // 32 rows a pass
-  const int r0 = threadIdx.x / (C / 8), s = 8 * (threadIdx.x % (C / 8));
-  int toff[C / kRows];   // the piece's offset in a head's blocks (-1: above the diagonal)
-  int64_t gidx[C / kRows];
+  constexpr int B = 16;
+  const int r0 = tv16_row0(), s = tv16_col();
+  int toff[C / kTvRows];  // the piece's offset in a head's blocks (-1: above the diagonal)
+  int64_t gidx[C / kTvRows];
 #pragma unroll
-  for (int i = 0; i < C / kRows; ++i) {
-    const int r = r0 + kRows * i, bi = r / B, bj = s / B;
+  for (int i = 0; i < C / kTvRows; ++i) {
+    const int r = r0 + kTvRows * i, bi = r / B, bj = s / B;
     toff[i] = bj <= bi ? (bi * (bi + 1) / 2 + bj) * kWyBlk + (r % B) * kWyBLd + s % B : -1;
     gidx[i] = (row_off0 + static_cast<int64_t>(r) * p.Hv) * C + s;
   }
-  const bool tmat = p.Tmat != nullptr, t16 = p.T16 != nullptr;
   for (int hi = 0; hi < nh; ++hi) {
     const float* bs = bs_all + hi * C;
     const float4 b0 = *reinterpret_cast<const float4*>(bs + s);
     const float4 b1 = *reinterpret_cast<const float4*>(bs + s + 4);
+    const float* Th = Ab + hi * kWyTri * kWyBlk;
 #pragma unroll
-    for (int i = 0; i < C / kRows; ++i) {
-      const int r = r0 + kRows * i;
-      if (r >= L) continue;
-      float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
-      if (toff[i] >= 0) {
-        const float* tr = Ab + hi * kWyTri * kWyBlk + toff[i];
-        t0 = *reinterpret_cast<const float4*>(tr);
-        t1 = *reinterpret_cast<const float4*>(tr + 4);
-      }
-      const int64_t idx = gidx[i] + hi * C;
-      if (tri16_poison(p, r, s))
-        *reinterpret_cast<uint4*>(p.Tv16 + idx) =
-            make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN);
-      else if (!tri16_skip(p, r, s))
-        *reinterpret_cast<uint4*>(p.Tv16 + idx) = make_uint4(
-            pack_half2(t0.x * b0.x, t0.y * b0.y), pack_half2(t0.z * b0.z, t0.w * b0.w),
-            pack_half2(t1.x * b1.x, t1.y * b1.y), pack_half2(t1.z * b1.z, t1.w * b1.w));
-      if (tmat) {
-        *reinterpret_cast<float4*>(p.Tmat + idx) = t0;
-        *reinterpret_cast<float4*>(p.Tmat + idx + 4) = t1;
-      }
-      if (t16)
-        *reinterpret_cast<uint4*>(p.T16 + idx) =
-            make_uint4(pack_half2(t0.x, t0.y), pack_half2(t0.z, t0.w), pack_half2(t1.x, t1.y),
-                       pack_half2(t1.z, t1.w));
+    for (int i = 0; i < C / kTvRows; ++i) {
+      const int r = r0 + kTvRows * i;
+      if (r >= L) break;
+      wy_store_tv16_piece(p, r, s, gidx[i] + hi * C, toff[i] >= 0 ? Th + toff[i] : nullptr, b0,
+                          b1);
     }
   }
 }
