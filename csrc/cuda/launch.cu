@@ -77,11 +77,11 @@ int env_int_or(const char* name, int unset) {
 // FLASHGDN_PDL=0 turns it off): see launch_kernel.
 bool pdl_enabled() { return env_int_or("FLASHGDN_PDL", 1) != 0; }
 
-// kernel<<<grid, threads, smem, st>>>(args...) (launch_kernel: NT threads); with `pdl` as the
-// programmatic dependent of the
-// kernel before it in `st` (sm_90): its blocks may start while that kernel still runs, as
-// soon as each of that kernel's blocks has called pdl_trigger or exited, and they wait for
-// its completion in pdl_wait (mma.cuh) before reading what it wrote. So the chain's
+// kernel<<<grid, threads, smem, st>>>(args...) (launch_kernel: NT threads); with `pdl` as
+// the programmatic dependent of the kernel before it in `st` (sm_90): its blocks may start
+// while that kernel still runs, as soon as each of that kernel's blocks has called
+// pdl_trigger or exited, and they wait for its completion in pdl_wait (mma.cuh) before
+// reading what it wrote. So the chain's
 // prologues (segment decisions, the first chunk's copies) and the blocks that find nothing
 // to do run under the previous kernel's tail. Captured into CUDA graphs as programmatic
 // edges.
