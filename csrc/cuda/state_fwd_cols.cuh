@@ -109,6 +109,64 @@ __device__ __forceinline__ void u_frags(uint32_t (&ua)[4][4], uint32_t (&ue)[4][
   }
 }
 
+// X^T = S^T K^T from the fp16 A fragments sa of S^T (k = keys) and K's B fragments (rows =
+// tokens): n8 tiles of tokens 8 j ..; kQ: O^T's first part S^T Q^T beside it, from the same
+// A fragments.
+template <bool kQ>
+__device__ __forceinline__ void sk_products(float (&x)[8][4], float (&o)[8][4],
+                                            const uint32_t (&sa)[8][4], const __half* K,
+                                            const __half* Q) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      uint32_t b0[2], b1[2];
+      frag_b16_pair(b0, b1, K, LDH, 16 * nt, 16 * kk);
+      mma_f16(x[2 * nt], sa[kk], b0);
+      mma_f16(x[2 * nt + 1], sa[kk], b1);
+      if constexpr (kQ) {
+        uint32_t c0[2], c1[2];
+        frag_b16_pair(c0, c1, Q, LDH, 16 * nt, 16 * kk);
+        mma_f16(o[2 * nt], sa[kk], c0);
+        mma_f16(o[2 * nt + 1], sa[kk], c1);
+      }
+    }
+}
+
+// U^T = W'^T (T diag(beta))^T: T diag(beta) [r][s] (rows ldt apart) is zero for s > r, so
+// only its blocks at or below the diagonal are read.
+__device__ __forceinline__ void u_product(float (&u)[8][4], const uint32_t (&wa)[4][4],
+                                          const __half* T, int ldt) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int kt = 0; kt <= nt; ++kt) {
+      uint32_t b0[2], b1[2];
+      frag_b16_pair(b0, b1, T, ldt, 16 * nt, 16 * kt);
+      mma_f16(u[2 * nt], wa[kt], b0);
+      mma_f16(u[2 * nt + 1], wa[kt], b1);
+    }
+}
+
+// S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K: n8 tiles of keys, k = tokens (ue: the
+// A fragments of U^T diag(e^{G_last - G}), egl = e^{G_last}).
+__device__ __forceinline__ void state_update_cols(float (&sacc)[16][4], const uint32_t (&ue)[4][4],
+                                                  const __half* K, float egl) {
+#pragma unroll
+  for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt)
+#pragma unroll
+    for (int jp = 0; jp < 8; ++jp) {
+      uint32_t b0[2], b1[2];
+      frag_b16_trans2(b0, b1, K, LDH, 16 * jp, 16 * kt);
+      mma_f16(sacc[2 * jp], ue[kt], b0);
+      mma_f16(sacc[2 * jp + 1], ue[kt], b1);
+    }
+}
+
 // o (O^T tiles) *= e^G of each token column.
 __device__ __forceinline__ void scale_by_eg(float (&o)[8][4], const float2* E) {
   const int tc = 2 * (lane_id() & 3);
@@ -297,29 +355,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
 
     // X^T = S^T K^T (and Q S as O^T's first part): n8 tiles of tokens 8 j ..
     float x[8][4] = {}, o[8][4] = {};
-    {
-      auto products = [&](auto with_q) {
-        constexpr bool kQ = decltype(with_q)::value;
-        const __half* Q = Qst(s);
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            uint32_t b0[2], b1[2];
-            frag_b16_pair(b0, b1, K, LDH, 16 * nt, 16 * kk);  // rows = tokens: B fragments of K^T
-            mma_f16(x[2 * nt], sa[kk], b0);
-            mma_f16(x[2 * nt + 1], sa[kk], b1);
-            if constexpr (kQ) {
-              uint32_t c0[2], c1[2];
-              frag_b16_pair(c0, c1, Q, LDH, 16 * nt, 16 * kk);
-              mma_f16(o[2 * nt], sa[kk], c0);
-              mma_f16(o[2 * nt + 1], sa[kk], c1);
-            }
-          }
-      };
-      if (out) products(std::true_type{});
-      else products(std::false_type{});
-    }
+    if (out) sk_products<true>(x, o, sa, K, Qst(s));
+    else sk_products<false>(x, o, sa, K, Qst(s));
     // this thread's token columns of tile j: 8 j + 2t, + 1
     const int tc = 2 * (lane & 3);
 
@@ -327,18 +364,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     w_prime_frags(wa, x, Vst(s), E, v0, identity);
     // U^T = W'^T (T diag(beta))^T: T diag(beta) [r][s] is zero for s > r
     float u[8][4] = {};
-    {
-      const __half* T = Tst(s);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int kt = 0; kt <= nt; ++kt) {
-          uint32_t b0[2], b1[2];
-          frag_b16_pair(b0, b1, T, LDP, 16 * nt, 16 * kt);
-          mma_f16(u[2 * nt], wa[kt], b0);
-          mma_f16(u[2 * nt + 1], wa[kt], b1);
-        }
-    }
+    u_product(u, wa, Tst(s), LDP);
     if (kRecord && record && ci >= c_begin && !(p.debug & 8)) {  // U: a token record block
       const int64_t rec = (b.chunk0 + ci) * p.Hv + h;
       store_record_cols(reinterpret_cast<__half*>(record_at<C>(p.U, rec, true)) + v0 * C,
@@ -346,23 +372,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     }
     uint32_t ua[4][4], ue[4][4];  // U^T and U^T diag(e^{G_last - G})
     u_frags(ua, ue, u, E);
-    // S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K: n8 tiles of keys, k = tokens
-    {
-      const float egl = E[C - 1].x;
-#pragma unroll
-      for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt)
-#pragma unroll
-        for (int jp = 0; jp < 8; ++jp) {
-          uint32_t b0[2], b1[2];
-          frag_b16_trans2(b0, b1, K, LDH, 16 * jp, 16 * kt);
-          mma_f16(sacc[2 * jp], ue[kt], b0);
-          mma_f16(sacc[2 * jp + 1], ue[kt], b1);
-        }
-    }
+    state_update_cols(sacc, ue, K, E[C - 1].x);
     if (!out) release();
     // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory: scale_by_eg and
     // store_o_cols written out (those helpers change this GPU-tested kernel's integer address

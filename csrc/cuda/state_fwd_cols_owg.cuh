@@ -134,15 +134,7 @@ __device__ __forceinline__ void owg_chain_segment(const FwdParams& p, const Segm
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
     float x[8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        uint32_t b0[2], b1[2];
-        frag_b16_pair(b0, b1, K, LDH, 16 * nt, 16 * kk);
-        mma_f16(x[2 * nt], sa[kk], b0);
-        mma_f16(x[2 * nt + 1], sa[kk], b1);
-      }
+    sk_products<false>(x, x, sa, K, nullptr);  // no Q: its o argument is not touched
     if (out) {  // S^T of output chunk m, once the output warps are done with chunk m - 1's
       if (m > 0) mbar_wait(sfree, (m - 1) & 1);
 #pragma unroll
@@ -154,18 +146,7 @@ __device__ __forceinline__ void owg_chain_segment(const FwdParams& p, const Segm
     uint32_t wa[4][4];
     w_prime_frags(wa, x, Vst(s), E, v0, identity);
     float u[8][4] = {};
-    {
-      const __half* T = Tst(s);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int kt = 0; kt <= nt; ++kt) {
-          uint32_t b0[2], b1[2];
-          frag_b16_pair(b0, b1, T, LDP, 16 * nt, 16 * kt);
-          mma_f16(u[2 * nt], wa[kt], b0);
-          mma_f16(u[2 * nt + 1], wa[kt], b1);
-        }
-    }
+    u_product(u, wa, Tst(s), LDP);
     uint32_t ua[4][4], ue[4][4];
     u_frags(ua, ue, u, E);
     if (out) {  // U^T of output chunk m
@@ -176,22 +157,7 @@ __device__ __forceinline__ void owg_chain_segment(const FwdParams& p, const Segm
       if (lane == 0) mbar_arrive(ufull);
       ++m;
     }
-    {
-      const float egl = E[C - 1].x;
-#pragma unroll
-      for (int jn = 0; jn < 16; ++jn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt)
-#pragma unroll
-        for (int jp = 0; jp < 8; ++jp) {
-          uint32_t b0[2], b1[2];
-          frag_b16_trans2(b0, b1, K, LDH, 16 * jp, 16 * kt);
-          mma_f16(sacc[2 * jp], ue[kt], b0);
-          mma_f16(sacc[2 * jp + 1], ue[kt], b1);
-        }
-    }
+    state_update_cols(sacc, ue, K, E[C - 1].x);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[s]);  // this warp's reads of stage s are done
   }
