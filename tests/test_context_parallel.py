@@ -425,6 +425,26 @@ def forward_from_graph(inp: dict, replays: int):
     return o_g, h_g
 
 
+def forward_bit_identical(inp: dict, ref_env: dict, new_env: dict, what: str,
+                          check_reference: bool = True):
+    """o and the final state under the switches new_env equal those under ref_env bit for
+    bit, eagerly and from a CUDA graph (two replays), and (check_reference) lie within the
+    float64 reference's tolerance; new_env's eager (o, final state) are returned."""
+    with env_vars(ref_env):
+        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars(new_env):
+        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{what} differs"
+    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{what}: graph replay differs"
+    if check_reference:
+        ro, rh = reference(inp)
+        print(f"{what}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
+        assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+    return o1, h1
+
+
 def test_cp_under_cuda_graph():
     case = Case("graph", [2000, 700], 2, 8, gate="mixed")
     inp = make_inputs(case, "cuda", seed=13)
@@ -923,17 +943,7 @@ def test_wy_batched_bit_identical(case: Case):
     from a CUDA graph, with 2, 3 and 4 heads a block, two blocks a q/k head, bf16 and fp16
     (2 heads: wy_batched_kernel<In, 2>, 47 KB and 4 blocks per SM)."""
     inp = make_inputs(case, "cuda", seed=31)
-    with env_vars({"FLASHGDN_WY_BATCHED": "0"}):
-        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({}):
-        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
-    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{case.name}: batched wy differs"
-    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
-    ro, rh = reference(inp)
-    print(f"wy batched {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
-    assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+    forward_bit_identical(inp, {"FLASHGDN_WY_BATCHED": "0"}, {}, f"wy batched {case.name}")
 
 
 TRI16_CASES = [
@@ -959,21 +969,11 @@ def test_tri16_bit_identical(case: Case, env: dict):
     reads them; and within the float64 reference's tolerance (the copies' blocks left as
     they were are not read either)."""
     inp = make_inputs(case, "cuda", seed=41)
-    with env_vars({**env, "FLASHGDN_TRI16": "0"}):
-        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars(env):
-        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({**env, "FLASHGDN_DEBUG": "16"}):
-        o2, h2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
+    forward_bit_identical(inp, {**env, "FLASHGDN_TRI16": "0"}, env, f"tri16 {case.name}",
+                          check_reference=False)
+    o2, h2 = forward_bit_identical(inp, env, {**env, "FLASHGDN_DEBUG": "16"},
+                                   f"tri16 {case.name} with NaN blocks")
     assert torch.isfinite(o2).all() and torch.isfinite(h2).all(), f"{case.name}: NaN read"
-    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{case.name}: tri16 differs"
-    assert torch.equal(o1, o2) and torch.equal(h1, h2), f"{case.name}: a NaN block was read"
-    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
-    ro, rh = reference(inp)
-    print(f"tri16 {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
-    assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
 
 
 OWG_CASES = [
@@ -995,18 +995,8 @@ def test_owg_bit_identical(case: Case, env: dict):
     outputs in a warpgroup of their own, from the chain's S^T and U^T handed over in shared
     memory) gives state_fwd_cols_kernel's o and final state bit for bit, eagerly and from a
     CUDA graph, unsplit, split and on packed sequences in looped slots."""
-    inp = make_inputs(case, "cuda", seed=43)
-    with env_vars(env):
-        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({**env, "FLASHGDN_COLS_OWG": "1"}):
-        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
-    assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{case.name}: owg differs"
-    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{case.name}: graph replay differs"
-    ro, rh = reference(inp)
-    print(f"owg {case.name}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
-    assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
+    inp = make_inputs(case, "cuda", seed=47)
+    forward_bit_identical(inp, env, {**env, "FLASHGDN_COLS_OWG": "1"}, f"owg {case.name}")
 
 
 @pytest.mark.parametrize("cols", [0, 1], ids=["bwd_default", "bwd_cols"])
