@@ -119,6 +119,8 @@ __device__ __forceinline__ void owg_chain_segment(const FwdParams& p, const Segm
   if (b.ss.src == SegSource::Exact) pdl_wait();
   load_state_cols(sacc, entering_state(p, b), identity, v0);
 
+  // FLASHGDN_DEBUG & 128 (timing only, o garbage): no hand-over, the chain alone
+  const bool hand = !(p.debug & 128);
   uint32_t m = m_used;  // the output chunk this one is, where it has outputs
   for (int64_t ci = c_first; ci < c_end; ++ci) {
     if (ci + 1 == c_end) pdl_trigger();
@@ -126,7 +128,7 @@ __device__ __forceinline__ void owg_chain_segment(const FwdParams& p, const Segm
     const int s = static_cast<int>(n % 2);
     if (issuer && ci + 1 < c_end) issue_use(ci + 1, n + 1);
     mbar_wait(&full[s], (n / 2) & 1);
-    const bool out = ci >= c_begin;
+    const bool out = hand && ci >= c_begin;
     const __half* K = Kst(s);
     const float2* E = Est(s);
 
@@ -178,7 +180,10 @@ __device__ __forceinline__ void owg_output_segment(const FwdParams& p, const Seg
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
   const int64_t c_end = b.c_end;
   const int64_t cb = b.c_begin > b.ss.c_first ? b.c_begin : b.ss.c_first;  // first output chunk
-  if (cb >= c_end) return;
+  if (cb >= c_end || (p.debug & 128)) return;
+  // FLASHGDN_DEBUG & 64 (timing only, o garbage): the hand-over's waits and arrivals without
+  // the output's products and stores
+  const bool math = !(p.debug & 64);
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto Qst = [&](int s) {
@@ -238,6 +243,15 @@ __device__ __forceinline__ void owg_output_segment(const FwdParams& p, const Seg
     const __half* Q = Qst(s);
     const __half* P = Pst(s);
     const float2* E = Est(s);
+    if (!math) {
+      mbar_wait(ufull, m & 1);
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(sfree);
+        mbar_arrive(ufree);
+      }
+      continue;
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {  // tokens 32 hh .. 32 hh + 31
       float o[2][4][4] = {};          // [m16 tile of values][n8 tile of tokens]
