@@ -116,9 +116,11 @@ bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
 // its per-token factors formed mid-step by the issuing warpgroup, measured slower (H100,
 // 16/32 x 32768: 735 -> 869 us; docs/perf-notes.md version 31).
 bool cols_ping() { return env_int_or("FLASHGDN_COLS_PING", 1) != 0; }
-// FLASHGDN_COLS_OWG=1 (opt-in, not yet run on a GPU): phase 0 of the plain forward's
+// FLASHGDN_COLS_OWG=1 (opt-in; bit-identical, measured no faster on the H100: 16/32 x 32768
+// phase 0 468 -> 479 us, docs/perf-notes.md version 37): phase 0 of the plain forward's
 // 128-column pass with the outputs in a warpgroup of their own (state_fwd_cols_owg_kernel,
-// 384 threads; the same bits as state_fwd_cols_kernel).
+// 384 threads; the same bits as state_fwd_cols_kernel). Its output warps, one a scheduler,
+// are the bound: the chain alone runs 295 us.
 bool cols_owg() { return env_int("FLASHGDN_COLS_OWG") == 1; }
 // FLASHGDN_COLS_STAGES=3 (opt-in; bit-identical, measured slower on the H200: phase 0 at
 // 4/16 x 32768 272 -> 282 us, docs/perf-notes.md version 33): the forward's ping-pong

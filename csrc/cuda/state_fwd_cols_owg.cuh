@@ -2,6 +2,11 @@
 // (outputs, no records, no correction), with the outputs formed by a warpgroup of their own
 // (opt-in, FLASHGDN_COLS_OWG=1; docs/perf-notes.md version 36: the output is ~31% of
 // state_fwd_cols_kernel's phase 0, in the same dependency-bound warps as the chain).
+// Measured (version 37, H100, 16/32 x 32768): 479 us against state_fwd_cols_kernel's 468;
+// the chain alone 295 (FLASHGDN_DEBUG=128), with the hand-over but no output math 349 (=64):
+// the four output warps, one a scheduler, are the bound (IPC ~0.13 each, ~1050 instructions
+// a chunk). On wgmma (both operands in shared memory, core-matrix tiles) the output was
+// bit-identical but took 876 us: wgmma beside the chain's mma.sync on the same SM.
 //
 // grid as state_fwd_cols_kernel's phase 0 (1, H_v, segments or slots), 384 threads, one block
 // an SM (~212 KB smem). Warpgroups 0 and 1 (warps 0..7, the chain) run state_fwd_cols_kernel's
@@ -255,19 +260,32 @@ __device__ __forceinline__ void owg_output_segment(const FwdParams& p, const Seg
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {  // tokens 32 hh .. 32 hh + 31
       float o[2][4][4] = {};          // [m16 tile of values][n8 tile of tokens]
+      // software-pipelined: the fragments of k step kk + 1 are loaded before step kk's
+      // products, so that one warp a scheduler has its ldmatrix latency covered
+      uint32_t a[2][2][4], bq[2][2][4];  // [buffer][m16 tile | token block of 16][..]
+      auto load_k = [&](int kk, int buf) {
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        uint32_t a[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) frag_a16(a[mt], Sbuf, LDH, vo + 16 * mt, 16 * kk);
+        for (int mt = 0; mt < 2; ++mt) frag_a16(a[buf][mt], Sbuf, LDH, vo + 16 * mt, 16 * kk);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          uint32_t b0[2], b1[2];
+          uint32_t(&b0)[2] = *reinterpret_cast<uint32_t(*)[2]>(&bq[buf][nt][0]);
+          uint32_t(&b1)[2] = *reinterpret_cast<uint32_t(*)[2]>(&bq[buf][nt][2]);
           frag_b16_pair(b0, b1, Q, LDH, 32 * hh + 16 * nt, 16 * kk);
+        }
+      };
+      load_k(0, 0);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        const int buf = kk & 1;
+        if (kk + 1 < 8) load_k(kk + 1, buf ^ 1);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint32_t(&b0)[2] = *reinterpret_cast<const uint32_t(*)[2]>(&bq[buf][nt][0]);
+          const uint32_t(&b1)[2] = *reinterpret_cast<const uint32_t(*)[2]>(&bq[buf][nt][2]);
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
-            mma_f16(o[mt][2 * nt], a[mt], b0);
-            mma_f16(o[mt][2 * nt + 1], a[mt], b1);
+            mma_f16(o[mt][2 * nt], a[buf][mt], b0);
+            mma_f16(o[mt][2 * nt + 1], a[buf][mt], b1);
           }
         }
       }
