@@ -29,7 +29,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
-            "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG")
+            "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES")
 
 
 @contextmanager
@@ -997,6 +997,44 @@ def test_owg_bit_identical(case: Case, env: dict):
     CUDA graph, unsplit, split and on packed sequences in looped slots."""
     inp = make_inputs(case, "cuda", seed=47)
     forward_bit_identical(inp, env, {**env, "FLASHGDN_COLS_OWG": "1"}, f"owg {case.name}")
+
+
+KQ_CASES = [  # at most two value heads a q/k head (launch.cu kq_in_pass)
+    # the 128-column pass unsplit: odd lengths, an initial state, 25% g == 0 heads
+    (Case("kq_varlen", [1000, 77, 2100], 8, 16, gate="mixed"), {"FLASHGDN_FWD_BW": "128"}),
+    # the planner's split plan (phase 1, warm-ups, the walk, exact segments), one value
+    # head a q/k head
+    (Case("kq_cp_long", [16384], 8, 8, gate="very_negative"), {}),
+    # packed sequences in looped slots (the stages' use count carried across segments)
+    (Case("kq_packed", [5000, 3000, 64, 1, 700], 4, 8, gate="mixed"),
+     {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "6", "FLASHGDN_FWD_BW": "128"}),
+]
+
+
+@pytest.mark.parametrize("case,env", KQ_CASES, ids=lambda c: c.name if isinstance(c, Case) else "")
+def test_kq_bf16_tiles(case: Case, env: dict):
+    """bf16 inputs whose only fp16 readers are state_fwd_cols_kernel's ping-pong forward
+    passes, at most two value heads a q/k head: the passes copy the bf16 k and q tiles and convert them in shared memory, and
+    wy_kernel writes no fp16 copies (FwdParams::kq_bf16). Against FLASHGDN_KQ_COPIES=1 (the
+    copies): o and the final state bit for bit, eagerly and from a CUDA graph, and the
+    reference's tolerance. FLASHGDN_DEBUG=256 fills the copies' space with NaN and keeps
+    wy_kernel from writing it, so a pass that still read the copies would show."""
+    inp = make_inputs(case, "cuda", seed=59)
+    assert inp["q"].dtype == torch.bfloat16
+    forward_bit_identical(inp, {**env, "FLASHGDN_KQ_COPIES": "1"},
+                          {**env, "FLASHGDN_DEBUG": "256"}, f"kq bf16 tiles {case.name}")
+
+
+def test_kq_copies_kept_at_four_value_heads():
+    """Four value heads a q/k head (4/16): the conversions would cost more than the copies
+    save (launch.cu kq_in_pass), so the 128-column pass still reads wy_kernel's fp16 copies:
+    with their space poisoned and unwritten (FLASHGDN_DEBUG=256) the output is not finite."""
+    case = Case("kq_four", [1000, 2100], 4, 16, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=61)
+    with env_vars({"FLASHGDN_FWD_BW": "128", "FLASHGDN_DEBUG": "256"}):
+        o, _ = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    torch.cuda.synchronize()
+    assert not torch.isfinite(o).all()
 
 
 @pytest.mark.parametrize("cols", [0, 1], ids=["bwd_default", "bwd_cols"])

@@ -73,6 +73,11 @@ struct FwdParams : SegParams {
   __half* P16;       // [TT, Hv, C] or null: fp16 P for the fp16 pass
   const __half *Kh, *Qh;  // [TT, Hqk, D] fp16 k and q of the fp16 pass (the inputs, or wy's copies)
   __half *Kh_w, *Qh_w;    // bf16 inputs: where wy_kernel writes the fp16 copies (else null)
+  // bf16 inputs whose only fp16 readers are state_fwd_cols_kernel's ping-pong forward passes
+  // (launch.cu kq_in_pass): those copy the bf16 k and q tiles and convert them to fp16 in
+  // shared memory (the same conversion as wy_fp16_copies: the same bits), and wy_kernel
+  // writes no copies (Kh_w, Qh_w null; Kh, Qh unused).
+  bool kq_bf16;
   __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
   // Tv16 and P16 hold only their lower block triangle (the 16 x 16 blocks at or below the
   // diagonal: 10 of 16): wy_kernel does not store the zero blocks above it, and their

@@ -1091,6 +1091,28 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   return choice;
 }
 
+// Whether the pass's only readers of fp16 k and q are state_fwd_cols_kernel's ping-pong
+// forward passes (both phases), which then copy the bf16 tiles and convert them in shared
+// memory (FwdParams::kq_bf16): bf16 inputs, the plain forward (not the backward's
+// recomputation, not a kept forward), the planner's 128 columns only (no 16 / 32-column
+// pass, not the device's column choice), no correction, the default kernel (not three
+// stages, the output warpgroup or wgmma). wy_kernel then writes no copies: 2 x 2 bytes a
+// token and q/k head less written, and the pass reads the inputs instead of the copies.
+// The conversions cost each value head's blocks (a 128-thread pass over two tiles a chunk in
+// the chain's issuing warpgroup), the copies each q/k head's: taken where a q/k head has at
+// most two value heads (H100, CUDA graphs, 2026-11-26, forward ms copies -> conversions:
+// 32/32 x 32768 1.206 -> 1.033, x 8192 0.379 -> 0.335; 16/32 x 32768 0.997 -> 0.954, x 8192
+// 0.325 -> 0.312; three value heads a q/k head even, 8/24 and 16/48 within 0.5%; four
+// slower by 0.5-2.3%: 4/16 x 32768 0.507 -> 0.513, 8/32 x 8192 0.305 -> 0.312).
+// FLASHGDN_KQ_COPIES=1 keeps the copies (the same bits; for measurements and the tests).
+bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
+  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 && p.Hv <= 2 * p.Hqk && f.Kh_w != nullptr &&
+         f.h == nullptr &&
+         !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
+         !cols_three_stages() && !cols_owg() && !cols_wgmma() &&
+         env_int("FLASHGDN_KQ_COPIES") != 1;
+}
+
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
 // for the forward (f.o, f.ht set), the backward's recomputation (f.h, f.U set) or both (a
 // forward that keeps its records for the backward).
@@ -1098,6 +1120,16 @@ template <typename In>
 void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
+  f.kq_bf16 = kq_in_pass(p, plan, f);
+  if (f.kq_bf16) f.Kh_w = f.Qh_w = nullptr;  // wy_kernel: no copies
+  // FLASHGDN_DEBUG & 256 (tests): the copies' space NaN and never written, so that any pass
+  // still reading it shows (tests/test_context_parallel.py test_kq_bf16_tiles)
+  if ((f.debug & 256) && b.Kh != nullptr && f.h == nullptr) {
+    const size_t bytes = sizeof(__half) * static_cast<size_t>(p.TT * p.Hqk) * D;
+    check_cuda(cudaMemsetAsync(b.Kh, 0xff, bytes, st), "debug poison of Kh");
+    check_cuda(cudaMemsetAsync(b.Qh, 0xff, bytes, st), "debug poison of Qh");
+    f.Kh_w = f.Qh_w = nullptr;
+  }
   // The device's choice (its cost model, ~13 us on one SM: H100, 2/8 heads 28672 + 4096
   // tokens, 2026-11-25) needs nothing of wy_kernel, which needs only the chunk table: the
   // table first, then the choice and the segment tables on the chain stream beside wy_kernel

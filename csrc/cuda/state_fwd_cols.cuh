@@ -260,6 +260,10 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   const bool issuer = !kPing || threadIdx.x >= NT / 2;
   const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
   const uint32_t n0 = n_used;  // kPing: the use index of chunk ci is n0 + ci - c_first
+  // p.kq_bf16 (the plain ping-pong forward, bf16 inputs): K and Q come as bf16 tiles, which
+  // each issuing thread converts in place, its own pieces once they landed, before its
+  // arrival on full[s] (a plain one then, not the copies' asynchronous one)
+  const bool conv = kPing && !kRecord && !kCorr && kStages == 2 && p.kq_bf16;
 
   // chunk ci's tiles into stage s; kWhole (ping-pong, a chunk of C rows): no zero fill, so
   // no predicates a copy
@@ -272,14 +276,17 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     auto copy_tri = [&](__half* dst, const __half* src) {
       cp_async_tile_by<C, C, LDP, kIssuers, kW, true>(dst, src, p.Hv * C, L, itid);
     };
-    cp_async_tile_by<C, D, LDH, kIssuers, kW>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
+    // conv: the bf16 inputs' bits into the fp16 tiles, converted in place after landing
+    const __half* ksrc = conv ? static_cast<const __half*>(p.k) : p.Kh;
+    const __half* qsrc = conv ? static_cast<const __half*>(p.q) : p.Qh;
+    cp_async_tile_by<C, D, LDH, kIssuers, kW>(Kst(s), ksrc + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
                                               L, itid);
     copy_tri(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C);
     if (!identity)
       cp_async_tile_by<C, D, LDH, kIssuers, kW>(
           Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, L, itid);
     if (want_o && ci >= c_begin) {
-      cp_async_tile_by<C, D, LDH, kIssuers, kW>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D,
+      cp_async_tile_by<C, D, LDH, kIssuers, kW>(Qst(s), qsrc + (tok0 * p.Hqk + hq) * D,
                                                 p.Hqk * D, L, itid);
       copy_tri(Pst(s), p.P16 + (tok0 * p.Hv + h) * C);
     }
@@ -291,8 +298,31 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   auto issue = [&](int64_t ci, int s) {
     if (kPing && !(p.debug & 2) && chunk_rows(len, ci) == C) copy_tiles(ci, s, std::true_type{});
     else if (!(p.debug & 2)) copy_tiles(ci, s, std::false_type{});
-    if constexpr (kPing) cp_async_mbar_arrive(&full[s]);
+    if (kPing && !conv) cp_async_mbar_arrive(&full[s]);
     else cp_async_commit();
+  };
+  // conv: the issuing thread's K (and Q) pieces of chunk ci's copies (use n), to fp16 in
+  // place once landed (cp_async_tile_by's pieces: row itid / 16 + 8 i, values 8 (itid % 16)
+  // ..; rows past the chunk's end are zeros), then its arrival on full
+  auto convert_use = [&](int64_t ci, uint32_t n) {
+    const int s = static_cast<int>(n % kStages);
+    cp_async_wait<0>();
+    const bool with_q = want_o && ci >= c_begin;
+    const int r0 = itid / (D / 8), c = (itid % (D / 8)) * 8;
+    auto convert = [&](__half* tile) {
+#pragma unroll
+      for (int i = 0; i < C / 8; ++i) {
+        uint4* piece = reinterpret_cast<uint4*>(tile + (r0 + 8 * i) * LDH + c);
+        const In* src = reinterpret_cast<const In*>(piece);
+        float f[8];
+        unpack8(f, *piece, src);
+        *piece = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
+                            pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
+      }
+    };
+    convert(Kst(s));
+    if (with_q) convert(Qst(s));
+    mbar_arrive(&full[s]);
   };
   // kPing: chunk ci's copies (use n) into stage n % kStages once its previous use
   // (n - kStages) is released
@@ -308,7 +338,10 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   if constexpr (kPing) {
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j)
-      if (c_first + j < c_end && issuer) issue_use(c_first + j, n0 + j);
+      if (c_first + j < c_end && issuer) {
+        issue_use(c_first + j, n0 + j);
+        if (conv) convert_use(c_first + j, n0 + j);  // kStages == 2: the one copy ahead
+      }
   } else {
     if (c_first < c_end) issue(c_first, 0);
   }
@@ -374,6 +407,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     u_frags(ua, ue, u, E);
     state_update_cols(sacc, ue, K, E[C - 1].x);
     if (!out) release();
+    // conv: the next chunk's K and Q (issued at this chunk's head) to fp16, its stage full
+    if (conv && issuer && ci + 1 < c_end) convert_use(ci + 1, n + 1);
     // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory: scale_by_eg and
     // store_o_cols written out (those helpers change this GPU-tested kernel's integer address
     // arithmetic; to be called here once it has run again)
