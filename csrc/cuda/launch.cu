@@ -1105,12 +1105,15 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
 // 0.325 -> 0.312; three value heads a q/k head even, 8/24 and 16/48 within 0.5%; four
 // slower by 0.5-2.3%: 4/16 x 32768 0.507 -> 0.513, 8/32 x 8192 0.305 -> 0.312).
 // FLASHGDN_KQ_COPIES=1 keeps the copies (the same bits; for measurements and the tests).
+// =0 converts at any number of value heads a q/k head (for measurements). Converting a chunk
+// ahead with three stages (at the head of the issuing warpgroup's step) measured slower still
+// (H100 2026-11-26: 16/32 x 32768 0.961 -> 1.052 ms, 4/16 x 32768 0.507 -> 0.550).
 bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
-  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 && p.Hv <= 2 * p.Hqk && f.Kh_w != nullptr &&
-         f.h == nullptr &&
-         !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
-         !cols_three_stages() && !cols_owg() && !cols_wgmma() &&
-         env_int("FLASHGDN_KQ_COPIES") != 1;
+  const int forced = env_int_or("FLASHGDN_KQ_COPIES", -1);
+  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 && (p.Hv <= 2 * p.Hqk || forced == 0) &&
+         f.Kh_w != nullptr && f.h == nullptr && !f.corr && !plan.device_col_block &&
+         launches(plan, D) && cols_ping() && !cols_three_stages() && !cols_owg() &&
+         !cols_wgmma() && forced != 1;
 }
 
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
