@@ -1098,15 +1098,16 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
 // pass, not the device's column choice), no correction, the default kernel (not three
 // stages, the output warpgroup or wgmma). wy_kernel then writes no copies: 2 x 2 bytes a
 // token and q/k head less written, and the pass reads the inputs instead of the copies.
-// The conversions cost each value head's blocks (a 128-thread pass over two tiles a chunk in
-// the chain's issuing warpgroup), the copies each q/k head's: taken where a q/k head has at
-// most two value heads (H100, CUDA graphs, 2026-11-26, forward ms copies -> conversions:
-// 32/32 x 32768 1.206 -> 1.033, x 8192 0.379 -> 0.335; 16/32 x 32768 0.997 -> 0.954, x 8192
-// 0.325 -> 0.312; three value heads a q/k head even, 8/24 and 16/48 within 0.5%; four
-// slower by 0.5-2.3%: 4/16 x 32768 0.507 -> 0.513, 8/32 x 8192 0.305 -> 0.312).
+// The conversions cost each value head's blocks (a 128-thread pass over two tiles a chunk by
+// warpgroup 0, which issues no copies), the copies each q/k head's: taken where a q/k head
+// has at most two value heads (H100, CUDA graphs, 2026-11-26, forward ms copies ->
+// conversions: 32/32 x 32768 1.206 -> 1.033, x 8192 0.380 -> 0.341; 16/32 x 32768 0.988 ->
+// 0.946; three and four value heads a q/k head within 0.5% either way: 8/24, 16/48, 4/16 x
+// 32768 0.500 -> 0.498, 8/32 x 8192 0.308 -> 0.309; with the issuing warpgroup converting,
+// four were 0.5-2.3% slower).
 // FLASHGDN_KQ_COPIES=1 keeps the copies (the same bits; for measurements and the tests).
 // =0 converts at any number of value heads a q/k head (for measurements). Converting a chunk
-// ahead with three stages (at the head of the issuing warpgroup's step) measured slower still
+// ahead with three stages (at the head of the issuing warpgroup's step) measured slower
 // (H100 2026-11-26: 16/32 x 32768 0.961 -> 1.052 ms, 4/16 x 32768 0.507 -> 0.550).
 bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
   const int forced = env_int_or("FLASHGDN_KQ_COPIES", -1);

@@ -42,9 +42,10 @@ struct StateFwdColsSmem {
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
   // the recomputation: each warp's staging of its records (mma.cuh) after the above
   static constexpr size_t kRecordBytes = kBytes + (NT / 32) * kRecStageBytes;
-  // the ping-pong schedule (kPing): its stages' mbarriers full[2], empty[2] after the above
+  // the ping-pong schedule (kPing): its stages' mbarriers full[2], empty[2], landed[2] (the
+  // conversions of bf16 k and q, FwdParams::kq_bf16) after the above
   static constexpr size_t bars_at(bool record) { return record ? kRecordBytes : kBytes; }
-  static constexpr size_t ping_bytes(bool record) { return bars_at(record) + 4 * sizeof(uint64_t); }
+  static constexpr size_t ping_bytes(bool record) { return bars_at(record) + 6 * sizeof(uint64_t); }
   // three stages (the forward's ping-pong kernel without records, kStages = 3): no output
   // staging of its own (a warp stages its O^T rows in its own 16 columns of the stage's V
   // tile, which only that warp reads), then the mbarriers full[3], empty[3]
@@ -260,10 +261,13 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   const bool issuer = !kPing || threadIdx.x >= NT / 2;
   const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
   const uint32_t n0 = n_used;  // kPing: the use index of chunk ci is n0 + ci - c_first
-  // p.kq_bf16 (the plain ping-pong forward, bf16 inputs): K and Q come as bf16 tiles, which
-  // each issuing thread converts in place, its own pieces once they landed, before its
-  // arrival on full[s] (a plain one then, not the copies' asynchronous one)
+  // p.kq_bf16 (the plain ping-pong forward, bf16 inputs): K and Q come as bf16 tiles. The
+  // copies signal landed[s] (asynchronously, as they do full[s] otherwise); warpgroup 0,
+  // which issues nothing and runs ahead, converts the tiles in place after its state update
+  // of the chunk before and arrives on full[s] (warpgroup 1 converting its own pieces
+  // lengthened its path: 16/32 x 32768 phase 0 471 -> 492 us, H100)
   const bool conv = kPing && !kRecord && !kCorr && kStages == 2 && p.kq_bf16;
+  uint64_t* landed = full + 2 * kStages;
 
   // chunk ci's tiles into stage s; kWhole (ping-pong, a chunk of C rows): no zero fill, so
   // no predicates a copy
@@ -298,17 +302,18 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   auto issue = [&](int64_t ci, int s) {
     if (kPing && !(p.debug & 2) && chunk_rows(len, ci) == C) copy_tiles(ci, s, std::true_type{});
     else if (!(p.debug & 2)) copy_tiles(ci, s, std::false_type{});
-    if (kPing && !conv) cp_async_mbar_arrive(&full[s]);
+    if constexpr (kPing) cp_async_mbar_arrive(conv ? &landed[s] : &full[s]);
     else cp_async_commit();
   };
-  // conv: the issuing thread's K (and Q) pieces of chunk ci's copies (use n), to fp16 in
-  // place once landed (cp_async_tile_by's pieces: row itid / 16 + 8 i, values 8 (itid % 16)
-  // ..; rows past the chunk's end are zeros), then its arrival on full
+  // conv, warpgroup 0: chunk ci's K (and Q) tiles (use n) to fp16 in place once landed
+  // (thread t: row t / 16 + 8 i, values 8 (t % 16) ..; rows past the chunk's end are
+  // zeros), then its arrival on full
   auto convert_use = [&](int64_t ci, uint32_t n) {
     const int s = static_cast<int>(n % kStages);
-    cp_async_wait<0>();
+    mbar_wait(&landed[s], (n / kStages) & 1);
     const bool with_q = want_o && ci >= c_begin;
-    const int r0 = itid / (D / 8), c = (itid % (D / 8)) * 8;
+    const int t = static_cast<int>(threadIdx.x);
+    const int r0 = t / (D / 8), c = (t % (D / 8)) * 8;
     auto convert = [&](__half* tile) {
 #pragma unroll
       for (int i = 0; i < C / 8; ++i) {
@@ -338,10 +343,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   if constexpr (kPing) {
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j)
-      if (c_first + j < c_end && issuer) {
-        issue_use(c_first + j, n0 + j);
-        if (conv) convert_use(c_first + j, n0 + j);  // kStages == 2: the one copy ahead
-      }
+      if (c_first + j < c_end && issuer) issue_use(c_first + j, n0 + j);
+    if (conv && !issuer && c_first < c_end) convert_use(c_first, n0);  // the first chunk's
   } else {
     if (c_first < c_end) issue(c_first, 0);
   }
@@ -407,8 +410,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     u_frags(ua, ue, u, E);
     state_update_cols(sacc, ue, K, E[C - 1].x);
     if (!out) release();
-    // conv: the next chunk's K and Q (issued at this chunk's head) to fp16, its stage full
-    if (conv && issuer && ci + 1 < c_end) convert_use(ci + 1, n + 1);
+    // conv: the next chunk's K and Q (issued at this chunk's head by warpgroup 1) to fp16
+    if (conv && !issuer && ci + 1 < c_end) convert_use(ci + 1, n + 1);
     // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory: scale_by_eg and
     // store_o_cols written out (those helpers change this GPU-tested kernel's integer address
     // arithmetic; to be called here once it has run again)
@@ -513,6 +516,8 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
         // full: one (cp.async) arrival per issuing thread
         mbar_init(&bars[st], NT / 2);
         mbar_init(&bars[kStages + st], NT / 32);  // empty: one arrival per warp
+        // landed (two stages): one cp.async arrival per issuing thread
+        if (kStages == 2) mbar_init(&bars[2 * kStages + st], NT / 2);
       }
     }
     __syncthreads();
