@@ -78,6 +78,12 @@ class Design:
     # rows: X_ij = sum_k A_ik T_kj, T_ij = -T_ii X_ij), "f64" for an exact inverse; the 16 x 16
     # diagonal blocks always by fp32 substitution
     inv: str = "f64"
+    # the inverse by doubling instead (FlashInfer's SM90 prefill, docs/perf-notes.md version
+    # 37): A stored in format a_fmt, 8 x 8 diagonal blocks by fp32 substitution, then
+    # [[T1, 0], [A21, T2]] -> [[T1, 0], [-T2 (A21 T1), T2]] for blocks of 8, 16, 32 with
+    # operands in format inv and fp32 results
+    doubling: bool = False
+    a_fmt: str = "f32"
 
 
 DESIGNS = (
@@ -103,7 +109,42 @@ DESIGNS = (
            t="f16", wy_free=True, inv="tf32"),
     Design("default, inverse blocks fp16", "-", "-", "f16", "f16", "f16", "f16",
            t="f16", wy_free=True, inv="f16"),
+    # a fused kernel's auxiliary warpgroup: the inverse by doubling from 8 x 8 blocks
+    Design("default, inverse by doubling, A fp32, products fp16", "-", "-", "f16", "f16", "f16",
+           "f16", t="f16", wy_free=True, inv="f16", doubling=True),
+    Design("default, inverse by doubling, A and products fp16 (FlashInfer-like)", "-", "-",
+           "f16", "f16", "f16", "f16", t="f16", wy_free=True, inv="f16", doubling=True,
+           a_fmt="f16"),
+    Design("default, inverse by doubling, A and products tf32", "-", "-", "f16", "f16", "f16",
+           "f16", t="f16", wy_free=True, inv="tf32", doubling=True, a_fmt="tf32"),
 )
+
+
+def doubling_inverse(A: torch.Tensor, fmt: str, a_fmt: str) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A by doubling: A rounded to a_fmt, 8 x 8
+    diagonal blocks by fp32 substitution, then each pair of diagonal blocks of size b (8, 16,
+    32) joined: T21 = -T2 (A21 T1), both products with operands in fmt, fp32 results."""
+    n = A.shape[0]
+    f32 = lambda x: rnd(x, "f32")  # noqa: E731
+    A = rnd(A, a_fmt)
+    T = torch.zeros_like(A)
+    for r0 in range(0, n, 8):
+        r1 = min(n, r0 + 8)
+        Ti = torch.zeros(r1 - r0, r1 - r0, dtype=F64)
+        for r in range(r1 - r0):
+            Ti[r] = f32(torch.eye(r1 - r0, dtype=F64)[r] - A[r0 + r, r0:r0 + r] @ Ti[:r])
+        T[r0:r1, r0:r1] = Ti
+    b = 8
+    while b < n:
+        for r0 in range(0, n, 2 * b):
+            m = r0 + b
+            if m >= n:
+                continue
+            r1 = min(n, r0 + 2 * b)
+            X = f32(rnd(A[m:r1, r0:m], fmt) @ rnd(T[r0:m, r0:m], fmt))
+            T[m:r1, r0:m] = -f32(rnd(T[m:r1, m:r1], fmt) @ rnd(X, fmt))
+        b *= 2
+    return T
 
 
 def block_inverse(A: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -146,7 +187,8 @@ def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
         P = rnd(f32(Q @ K.T) * dec, d.p)
         if d.wy_free:
             A0 = f32(torch.tril(b[:, None] * f32(K @ K.T), -1))
-            Traw = rnd(f32(block_inverse(A0, d.inv)), d.t)
+            Tinv = doubling_inverse(A0, d.inv, d.a_fmt) if d.doubling else block_inverse(A0, d.inv)
+            Traw = rnd(f32(Tinv), d.t)
             Ag = rnd(f32(Traw * dec * b[None, :]), d.u)
             Wp = rnd(f32(V - torch.exp(G)[:, None] * f32(K @ rnd(S, d.s_ws))), d.u)
             U = f32(Ag @ Wp)
