@@ -224,7 +224,7 @@ def assert_chains_agree(name, o, ht, other_name, o_other, h_other, o_ref, ro) ->
 def test_tc_walk_matches_scan(case: Case, seg: int, cols: str):
     """The forward's chain as the combine's walk on tensor cores (seg_walk_kernel, the
     default, 16 or 32 columns a block: fp16 split products at fp32's accuracy, M by bulk
-    copies two steps ahead, or three: "16s3", not yet run on a GPU) against the scan
+    copies two steps ahead, or three: "16s3") against the scan
     (FLASHGDN_CP_WALK=0) and the float64 reference: 63, 21 or 8 segments of 4000 tokens,
     constant maps inside the chain (striped_gate_inputs), packed sequences. The exact heads'
     o and state within the two chains' fp32 rounding of each other (assert_chains_agree, the

@@ -576,7 +576,8 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
   SegmentPlan plan = plan_segments(q, plan_cost(backward));
-  // FLASHGDN_HOST_SCHEDULE=1 (opt-in, not yet timed): where the host makes the device's
+  // FLASHGDN_HOST_SCHEDULE=1 (opt-in; H200 2026-11-26: 2/8 8192 x 4 0.313 -> 0.300 ms, no
+  // other row measured faster, docs/benchmarks.md session 36): where the host makes the device's
   // choice and it is a sequential split, the overlapped launches made for that choice
   // (device_overlap: a second stream, empty blocks sized for sub-segments) are not made
   // (they cost the sequential choice ~1-4%: H100, 2/8 heads 8192 x 4 0.377 -> 0.393 ms,
@@ -766,7 +767,8 @@ void launch_seg_walk(const Problem& p, const SegParams& f, bool reverse, cudaStr
     set_smem(seg_walk_kernel<32>, walk_smem<32>());
   });
   const int cols = walk_cols();
-  // FLASHGDN_CP_WALK_STAGES=3 (16 columns; opt-in, not yet timed): M three steps ahead
+  // FLASHGDN_CP_WALK_STAGES=3 (16 columns; opt-in, timed with no change: H200 4/16 x 32768
+  // 0.509 ms both ways): M three steps ahead
   const bool three = cols == 16 && env_int_or("FLASHGDN_CP_WALK_STAGES", 2) == 3;
   const int64_t col_blocks = D / cols;
   const int64_t per_slot = p.Hv * col_blocks;  // blocks of one sequence slot
@@ -891,7 +893,8 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
   });
 }
 
-// FLASHGDN_BWD_ROWSCALE=1 (opt-in, not yet run on a GPU): the reverse pass's power of two
+// FLASHGDN_BWD_ROWSCALE=1 (opt-in; tested on the H100, 1-2% slower, docs/benchmarks.md
+// session 26): the reverse pass's power of two
 // per value column instead of per warp (state_bwd_cols.cuh, kRow).
 template <typename In>
 void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdParams& g,
