@@ -233,6 +233,16 @@ __device__ __forceinline__ void wy_gates_carry(int nh, float* Gs_all) {
     Gs_all[(warp >> 1) * C + 32 + lane_id()] += Gs_all[(warp >> 1) * C + 31];
 }
 
+// Eight 16-bit values (one 16-byte piece of In) as fp16, rounded to nearest: wy_fp16_copies'
+// copies and the 128-column pass's in-place conversions (FwdParams::kq_bf16), the same bits.
+template <typename In>
+__device__ __forceinline__ uint4 half8_of(const In* src) {
+  float f[8];
+  unpack8(f, *reinterpret_cast<const uint4*>(src), src);
+  return make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]), pack_half2(f[4], f[5]),
+                    pack_half2(f[6], f[7]));
+}
+
 // fp16 copies of this chunk's k and q rows (staged in Ks, Qs) for the fp16 state pass, by the
 // first block of each q/k head (bf16 inputs; exact for |x| in [2^-14, 65504], the range of
 // l2-normalised q and k). Thread t takes the 16-byte piece 8 (t % 16) of rows t / 16 + 16 i
@@ -250,17 +260,11 @@ __device__ __forceinline__ void wy_fp16_copies(const FwdParams& p, const In* Ks,
   __half* gq = p.Qh_w + qk_off + r0 * stride + c;
   const In* sk = Ks + r0 * LDH + c;
   const In* sq = Qs + r0 * LDH + c;
-  auto convert = [](const In* src) {
-    float f[8];
-    unpack8(f, *reinterpret_cast<const uint4*>(src), src);
-    return make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]), pack_half2(f[4], f[5]),
-                      pack_half2(f[6], f[7]));
-  };
 #pragma unroll
   for (int i = 0; i < C / kRows; ++i) {
     if (r0 + kRows * i < L) {
-      *reinterpret_cast<uint4*>(gk + kRows * i * stride) = convert(sk + kRows * i * LDH);
-      *reinterpret_cast<uint4*>(gq + kRows * i * stride) = convert(sq + kRows * i * LDH);
+      *reinterpret_cast<uint4*>(gk + kRows * i * stride) = half8_of(sk + kRows * i * LDH);
+      *reinterpret_cast<uint4*>(gq + kRows * i * stride) = half8_of(sq + kRows * i * LDH);
     }
   }
 }

@@ -134,18 +134,19 @@ __device__ __forceinline__ void sk_products(float (&x)[8][4], float (&o)[8][4],
     }
 }
 
-// U^T = W'^T (T diag(beta))^T: T diag(beta) [r][s] (rows ldt apart) is zero for s > r, so
-// only its blocks at or below the diagonal are read.
-__device__ __forceinline__ void u_product(float (&u)[8][4], const uint32_t (&wa)[4][4],
-                                          const __half* T, int ldt) {
+// d += A M^T for a 64 x 64 tile M [r][s] (rows ldm apart) that is zero for s > r, so that
+// only its blocks at or below the diagonal are read: U^T = W'^T (T diag(beta))^T (a the
+// A fragments of W'^T) and O^T's U^T P^T (a those of U^T); n8 tiles of tokens r.
+__device__ __forceinline__ void tri_product(float (&d)[8][4], const uint32_t (&a)[4][4],
+                                            const __half* M, int ldm) {
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
     for (int kt = 0; kt <= nt; ++kt) {
       uint32_t b0[2], b1[2];
-      frag_b16_pair(b0, b1, T, ldt, 16 * nt, 16 * kt);
-      mma_f16(u[2 * nt], wa[kt], b0);
-      mma_f16(u[2 * nt + 1], wa[kt], b1);
+      frag_b16_pair(b0, b1, M, ldm, 16 * nt, 16 * kt);
+      mma_f16(d[2 * nt], a[kt], b0);
+      mma_f16(d[2 * nt + 1], a[kt], b1);
     }
 }
 
@@ -317,12 +318,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     auto convert = [&](__half* tile) {
 #pragma unroll
       for (int i = 0; i < C / 8; ++i) {
-        uint4* piece = reinterpret_cast<uint4*>(tile + (r0 + 8 * i) * LDH + c);
-        const In* src = reinterpret_cast<const In*>(piece);
-        float f[8];
-        unpack8(f, *piece, src);
-        *piece = make_uint4(pack_half2(f[0], f[1]), pack_half2(f[2], f[3]),
-                            pack_half2(f[4], f[5]), pack_half2(f[6], f[7]));
+        __half* piece = tile + (r0 + 8 * i) * LDH + c;
+        *reinterpret_cast<uint4*>(piece) = half8_of(reinterpret_cast<const In*>(piece));
       }
     };
     convert(Kst(s));
@@ -400,7 +397,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     w_prime_frags(wa, x, Vst(s), E, v0, identity);
     // U^T = W'^T (T diag(beta))^T: T diag(beta) [r][s] is zero for s > r
     float u[8][4] = {};
-    u_product(u, wa, Tst(s), LDP);
+    tri_product(u, wa, Tst(s), LDP);
     if (kRecord && record && ci >= c_begin && !(p.debug & 8)) {  // U: a token record block
       const int64_t rec = (b.chunk0 + ci) * p.Hv + h;
       store_record_cols(reinterpret_cast<__half*>(record_at<C>(p.U, rec, true)) + v0 * C,
@@ -425,15 +422,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
         o[j][2] *= e0;
         o[j][3] *= e1;
       }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int kt = 0; kt <= nt; ++kt) {
-          uint32_t b0[2], b1[2];
-          frag_b16_pair(b0, b1, P, LDP, 16 * nt, 16 * kt);
-          mma_f16(o[2 * nt], ua[kt], b0);
-          mma_f16(o[2 * nt + 1], ua[kt], b1);
-        }
+      tri_product(o, ua, P, LDP);  // O^T += U^T P^T
       if constexpr (kStages == 2) release();  // three stages: after the staging's reads
       if (kCorr && corr_out) {  // fp32 [h][value][token]: a thread's token pairs adjacent
         float* dst = (identity ? p.q_eff : p.o_loc) + static_cast<size_t>(h) * D * p.corr_ld +

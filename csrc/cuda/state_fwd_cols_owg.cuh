@@ -153,7 +153,7 @@ __device__ __forceinline__ void owg_chain_segment(const FwdParams& p, const Segm
     uint32_t wa[4][4];
     w_prime_frags(wa, x, Vst(s), E, v0, identity);
     float u[8][4] = {};
-    u_product(u, wa, Tst(s), LDP);
+    tri_product(u, wa, Tst(s), LDP);
     uint32_t ua[4][4], ue[4][4];
     u_frags(ua, ue, u, E);
     if (out) {  // U^T of output chunk m
