@@ -142,13 +142,7 @@ def check_split_env(label: str, case: Case, inp: dict, split: dict, off: dict) -
     """The unsplit pass (env `off`) and the split one (env `split`), eagerly and replayed from
     a CUDA graph (the same bits), the split one against the float64 reference and the
     unsplit pass (check_split)."""
-    with env_vars(off):
-        o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars(split):
-        o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
-    assert torch.equal(o, o_g) and torch.equal(ht, h_g), f"{label}: graph replay differs"
+    o_ref, h_ref, o, ht = forward_pair(inp, off, split, label)
     ro, rh = reference(inp)
     check_split(label, case, o, ht, o_ref, h_ref, ro, rh)
 
@@ -425,19 +419,27 @@ def forward_from_graph(inp: dict, replays: int):
     return o_g, h_g
 
 
+def forward_pair(inp: dict, first_env: dict, second_env: dict, label: str):
+    """o and the final state under first_env (eagerly), then under second_env eagerly and
+    from a CUDA graph (two replays), the graph's equal to the eager call's bit for bit:
+    (o, final state) of the first, then of the second's eager call."""
+    with env_vars(first_env):
+        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars(second_env):
+        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+        o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{label}: graph replay differs"
+    return o0, h0, o1, h1
+
+
 def forward_bit_identical(inp: dict, ref_env: dict, new_env: dict, what: str,
                           check_reference: bool = True):
     """o and the final state under the switches new_env equal those under ref_env bit for
     bit, eagerly and from a CUDA graph (two replays), and (check_reference) lie within the
     float64 reference's tolerance; new_env's eager (o, final state) are returned."""
-    with env_vars(ref_env):
-        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars(new_env):
-        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
+    o0, h0, o1, h1 = forward_pair(inp, ref_env, new_env, what)
     assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{what} differs"
-    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{what}: graph replay differs"
     if check_reference:
         ro, rh = reference(inp)
         print(f"{what}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
@@ -827,14 +829,8 @@ def test_ping_pong_bit_identical(label: str, case: Case, switches: dict, other: 
     inp = make_inputs(case, "cuda", seed=23)
     base = {"FLASHGDN_FWD_BW": "128", **switches} if switches else {}
     switch = {"FLASHGDN_COLS_PING": "0"} if other == "barrier" else {"FLASHGDN_COLS_STAGES": "3"}
-    with env_vars({**base, **switch}):
-        o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars(base):
-        o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-        o_g, h_g = forward_from_graph(inp, replays=2)
-    torch.cuda.synchronize()
+    o0, h0, o1, h1 = forward_pair(inp, {**base, **switch}, base, label)
     assert torch.equal(o0, o1) and torch.equal(h0, h1), f"{label}: differs from {other}"
-    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{label}: graph replay differs"
     ro, rh = reference(inp)
     print(f"ping-pong {label}: o {rel_err(o1, ro):.2e} state {rel_err(h1, rh):.2e}")
     assert rel_err(o1, ro) < O_TOL and rel_err(h1, rh) < STATE_TOL
