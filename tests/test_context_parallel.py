@@ -29,7 +29,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
-            "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES")
+            "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN")
 
 
 @contextmanager
@@ -937,9 +937,11 @@ def test_wy_batched_bit_identical(case: Case):
     of the WY part over all the block's heads at once) does wy_kernel<In, true, true>'s
     arithmetic (FLASHGDN_WY_BATCHED=0): o and the final state equal bit for bit, eagerly and
     from a CUDA graph, with 2, 3 and 4 heads a block, two blocks a q/k head, bf16 and fp16
-    (2 heads: wy_batched_kernel<In, 2>, 47 KB and 4 blocks per SM)."""
+    (2 heads: wy_batched_kernel<In, 2>, 47 KB and 4 blocks per SM); wy_lean_kernel, the
+    default at two and four heads a q/k head, switched off (FLASHGDN_WY_LEAN=0)."""
     inp = make_inputs(case, "cuda", seed=31)
-    forward_bit_identical(inp, {"FLASHGDN_WY_BATCHED": "0"}, {}, f"wy batched {case.name}")
+    forward_bit_identical(inp, {"FLASHGDN_WY_BATCHED": "0", "FLASHGDN_WY_LEAN": "0"},
+                          {"FLASHGDN_WY_LEAN": "0"}, f"wy batched {case.name}")
 
 
 TRI16_CASES = [
@@ -1031,6 +1033,62 @@ def test_kq_copies_kept_at_four_value_heads():
         o, _ = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     assert not torch.isfinite(o).all()
+
+
+LEAN_CASES = [  # FLASHGDN_WY_LEAN=<heads a block at most>
+    # two value heads a q/k head (bf16 k, q converted in the 128-column pass): odd lengths,
+    # an initial state, 25% g == 0 heads
+    (Case("lean_h2_varlen", [1000, 77, 2100], 8, 16, gate="mixed"), {"FLASHGDN_WY_LEAN": "4"}),
+    # four heads a block, fp16 inputs, very negative gates, the narrow passes
+    (Case("lean_h4_fp16", [700, 130], 2, 8, gate="very_negative", dtype=torch.float16),
+     {"FLASHGDN_WY_LEAN": "4"}),
+    # two blocks a q/k head of four (the first writes the fp16 copies of bf16 k and q)
+    (Case("lean_h4_in_twos", [513, 64, 1], 2, 8, gate="zero_heads"), {"FLASHGDN_WY_LEAN": "2"}),
+    # three heads a block; one head a block; many short sequences
+    (Case("lean_h3", [300, 45], 2, 6, gate="normal"), {"FLASHGDN_WY_LEAN": "4"}),
+    (Case("lean_h1_short", [1 + (7 * i) % 23 for i in range(40)], 2, 2, cu_dtype=torch.int64),
+     {"FLASHGDN_WY_LEAN": "1"}),
+    # the planner's split plan (phase 1 reads the warm-up bound Lb)
+    (Case("lean_cp_long", [16384], 4, 16, gate="mixed"), {"FLASHGDN_WY_LEAN": "4"}),
+]
+
+
+@pytest.mark.parametrize("case,env", LEAN_CASES, ids=lambda c: c.name if isinstance(c, Case) else "")
+def test_wy_lean(case: Case, env: dict):
+    """wy_lean_kernel (FLASHGDN_WY_LEAN: one warpgroup a block, the inverse by doubling in
+    fp16 products) against wy_batched_kernel / wy_kernel (FLASHGDN_WY_LEAN=0): another
+    inverse, so not the same bits, but within the float64 reference's tolerance and no less
+    accurate (o and state errors at most 10% above, + 1e-4), eagerly and from a CUDA graph.
+    Its blocks above the diagonal are not read (NaN there under FLASHGDN_DEBUG=16: the same
+    bits), and whole tiles with zero blocks (FLASHGDN_TRI16=0) give the same bits too."""
+    inp = make_inputs(case, "cuda", seed=67)
+    o0, h0, o1, h1 = forward_pair(inp, {"FLASHGDN_WY_LEAN": "0"}, env, f"wy lean {case.name}")
+    ro, rh = reference(inp)
+    e0o, e0h, e1o, e1h = rel_err(o0, ro), rel_err(h0, rh), rel_err(o1, ro), rel_err(h1, rh)
+    print(f"wy lean {case.name}: o {e1o:.2e} (wy_batched {e0o:.2e}) state {e1h:.2e} "
+          f"(wy_batched {e0h:.2e})")
+    assert not (torch.equal(o0, o1) and torch.equal(h0, h1)), "the lean kernel did not run"
+    assert e1o < O_TOL and e1h < STATE_TOL
+    assert e1o <= 1.1 * e0o + 1e-4 and e1h <= 1.1 * e0h + 1e-4
+    forward_bit_identical(inp, env, {**env, "FLASHGDN_DEBUG": "16"}, f"wy lean NaN {case.name}",
+                          check_reference=False)
+    forward_bit_identical(inp, env, {**env, "FLASHGDN_TRI16": "0"},
+                          f"wy lean whole tiles {case.name}", check_reference=False)
+
+
+@pytest.mark.parametrize("case,lean", [
+    (Case("lean_default_h1", [700, 65], 2, 2, gate="mixed"), "1"),
+    (Case("lean_default_h2", [700, 65], 2, 4, gate="mixed"), "2"),
+    (Case("lean_default_h4", [700, 65], 2, 8, gate="mixed"), "2"),
+    (Case("lean_default_h3", [700, 65], 2, 6, gate="mixed"), "0"),
+], ids=lambda x: x.name if isinstance(x, Case) else x)
+def test_wy_lean_default(case: Case, lean: str):
+    """The default WY kernel of the plain forward (launch.cu wy_lean_heads): wy_lean_kernel
+    with one value head a block at one head a q/k head, two at two and four, and
+    wy_batched_kernel at three: the same bits as the explicit switch."""
+    inp = make_inputs(case, "cuda", seed=71)
+    forward_bit_identical(inp, {"FLASHGDN_WY_LEAN": lean}, {}, f"wy lean default {case.name}",
+                          check_reference=False)
 
 
 @pytest.mark.parametrize("cols", [0, 1], ids=["bwd_default", "bwd_cols"])

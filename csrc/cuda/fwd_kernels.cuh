@@ -244,16 +244,16 @@ __device__ __forceinline__ uint4 half8_of(const In* src) {
 }
 
 // fp16 copies of this chunk's k and q rows (staged in Ks, Qs) for the fp16 state pass, by the
-// first block of each q/k head (bf16 inputs; exact for |x| in [2^-14, 65504], the range of
-// l2-normalised q and k). Thread t takes the 16-byte piece 8 (t % 16) of rows t / 16 + 16 i
-// of K and of Q, its addresses formed once (the loop over a piece index before 2026-11-26
-// divided it and multiplied 64-bit strides for every piece: 18% of wy_batched_kernel's
-// instructions, H100 ncu source counters).
-template <typename In>
+// NTHR threads of the first block of each q/k head (bf16 inputs; exact for |x| in [2^-14,
+// 65504], the range of l2-normalised q and k). Thread t takes the 16-byte piece 8 (t % 16) of
+// rows t / 16 + (NTHR / 16) i of K and of Q, its addresses formed once (the loop over a piece
+// index before 2026-11-26 divided it and multiplied 64-bit strides for every piece: 18% of
+// wy_batched_kernel's instructions, H100 ncu source counters).
+template <typename In, int NTHR = NT>
 __device__ __forceinline__ void wy_fp16_copies(const FwdParams& p, const In* Ks, const In* Qs,
                                                int64_t h0, int64_t qk_off, int L) {
   if (p.Kh_w == nullptr || h0 % (p.Hv / p.Hqk) != 0) return;
-  constexpr int kPieces = D / 8, kRows = NT / kPieces;  // 16 pieces a row, 16 rows a pass
+  constexpr int kPieces = D / 8, kRows = NTHR / kPieces;  // 16 pieces a row, NTHR / 16 rows a pass
   const int r0 = threadIdx.x / kPieces, c = (threadIdx.x % kPieces) * 8;
   const int64_t stride = static_cast<int64_t>(p.Hqk) * D;
   __half* gk = p.Kh_w + qk_off + r0 * stride + c;
