@@ -1,5 +1,5 @@
 // wy_lean_kernel<In, kH>  grid (max_chunks * H_v / wy_heads), 128 threads (one warpgroup),
-//   kH >= wy_heads value heads of one q/k head a block (~45 KB smem at two heads).
+//   kH >= wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM).
 //   The default forward pass's WY part (wy_batched_kernel's outputs, not its bits) in the
 //   shape an auxiliary warpgroup of a fused forward kernel can run (docs/perf-notes.md plan
 //   item 1): one warpgroup, block-wide barriers only between its phases, few instructions:
@@ -29,10 +29,14 @@ namespace cuda {
 
 constexpr int kLeanThreads = 128;
 constexpr int kLeanLd = 72;         // fp16 [64][72] tiles: 144-byte rows, ldmatrix conflict free
-constexpr int kLeanDiagLd = 16 * 16 + 4;  // a fp32 16 x 16 diagonal block (+4: blocks on other banks)
-// A head's part: its A (then T) tile and Tv16 staging tile (fp16), its four fp32 diagonal blocks
+// A head's part: its A (then T) tile and Tv16 staging tile (fp16). The four fp32 copies of
+// A's diagonal blocks (16 rows of 64 bytes, the tiles' row stride) lie in the tiles' blocks
+// above the diagonal, which nothing else reads or writes: diagonal blocks 0 and 1 in the Tv
+// tile, 2 and 3 in the A tile, at row block 0, columns 16 .. 47 and row block 1, columns
+// 32 .. 63.
 constexpr size_t kLeanTile = sizeof(__half) * C * kLeanLd;
-constexpr size_t kLeanHead = 2 * kLeanTile + sizeof(float) * 4 * kLeanDiagLd;
+constexpr size_t kLeanHead = 2 * kLeanTile;
+constexpr int kLeanDiagLd = kLeanLd / 2;  // floats
 constexpr size_t wy_lean_tiles(int kH) {
   return sizeof(uint16_t) * 2 * C * LDH > kH * kLeanHead ? sizeof(uint16_t) * 2 * C * LDH
                                                          : kH * kLeanHead;
@@ -40,8 +44,8 @@ constexpr size_t wy_lean_tiles(int kH) {
 // the tail: beta and G of kH heads, |k|^2
 constexpr size_t wy_lean_smem(int kH) { return wy_lean_tiles(kH) + sizeof(float) * (2 * kH + 1) * C; }
 
-// blocks an SM: one head (36 KB) 5, two heads (46 KB) 4, four (91 KB) 2
-constexpr int wy_lean_occupancy(int kH) { return kH == 1 ? 5 : kH == 2 ? 4 : 2; }
+// blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, four (75 KB) 3
+constexpr int wy_lean_occupancy(int kH) { return kH == 1 ? 5 : kH == 2 ? 5 : 3; }
 
 template <typename In, int kH>
 __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_kernel(FwdParams p) {
@@ -61,8 +65,9 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
   In* Qs = Ks + C * LDH;
   auto a_tile = [&](int hi) { return reinterpret_cast<__half*>(smem_raw + hi * kLeanHead); };
   auto tv_tile = [&](int hi) { return a_tile(hi) + C * kLeanLd; };
-  auto diag = [&](int hi, int b) {
-    return reinterpret_cast<float*>(smem_raw + hi * kLeanHead + 2 * kLeanTile) + b * kLeanDiagLd;
+  auto diag = [&](int hi, int b) {  // row 0 of diagonal block b's fp32 copy (rows kLeanDiagLd apart)
+    __half* tile = b < 2 ? tv_tile(hi) : a_tile(hi);
+    return reinterpret_cast<float*>(tile + (b & 1) * (16 * kLeanLd + 16) + 16);
   };
   float* bs_all = reinterpret_cast<float*>(smem_raw + wy_lean_tiles(kH));  // [heads][C]
   float* Gs_all = bs_all + kH * C;                                       // [heads][C]
@@ -190,7 +195,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
             av[hf][2 * i] = s < r ? br[i] * d[2 * i] * k0 : 0.f;
             av[hf][2 * i + 1] = s + 1 < r ? br[i] * d[2 * i + 1] * k1 : 0.f;
             if (jp == rb) {  // the diagonal block: fp32 A for the substitution, |k|^2
-              *reinterpret_cast<float2*>(diag(hi, rb) + (r - m0) * 16 + s - m0) =
+              *reinterpret_cast<float2*>(diag(hi, rb) + (r - m0) * kLeanDiagLd + s - m0) =
                   make_float2(av[hf][2 * i], av[hf][2 * i + 1]);
               if (hi == 0) {
                 if (s == r) kn[r] = k0;
@@ -231,7 +236,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     for (int r = 0; r < 16; ++r) {
       float acc = r == jj ? 1.f : 0.f;
 #pragma unroll
-      for (int s = 0; s < r; ++s) acc -= a[r * 16 + s] * tc[s];
+      for (int s = 0; s < r; ++s) acc -= a[r * kLeanDiagLd + s] * tc[s];
       tc[r] = acc;
     }
     const float bj = bs_all[hi * C + 16 * b + jj];
