@@ -1080,12 +1080,12 @@ def test_wy_lean(case: Case, env: dict):
     (Case("lean_default_h1", [700, 65], 2, 2, gate="mixed"), "1"),
     (Case("lean_default_h2", [700, 65], 2, 4, gate="mixed"), "2"),
     (Case("lean_default_h4", [700, 65], 2, 8, gate="mixed"), "2"),
-    (Case("lean_default_h3", [700, 65], 2, 6, gate="mixed"), "0"),
+    (Case("lean_default_h3", [700, 65], 2, 6, gate="mixed"), "3"),
 ], ids=lambda x: x.name if isinstance(x, Case) else x)
 def test_wy_lean_default(case: Case, lean: str):
     """The default WY kernel of the plain forward (launch.cu wy_lean_heads): wy_lean_kernel
-    with one value head a block at one head a q/k head, two at two and four, and
-    wy_batched_kernel at three: the same bits as the explicit switch."""
+    with one value head a block at one head a q/k head, two at two and four, three at
+    three: the same bits as the explicit switch."""
     inp = make_inputs(case, "cuda", seed=71)
     forward_bit_identical(inp, {"FLASHGDN_WY_LEAN": lean}, {}, f"wy lean default {case.name}",
                           check_reference=False)

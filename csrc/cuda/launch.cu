@@ -855,15 +855,16 @@ bool wy_occ4() { return env_int_or("FLASHGDN_WY_OCC4", 1) != 0; }
 
 // Value heads a wy_lean_kernel block takes (one warpgroup a block, the inverse by doubling),
 // 0 for wy_batched_kernel / wy_kernel. The forward only (no T or fp32 P asked). By default
-// two heads a block where H_v / H_qk is even, one where it is 1, and wy_batched_kernel at
-// three heads a q/k head (H100, 2026-11-26, docs/benchmarks.md "Session 38": 16/32 x 32768
-// 0.949 -> 0.897 ms, 32/32 1.035 -> 0.990; one-head blocks at 8/24 0.731 -> 0.755).
-// FLASHGDN_WY_LEAN=<n>: the largest divisor of H_v / H_qk up to n (0: never).
+// two heads a block where H_v / H_qk is even, else the largest divisor up to kWyMaxHeads
+// (H100, 2026-11-26, docs/benchmarks.md "Session 38": 16/32 x 32768 0.946 -> 0.887 ms,
+// 32/32 1.036 -> 0.984, 8/24 within 2% either way; four-head blocks and one-head blocks
+// of even ratios slower). FLASHGDN_WY_LEAN=<n>: the largest divisor of H_v / H_qk up to n
+// (0: never).
 int wy_lean_heads(const Problem& p, const FwdParams& f) {
   if (f.Tv16 == nullptr || f.Tmat != nullptr || f.T16 != nullptr || f.Pmat != nullptr) return 0;
   const int group = static_cast<int>(p.Hv / p.Hqk);
-  const int cap = std::min(kWyMaxHeads, env_int_or("FLASHGDN_WY_LEAN", -1));
-  if (cap < 0) return group == 1 ? 1 : group % 2 == 0 ? 2 : 0;
+  int cap = std::min(kWyMaxHeads, env_int_or("FLASHGDN_WY_LEAN", -1));
+  if (cap < 0) cap = group % 2 == 0 ? 2 : kWyMaxHeads;
   if (cap == 0) return 0;
   int n = 1;
   for (int d = 1; d <= cap; ++d)
@@ -882,17 +883,20 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_batched_kernel<In, kWyMaxHeads>, wy_batched_smem(kWyMaxHeads));
     set_smem(wy_lean_kernel<In, 1>, wy_lean_smem(1));
     set_smem(wy_lean_kernel<In, 2>, wy_lean_smem(2));
+    set_smem(wy_lean_kernel<In, 3>, wy_lean_smem(3));
     set_smem(wy_lean_kernel<In, kWyMaxHeads>, wy_lean_smem(kWyMaxHeads));
   });
   if (p.max_chunks() == 0) return;
   if (const int nl = wy_lean_heads(p, f); nl > 0) {
     f.wy_heads = nl;
-    const int kh = nl == 1 ? 1 : nl == 2 ? 2 : kWyMaxHeads;
+    const int kh = nl;
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
     if (kh == 1)
       wy_lean_kernel<In, 1><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);
     else if (kh == 2)
       wy_lean_kernel<In, 2><<<grid, kLeanThreads, wy_lean_smem(2), st>>>(f);
+    else if (kh == 3)
+      wy_lean_kernel<In, 3><<<grid, kLeanThreads, wy_lean_smem(3), st>>>(f);
     else
       wy_lean_kernel<In, kWyMaxHeads><<<grid, kLeanThreads, wy_lean_smem(kWyMaxHeads), st>>>(f);
     check_cuda(cudaGetLastError(), "wy_lean_kernel launch");

@@ -44,8 +44,8 @@ constexpr size_t wy_lean_tiles(int kH) {
 // the tail: beta and G of kH heads, |k|^2
 constexpr size_t wy_lean_smem(int kH) { return wy_lean_tiles(kH) + sizeof(float) * (2 * kH + 1) * C; }
 
-// blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, four (75 KB) 3
-constexpr int wy_lean_occupancy(int kH) { return kH == 1 ? 5 : kH == 2 ? 5 : 3; }
+// blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, three (56 KB) 4, four (75 KB) 3
+constexpr int wy_lean_occupancy(int kH) { return kH <= 2 ? 5 : kH == 3 ? 4 : 3; }
 
 template <typename In, int kH>
 __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_kernel(FwdParams p) {
