@@ -14,6 +14,9 @@
 //   P = (Q K^T) . Dec (Dec[r,s] = exp(G_r - G_s), s <= r), and the chunk's warm-up bound
 //   Lb = sum_r g_r + log max(1, |1 - beta_r |k_r|^2|) (log of a bound on how much the
 //   chunk's transition can keep of an earlier state; used by the context-parallel pass).
+//   (The plain forward takes wy_lean_kernel instead, wy_lean.cuh: the same outputs for the
+//   default pass from one warpgroup a block; wy_kernel and wy_batched_kernel remain the
+//   backward's, the kept forward's and FLASHGDN_WY_LEAN=0's.)
 //   reads  q, k, v (not for the default pass), g, beta
 //   writes G (and e^G, e^{G_last - G} for the cols pass), P (tf32-rounded fp32 and/or fp16),
 //   Lb; T when the backward asks; fp16 copies
