@@ -29,7 +29,8 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
-            "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN")
+            "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
+            "FLASHGDN_WY_LEAN_T")
 
 
 @contextmanager
@@ -1089,6 +1090,31 @@ def test_wy_lean_default(case: Case, lean: str):
     inp = make_inputs(case, "cuda", seed=71)
     forward_bit_identical(inp, {"FLASHGDN_WY_LEAN": lean}, {}, f"wy lean default {case.name}",
                           check_reference=False)
+
+
+@pytest.mark.parametrize("cols", ["0", "1"], ids=["bwd_narrow", "bwd_cols"])
+@pytest.mark.parametrize("case", [WY_CASES[0], WY_CASES[2], WY_CASES[3]], ids=lambda c: c.name)
+def test_wy_lean_t_backward(monkeypatch, case: Case, cols: str):
+    """FLASHGDN_WY_LEAN_T=1: wy_lean_kernel also writes T (fp32 Tmat or fp16 T16) and fp32 P
+    for the backward's recomputation (both kinds of sequential passes) and the kept forward.
+    Every gradient within test_backward's tolerance of the float64 reference; the kept
+    backward equal to the recomputing one bit for bit; the kept forward's o and final state
+    within 1e-3 of the plain forward's (both from wy_lean_kernel's inverse; the passes may
+    differ where FLASHGDN_BWD_COLS forces the kept one's)."""
+    from test_backward import GRAD_TOL, run_grads
+    from test_keep_for_backward import grads
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", cols)
+    monkeypatch.setenv("FLASHGDN_WY_LEAN_T", "1")
+    names, ours, refs, _ = run_grads(case, "cuda", seed=73)
+    for n, a, r in zip(names, ours, refs):
+        err = rel_err(a, r)
+        print(f"wy lean T {case.name} cols {cols}: d{n} {err:.2e}")
+        assert err < GRAD_TOL, f"d{n} {err:.2e} >= {GRAD_TOL:.1e}"
+    _, o_k, ht_k, g_k, _ = grads(case, "cuda", True, seed=74)
+    _, o_r, ht_r, g_r, _ = grads(case, "cuda", False, seed=74)
+    assert rel_err(o_k, o_r.double()) < 1e-3 and rel_err(ht_k, ht_r.double()) < 1e-3
+    for n, a, b in zip(names, g_k, g_r):
+        assert torch.equal(a, b), f"d{n}: kept differs from recomputed"
 
 
 @pytest.mark.parametrize("cols", [0, 1], ids=["bwd_default", "bwd_cols"])

@@ -860,8 +860,14 @@ bool wy_occ4() { return env_int_or("FLASHGDN_WY_OCC4", 1) != 0; }
 // 32/32 1.036 -> 0.984, 8/24 within 2% either way; four-head blocks and one-head blocks
 // of even ratios slower). FLASHGDN_WY_LEAN=<n>: the largest divisor of H_v / H_qk up to n
 // (0: never).
+// T or fp32 P asked (the backward's recomputation, the kept forward): only with
+// FLASHGDN_WY_LEAN_T=1 (wy_lean_kernel<., ., true>, opt-in, not yet run on a GPU).
+bool wy_lean_wants_t(const FwdParams& f) {
+  return f.Tmat != nullptr || f.T16 != nullptr || f.Pmat != nullptr;
+}
 int wy_lean_heads(const Problem& p, const FwdParams& f) {
-  if (f.Tv16 == nullptr || f.Tmat != nullptr || f.T16 != nullptr || f.Pmat != nullptr) return 0;
+  if (f.Tv16 == nullptr) return 0;
+  if (wy_lean_wants_t(f) && env_int_or("FLASHGDN_WY_LEAN_T", 0) == 0) return 0;
   const int group = static_cast<int>(p.Hv / p.Hqk);
   int cap = std::min(kWyMaxHeads, env_int_or("FLASHGDN_WY_LEAN", -1));
   if (cap < 0) cap = group % 2 == 0 ? 2 : kWyMaxHeads;
@@ -885,20 +891,30 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_lean_kernel<In, 2>, wy_lean_smem(2));
     set_smem(wy_lean_kernel<In, 3>, wy_lean_smem(3));
     set_smem(wy_lean_kernel<In, kWyMaxHeads>, wy_lean_smem(kWyMaxHeads));
+    set_smem(wy_lean_kernel<In, 1, true>, wy_lean_smem(1));
+    set_smem(wy_lean_kernel<In, 2, true>, wy_lean_smem(2));
+    set_smem(wy_lean_kernel<In, 3, true>, wy_lean_smem(3));
+    set_smem(wy_lean_kernel<In, kWyMaxHeads, true>, wy_lean_smem(kWyMaxHeads));
   });
   if (p.max_chunks() == 0) return;
   if (const int nl = wy_lean_heads(p, f); nl > 0) {
     f.wy_heads = nl;
     const int kh = nl;
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
-    if (kh == 1)
-      wy_lean_kernel<In, 1><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);
-    else if (kh == 2)
-      wy_lean_kernel<In, 2><<<grid, kLeanThreads, wy_lean_smem(2), st>>>(f);
-    else if (kh == 3)
-      wy_lean_kernel<In, 3><<<grid, kLeanThreads, wy_lean_smem(3), st>>>(f);
-    else
-      wy_lean_kernel<In, kWyMaxHeads><<<grid, kLeanThreads, wy_lean_smem(kWyMaxHeads), st>>>(f);
+    auto go = [&](auto with_t) {
+      constexpr bool kT = decltype(with_t)::value;
+      if (kh == 1)
+        wy_lean_kernel<In, 1, kT><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);
+      else if (kh == 2)
+        wy_lean_kernel<In, 2, kT><<<grid, kLeanThreads, wy_lean_smem(2), st>>>(f);
+      else if (kh == 3)
+        wy_lean_kernel<In, 3, kT><<<grid, kLeanThreads, wy_lean_smem(3), st>>>(f);
+      else
+        wy_lean_kernel<In, kWyMaxHeads, kT>
+            <<<grid, kLeanThreads, wy_lean_smem(kWyMaxHeads), st>>>(f);
+    };
+    if (wy_lean_wants_t(f)) go(std::true_type{});
+    else go(std::false_type{});
     check_cuda(cudaGetLastError(), "wy_lean_kernel launch");
     return;
   }

@@ -44,10 +44,32 @@ constexpr size_t wy_lean_tiles(int kH) {
 // the tail: beta and G of kH heads, |k|^2
 constexpr size_t wy_lean_smem(int kH) { return wy_lean_tiles(kH) + sizeof(float) * (2 * kH + 1) * C; }
 
+// T21 = -y^T of a join (y: the m16 x 16 accumulators of T21^T, its rows T's columns i0 (the
+// thread's row g's) and i0 + 8, its columns T's rows j0 + 8 nt + 2t (+1)) into Tmat / T16
+// (wy_lean_kernel<., ., true>): rows in the chunk, row_off = the head's row offset.
+__device__ __forceinline__ void lean_store_t(const FwdParams& p, const float (&y)[2][4],
+                                             int64_t row_off, int L, int i0, int j0) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = i0 + (e >= 2 ? 8 : 0), j = j0 + 8 * nt + acc_col(e);
+      if (j < L) {
+        const int64_t idx = (row_off + static_cast<int64_t>(j) * p.Hv) * C + i;
+        if (p.Tmat != nullptr) p.Tmat[idx] = -y[nt][e];
+        if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(-y[nt][e]);
+      }
+    }
+}
+
 // blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, three (56 KB) 4, four (75 KB) 3
 constexpr int wy_lean_occupancy(int kH) { return kH <= 2 ? 5 : kH == 3 ? 4 : 3; }
 
-template <typename In, int kH>
+// kT (opt-in, FLASHGDN_WY_LEAN_T=1; not yet run on a GPU): also T (fp32 Tmat or fp16 T16)
+// and fp32 P (Pmat) as the backward's recomputation and the kept forward ask, whole rows
+// with zero blocks above the diagonal as wy_batched_kernel writes them: T from the fp32
+// values where they are formed (the substitution's columns, the joins' accumulators).
+template <typename In, int kH, bool kT = false>
 __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
@@ -148,7 +170,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     const int rb = warp, ra = 16 * rb + g;
     float qk[8][4];
     lower_product(qk, Qs, rb);
-    for (int hi = 0; hi < nh && p.P16 != nullptr; ++hi) {
+    for (int hi = 0; hi < nh && (p.P16 != nullptr || (kT && p.Pmat != nullptr)); ++hi) {
       const float* Gs = Gs_all + hi * C;
       const int64_t row_off = row_off0 + hi;
       const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e};
@@ -161,9 +183,18 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int r = ra + 8 * i;
-          if (r < L)
+          if constexpr (kT) {
+            if (r < L && p.Pmat != nullptr)
+              *reinterpret_cast<float2*>(p.Pmat + (row_off + r * p.Hv) * C + s) =
+                  make_float2(round_tf32(d[2 * i] * qk[j][2 * i]),
+                              round_tf32(d[2 * i + 1] * qk[j][2 * i + 1]));
+            if (r < L && p.P16 != nullptr)
+              *reinterpret_cast<uint32_t*>(p.P16 + (row_off + r * p.Hv) * C + s) =
+                  pack_half2(d[2 * i] * qk[j][2 * i], d[2 * i + 1] * qk[j][2 * i + 1]);
+          } else if (r < L) {
             *reinterpret_cast<uint32_t*>(p.P16 + (row_off + r * p.Hv) * C + s) =
                 pack_half2(d[2 * i] * qk[j][2 * i], d[2 * i + 1] * qk[j][2 * i + 1]);
+          }
         }
       }
     }
@@ -221,6 +252,18 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
         const int64_t idx = (row_off0 + hi + r * p.Hv) * C + c;
         if (p.P16 != nullptr) *reinterpret_cast<uint4*>(p.P16 + idx) = fill;
         *reinterpret_cast<uint4*>(p.Tv16 + idx) = fill;
+        if constexpr (kT) {  // zero blocks of T and fp32 P (the backward asks no NaN poison)
+          const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (p.T16 != nullptr) *reinterpret_cast<uint4*>(p.T16 + idx) = make_uint4(0u, 0u, 0u, 0u);
+          if (p.Tmat != nullptr) {
+            *reinterpret_cast<float4*>(p.Tmat + idx) = z;
+            *reinterpret_cast<float4*>(p.Tmat + idx + 4) = z;
+          }
+          if (p.Pmat != nullptr) {
+            *reinterpret_cast<float4*>(p.Pmat + idx) = z;
+            *reinterpret_cast<float4*>(p.Pmat + idx + 4) = z;
+          }
+        }
       }
     }
   }
@@ -247,6 +290,18 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
       tt[r * kLeanLd] = __float2half_rn(tc[r]);
       tv[r * kLeanLd] = __float2half_rn(tc[r] * bj);
     }
+    if constexpr (kT) {  // T's column 16 b + jj of block b, rows in the chunk
+      const int64_t col = (row_off0 + hi) * C + 16 * b + jj;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int row = 16 * b + r;
+        if (row < L) {
+          const int64_t idx = col + static_cast<int64_t>(row) * p.Hv * C;
+          if (p.Tmat != nullptr) p.Tmat[idx] = tc[r];
+          if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(tc[r]);
+        }
+      }
+    }
   }
   __syncthreads();
 
@@ -271,6 +326,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     stmatrix_x4_trans(tt + off, a[0], a[1], a[2], a[3]);  // T21 over A21 (read above)
     acc_to_a16(a, y[0], y[1], -bs[i0], -bs[i0 + 8]);
     stmatrix_x4_trans(tv_tile(hi) + off, a[0], a[1], a[2], a[3]);
+    if constexpr (kT) lean_store_t(p, y, row_off0 + hi, L, i0, m);
   }
   __syncthreads();
 
@@ -310,6 +366,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     uint32_t a[4];
     acc_to_a16(a, y[0], y[1], -bs[i0], -bs[i0 + 8]);
     stmatrix_x4_trans(tv_tile(hi) + off, a[0], a[1], a[2], a[3]);
+    if constexpr (kT) lean_store_t(p, y, row_off0 + hi, L, i0, 32 + 16 * jh);
   }
   __syncthreads();
 
