@@ -833,16 +833,21 @@ void launch_sub_start(const Problem& p, const SegmentPlan& plan, const SegParams
   launch_kernel(sub_start_kernel, grid, kSubStartSmem, st, true, "sub_start_kernel launch", f);
 }
 
+// The largest divisor of n that is at most cap (>= 1): the value heads of one q/k head a WY
+// block takes.
+int largest_divisor_up_to(int n, int cap) {
+  int best = 1;
+  for (int d = 1; d <= cap; ++d)
+    if (n % d == 0) best = d;
+  return best;
+}
+
 // Value heads a block of the default pass's wy_kernel takes: the largest divisor of
 // H_v / H_qk up to kWyMaxHeads (the heads of one q/k head share its K, Q and their products);
 // FLASHGDN_WY_HEADS=<n> caps it (1: one head a block, the kernel before 2026-11-25).
 int wy_heads(const Problem& p) {
-  const int group = static_cast<int>(p.Hv / p.Hqk);
   const int cap = std::max(1, std::min(kWyMaxHeads, env_int_or("FLASHGDN_WY_HEADS", kWyMaxHeads)));
-  int n = 1;
-  for (int d = 1; d <= cap; ++d)
-    if (group % d == 0) n = d;
-  return n;
+  return largest_divisor_up_to(static_cast<int>(p.Hv / p.Hqk), cap);
 }
 
 // A block's value heads through each phase of wy_kernel together (wy_batched_kernel, the
@@ -872,10 +877,7 @@ int wy_lean_heads(const Problem& p, const FwdParams& f) {
   int cap = std::min(kWyMaxHeads, env_int_or("FLASHGDN_WY_LEAN", -1));
   if (cap < 0) cap = group % 2 == 0 ? 2 : kWyMaxHeads;
   if (cap == 0) return 0;
-  int n = 1;
-  for (int d = 1; d <= cap; ++d)
-    if (group % d == 0) n = d;
-  return n;
+  return largest_divisor_up_to(group, cap);
 }
 
 template <typename In>
@@ -899,15 +901,14 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   if (p.max_chunks() == 0) return;
   if (const int nl = wy_lean_heads(p, f); nl > 0) {
     f.wy_heads = nl;
-    const int kh = nl;
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
     auto go = [&](auto with_t) {
       constexpr bool kT = decltype(with_t)::value;
-      if (kh == 1)
+      if (nl == 1)
         wy_lean_kernel<In, 1, kT><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);
-      else if (kh == 2)
+      else if (nl == 2)
         wy_lean_kernel<In, 2, kT><<<grid, kLeanThreads, wy_lean_smem(2), st>>>(f);
-      else if (kh == 3)
+      else if (nl == 3)
         wy_lean_kernel<In, 3, kT><<<grid, kLeanThreads, wy_lean_smem(3), st>>>(f);
       else
         wy_lean_kernel<In, kWyMaxHeads, kT>

@@ -271,6 +271,16 @@ __device__ __forceinline__ void store_frag_a16(__half* s, int ld, int row0, int 
   stmatrix_x4(s + (row0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + k0 + (l >> 4) * 8, a[0], a[1],
               a[2], a[3]);
 }
+// The 16 x 16 matrix whose A fragment is `a` (frag_a16's layout), transposed into a 16-bit
+// tile [row][col] at rows row0..row0+15, columns col0..col0+15 (stmatrix .trans: lane l gives
+// row l % 8 of 8 x 8 matrix l / 8, which lands at row offset 8 ((l / 16) % 2), column offset
+// 8 ((l / 8) % 2)).
+__device__ __forceinline__ void store_frag_a16_trans(__half* s, int ld, int row0, int col0,
+                                                     const uint32_t (&a)[4]) {
+  const int l = lane_id();
+  stmatrix_x4_trans(s + (row0 + (l & 7) + ((l >> 4) & 1) * 8) * ld + col0 + ((l >> 3) & 1) * 8,
+                    a[0], a[1], a[2], a[3]);
+}
 // A barrier of `count` threads (whole warps) on named barrier `id` (1..15; 0 is
 // __syncthreads').
 __device__ __forceinline__ void named_bar_sync(int id, int count) {

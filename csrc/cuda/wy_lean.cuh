@@ -44,22 +44,25 @@ constexpr size_t wy_lean_tiles(int kH) {
 // the tail: beta and G of kH heads, |k|^2
 constexpr size_t wy_lean_smem(int kH) { return wy_lean_tiles(kH) + sizeof(float) * (2 * kH + 1) * C; }
 
+// T[row][col] = v of one head (row_off: its row offset) into Tmat / T16, rows in the chunk
+// (wy_lean_kernel<., ., true>).
+__device__ __forceinline__ void lean_put_t(const FwdParams& p, int64_t row_off, int L, int row,
+                                           int col, float v) {
+  if (row < L) {
+    const int64_t idx = (row_off + static_cast<int64_t>(row) * p.Hv) * C + col;
+    if (p.Tmat != nullptr) p.Tmat[idx] = v;
+    if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(v);
+  }
+}
 // T21 = -y^T of a join (y: the m16 x 16 accumulators of T21^T, its rows T's columns i0 (the
-// thread's row g's) and i0 + 8, its columns T's rows j0 + 8 nt + 2t (+1)) into Tmat / T16
-// (wy_lean_kernel<., ., true>): rows in the chunk, row_off = the head's row offset.
+// thread's row g's) and i0 + 8, its columns T's rows j0 + 8 nt + 2t (+1)) into Tmat / T16.
 __device__ __forceinline__ void lean_store_t(const FwdParams& p, const float (&y)[2][4],
                                              int64_t row_off, int L, int i0, int j0) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = i0 + (e >= 2 ? 8 : 0), j = j0 + 8 * nt + acc_col(e);
-      if (j < L) {
-        const int64_t idx = (row_off + static_cast<int64_t>(j) * p.Hv) * C + i;
-        if (p.Tmat != nullptr) p.Tmat[idx] = -y[nt][e];
-        if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(-y[nt][e]);
-      }
-    }
+    for (int e = 0; e < 4; ++e)
+      lean_put_t(p, row_off, L, j0 + 8 * nt + acc_col(e), i0 + (e >= 2 ? 8 : 0), -y[nt][e]);
 }
 
 // blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, three (56 KB) 4, four (75 KB) 3
@@ -290,17 +293,9 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
       tt[r * kLeanLd] = __float2half_rn(tc[r]);
       tv[r * kLeanLd] = __float2half_rn(tc[r] * bj);
     }
-    if constexpr (kT) {  // T's column 16 b + jj of block b, rows in the chunk
-      const int64_t col = (row_off0 + hi) * C + 16 * b + jj;
+    if constexpr (kT) {  // T's column 16 b + jj of block b
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const int row = 16 * b + r;
-        if (row < L) {
-          const int64_t idx = col + static_cast<int64_t>(row) * p.Hv * C;
-          if (p.Tmat != nullptr) p.Tmat[idx] = tc[r];
-          if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(tc[r]);
-        }
-      }
+      for (int r = 0; r < 16; ++r) lean_put_t(p, row_off0 + hi, L, 16 * b + r, 16 * b + jj, tc[r]);
     }
   }
   __syncthreads();
@@ -320,12 +315,11 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     frag_b16_pair(b0, b1, tt, kLeanLd, m, m);    // T2^T
     mma_f16(y[0], a, b0);
     mma_f16(y[1], a, b1);                        // y = -T21^T
-    const int l = lane, i0 = r0 + g;
-    const int off = (m + (l & 7) + ((l >> 4) & 1) * 8) * kLeanLd + r0 + ((l >> 3) & 1) * 8;
+    const int i0 = r0 + g;
     acc_to_a16(a, y[0], y[1], -1.f, -1.f);
-    stmatrix_x4_trans(tt + off, a[0], a[1], a[2], a[3]);  // T21 over A21 (read above)
+    store_frag_a16_trans(tt, kLeanLd, m, r0, a);  // T21 over A21 (read above)
     acc_to_a16(a, y[0], y[1], -bs[i0], -bs[i0 + 8]);
-    stmatrix_x4_trans(tv_tile(hi) + off, a[0], a[1], a[2], a[3]);
+    store_frag_a16_trans(tv_tile(hi), kLeanLd, m, r0, a);
     if constexpr (kT) lean_store_t(p, y, row_off0 + hi, L, i0, m);
   }
   __syncthreads();
@@ -360,12 +354,10 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
       mma_f16(y[0], a, b0);
       mma_f16(y[1], a, b1);
     }
-    const int l = lane, i0 = 16 * ih + g;
-    const int off =
-        (32 + 16 * jh + (l & 7) + ((l >> 4) & 1) * 8) * kLeanLd + 16 * ih + ((l >> 3) & 1) * 8;
+    const int i0 = 16 * ih + g;
     uint32_t a[4];
     acc_to_a16(a, y[0], y[1], -bs[i0], -bs[i0 + 8]);
-    stmatrix_x4_trans(tv_tile(hi) + off, a[0], a[1], a[2], a[3]);
+    store_frag_a16_trans(tv_tile(hi), kLeanLd, 32 + 16 * jh, 16 * ih, a);
     if constexpr (kT) lean_store_t(p, y, row_off0 + hi, L, i0, 32 + 16 * jh);
   }
   __syncthreads();
