@@ -46,6 +46,8 @@ METRICS = [
     "sm__inst_executed.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
     "smsp__inst_executed_pipe_tensor.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "sm__cycles_elapsed.avg",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
 ] + [f"{STALL_PREFIX}{s}.ratio" for s in STALLS]
 
 CHILD = """
@@ -100,6 +102,12 @@ def report(kernels: "OrderedDict[Tuple[str, str], Dict[str, Tuple[str, str]]]") 
               f"{get('sm__warps_active.avg.pct_of_peak_sustained_active'):.0f}%, tensor "
               f"{get('smsp__inst_executed_pipe_tensor.sum') / 1e6:.2f} M, shared bank conflicts "
               f"{get('l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum') / 1e6:.2f} M")
+        # shared-memory wavefronts: one an SM a cycle at most (the SMs the kernel ran on)
+        sms = get("sm__cycles_elapsed.avg")
+        print(f"   shared wavefronts {get('l1tex__data_pipe_lsu_wavefronts_mem_shared.sum') / 1e6:.1f} M "
+              f"({get('l1tex__data_pipe_lsu_wavefronts_mem_shared.sum') / (132 * sms) * 100:.0f}% "
+              f"of one a cycle on 132 SMs), tensor pipe (HMMA) active "
+              f"{get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active'):.0f}%")
         stalls = sorted(((get(f"{STALL_PREFIX}{s}.ratio"), s) for s in STALLS), reverse=True)
         print("   stalls (cycles a warp instruction): " +
               ", ".join(f"{s} {v:.0f}" for v, s in stalls[:8] if v == v and v > 0))

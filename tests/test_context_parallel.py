@@ -30,7 +30,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
-            "FLASHGDN_WY_LEAN_T")
+            "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED")
 
 
 @contextmanager
@@ -1126,3 +1126,58 @@ def test_wy_batched_bit_identical_backward(monkeypatch, case: Case, cols: int):
     monkeypatch.setenv("FLASHGDN_BWD_COLS", str(cols))
     grads_bit_identical(monkeypatch, case, "FLASHGDN_WY_BATCHED", "0", seed=37,
                         what=f"wy batched backward {case.name}")
+
+
+def cuda_kernels_run(fn) -> set:
+    """The names of the CUDA kernels fn() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                acc_events=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+FUSED_CASES = [  # FLASHGDN_FUSED (the forward's WY part inside the 128-column pass)
+    # two value heads a q/k head, odd lengths, an initial state, 25% g == 0 heads
+    Case("fused_h2_varlen", [1000, 77, 2100], 8, 16, gate="mixed"),
+    # fp16 inputs (no conversion in place), very negative gates, four heads a q/k head
+    Case("fused_fp16", [700, 130], 2, 8, gate="very_negative", dtype=torch.float16),
+    # many short sequences (partial chunks everywhere), int64 cu_seqlens
+    Case("fused_short", [1 + (7 * i) % 23 for i in range(40)], 2, 2, cu_dtype=torch.int64),
+    # g == 0 heads (the exact path), three heads a q/k head
+    Case("fused_zero_heads", [513, 64, 1], 2, 6, gate="zero_heads"),
+    # the planner's split plan: phase 1 (summaries, identity blocks) and phase 0
+    Case("fused_cp_long", [16384], 4, 16, gate="mixed"),
+    Case("fused_cp_two", [9000, 7000], 2, 4, gate="normal"),
+]
+
+
+@pytest.mark.parametrize("mode", ["1", "2", "3", "4"],
+                         ids=["p_regs224", "p_regs216", "pt_regs216", "p_stages3"])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c.name)
+def test_fused_forward(case: Case, mode: str):
+    """FLASHGDN_FUSED (gdn_fwd_fused_kernel: P, and with mode 3 T diag(beta), formed by an
+    auxiliary warpgroup inside the 128-column pass; wy_lean_kernel without Q K^T before it,
+    or with mode 3 wy_gates_kernel) against the default kernels at 128 columns: within the
+    float64 reference's tolerance and no less accurate (o and state errors at most 10% above,
+    + 1e-4), eagerly and from a CUDA graph; the expected kernels ran."""
+    inp = make_inputs(case, "cuda", seed=79)
+    base = {"FLASHGDN_FWD_BW": "128"}
+    fused = {**base, "FLASHGDN_FUSED": mode}
+    o0, h0, o1, h1 = forward_pair(inp, base, fused, f"fused {case.name}")
+    ro, rh = reference(inp)
+    e0o, e0h, e1o, e1h = rel_err(o0, ro), rel_err(h0, rh), rel_err(o1, ro), rel_err(h1, rh)
+    same = torch.equal(o0, o1) and torch.equal(h0, h1)
+    print(f"fused {case.name}: o {e1o:.2e} (default {e0o:.2e}) state {e1h:.2e} "
+          f"(default {e0h:.2e}); same bits as the default: {same}")
+    assert e1o < O_TOL and e1h < STATE_TOL
+    assert e1o <= 1.1 * e0o + 1e-4 and e1h <= 1.1 * e0h + 1e-4
+    with env_vars(fused):
+        names = cuda_kernels_run(lambda: flashgdn.chunk_gated_delta_rule(**inp,
+                                                                         output_final_state=True))
+    assert any("gdn_fwd_fused_kernel" in n for n in names), sorted(names)
+    before = "wy_gates_kernel" if mode == "3" else "wy_lean_kernel"
+    assert any(before in n for n in names), sorted(names)
+    assert not any("wy_batched_kernel" in n or "state_fwd_cols_kernel" in n for n in names)
+    if mode == "3":
+        assert not any("wy_lean_kernel" in n for n in names), sorted(names)

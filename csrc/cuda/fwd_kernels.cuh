@@ -81,6 +81,9 @@ struct FwdParams : SegParams {
   // shared memory (the same conversion as wy_fp16_copies: the same bits), and wy_kernel
   // writes no copies (Kh_w, Qh_w null; Kh, Qh unused).
   bool kq_bf16;
+  // the state pass is gdn_fwd_fused_kernel (launch.cu fused_in_pass): wy_gates_kernel before
+  // it writes only G, EG and Lb (no Tv16, P16, Kh, Qh)
+  bool fused;
   __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
   // Tv16 and P16 hold only their lower block triangle (the 16 x 16 blocks at or below the
   // diagonal: 10 of 16): wy_kernel does not store the zero blocks above it, and their

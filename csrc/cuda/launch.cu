@@ -18,6 +18,7 @@
 #include "state_bwd_cols.cuh"
 #include "state_fwd_cols.cuh"
 #include "state_fwd_cols_owg.cuh"
+#include "fwd_fused.cuh"
 
 namespace flashgdn {
 namespace {
@@ -671,6 +672,12 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 }
 
 
+// FLASHGDN_FUSED=<mode>: 0 (default) no fused kernel; 1 gdn_fwd_fused_kernel<., false> (P
+// inside, wy_lean_kernel without Q K^T before it), 2 the same at 216 / 72 registers, 3
+// gdn_fwd_fused_kernel<., true> (T diag(beta) and P inside, wy_gates_kernel before it), 4 as
+// 2 with three stages.
+int fused_mode() { return std::clamp(env_int_or("FLASHGDN_FUSED", 0), 0, 4); }
+
 // FLASHGDN_CP_P0_MERGE=<m>: SegParams::p0_merge forced to m (0: the plan's or the device's).
 int forced_p0_merge() { return std::max(0, env_int_or("FLASHGDN_CP_P0_MERGE", 0)); }
 
@@ -688,6 +695,10 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
              StateFwdColsSmem::stage_bytes(3, false));
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
     set_smem(state_fwd_cols_owg_kernel<In>, StateFwdOwgSmem::kBytes);
+    set_smem(gdn_fwd_fused_kernel<In, false>, FwdFusedSmem::bytes(false, 2));
+    set_smem(gdn_fwd_fused_kernel<In, false, 2, 216, 72>, FwdFusedSmem::bytes(false, 2));
+    set_smem(gdn_fwd_fused_kernel<In, true, 2, 216, 72>, FwdFusedSmem::bytes(true, 2));
+    set_smem(gdn_fwd_fused_kernel<In, false, 3, 216, 72>, FwdFusedSmem::bytes(false, 3));
   });
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
@@ -715,7 +726,17 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     };
     using Sm = StateFwdColsSmem;
     const bool ping = cols_ping();
-    if (f.h == nullptr && cols_wgmma())
+    if (f.fused) {  // (part of) the WY part inside the pass (fused_in_pass)
+      const int mode = fused_mode();
+      auto fgo = [&](auto kernel, size_t bytes) {
+        launch_kernel_threads(kernel, grid, kFusedThreads, bytes, st, dep, what, fm);
+      };
+      using FS = FwdFusedSmem;
+      if (mode == 4) fgo(gdn_fwd_fused_kernel<In, false, 3, 216, 72>, FS::bytes(false, 3));
+      else if (mode == 3) fgo(gdn_fwd_fused_kernel<In, true, 2, 216, 72>, FS::bytes(true, 2));
+      else if (mode == 2) fgo(gdn_fwd_fused_kernel<In, false, 2, 216, 72>, FS::bytes(false, 2));
+      else fgo(gdn_fwd_fused_kernel<In, false>, FS::bytes(false, 2));
+    } else if (f.h == nullptr && cols_wgmma())
       go(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
     else if (f.corr && f.phase == 1)  // exact segments' outputs by correction (the planner
       // takes them at 16 / 32 columns only; here forced: the barrier schedule, as tested)
@@ -899,6 +920,13 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_lean_kernel<In, kWyMaxHeads, true>, wy_lean_smem(kWyMaxHeads));
   });
   if (p.max_chunks() == 0) return;
+  if (f.fused && fused_mode() == 3) {  // gdn_fwd_fused_kernel forms T diag(beta) and P
+    f.wy_heads = largest_divisor_up_to(static_cast<int>(p.Hv / p.Hqk), kWyMaxHeads);
+    const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
+    wy_gates_kernel<In><<<grid, kLeanThreads, 0, st>>>(f);
+    check_cuda(cudaGetLastError(), "wy_gates_kernel launch");
+    return;
+  }
   if (const int nl = wy_lean_heads(p, f); nl > 0) {
     f.wy_heads = nl;
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
@@ -1176,6 +1204,18 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
          !cols_wgmma() && forced != 1;
 }
 
+// Whether the plain forward's state pass is gdn_fwd_fused_kernel (fwd_fused.cuh: T diag(beta)
+// and P formed inside it, wy_gates_kernel before it; opt-in FLASHGDN_FUSED=1): the W/U0-free
+// pass at the planner's 128 columns only (not the device's column choice), no records, no
+// T or fp32 P kept, no correction, the default ping-pong kernel (two stages, no output
+// warpgroup, no wgmma).
+bool fused_in_pass(const SegmentPlan& plan, const FwdParams& f) {
+  return fused_mode() > 0 && f.Tv16 != nullptr && f.EG != nullptr &&
+         f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
+         !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
+         !cols_three_stages() && !cols_owg() && !cols_wgmma();
+}
+
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
 // for the forward (f.o, f.ht set), the backward's recomputation (f.h, f.U set) or both (a
 // forward that keeps its records for the backward).
@@ -1184,7 +1224,10 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
                     cudaStream_t st) {
   const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
   f.kq_bf16 = kq_in_pass(p, plan, f);
-  if (f.kq_bf16) f.Kh_w = f.Qh_w = nullptr;  // wy_kernel: no copies
+  f.fused = fused_in_pass(plan, f);
+  if (f.fused) f.kq_bf16 = false;
+  if (f.fused) f.P16 = nullptr;  // P is formed in the pass (wy_lean_kernel: no Q K^T)
+  if (f.kq_bf16 || f.fused) f.Kh_w = f.Qh_w = nullptr;  // wy_kernel: no copies
   // FLASHGDN_DEBUG & 256 (tests): the copies' space NaN and never written, so that any pass
   // still reading it shows (tests/test_context_parallel.py test_kq_bf16_tiles)
   if ((f.debug & 256) && b.Kh != nullptr && f.h == nullptr) {

@@ -228,11 +228,19 @@ __device__ __forceinline__ void store_o_cols(const FwdParams& p, const float (&o
 // head of chunk ci (with two stages warpgroup 0 spent ~10% of its samples waiting on
 // full[s]: H200 ncu source counters). Each warp stages its output rows in its own columns
 // of the V tile (StateFwdColsSmem::kBytes3) and releases the stage after reading them back.
-template <typename In, bool kRecord, bool kCorr, bool kPing = false, int kStages = 2>
+// kFused (gdn_fwd_fused_kernel, fwd_fused.cuh): the chain of the fused forward. K and Q come
+// as the inputs' tiles (as with p.kq_bf16), P is not copied (kFused 1: T diag(beta) is, from
+// wy_lean_kernel's Tv16; 2: neither): the fused kernel's auxiliary warpgroup forms them in the
+// stage, converts K and Q to fp16 in place and arrives on full[s] once landed[s] has told it
+// the copies are in.
+template <typename In, bool kRecord, bool kCorr, bool kPing = false, int kStages = 2,
+          int kFused = 0>
 __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const SegmentBlock& b,
                                                        uint32_t& n_used) {
   static_assert(kStages == 2 || (kStages == 3 && kPing && !kRecord && !kCorr),
                 "three stages: the ping-pong forward without records or correction");
+  static_assert(!kFused || (kPing && !kRecord && !kCorr),
+                "the fused forward: the ping-pong chain without records or correction");
   using Sm = StateFwdColsSmem;
   constexpr int LDP = Sm::LDP, LDO = Sm::LDO;
   const int64_t h = b.h, hq = b.hq, start = b.start, len = b.len;
@@ -267,7 +275,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   // which issues nothing and runs ahead, converts the tiles in place after its state update
   // of the chunk before and arrives on full[s] (warpgroup 1 converting its own pieces
   // lengthened its path: 16/32 x 32768 phase 0 471 -> 492 us, H100)
-  const bool conv = kPing && !kRecord && !kCorr && kStages == 2 && p.kq_bf16;
+  const bool conv = kPing && !kRecord && !kCorr && kStages == 2 && p.kq_bf16 && !kFused;
+  const bool raw_kq = conv || kFused > 0;  // K and Q tiles as the inputs' bits
   uint64_t* landed = full + 2 * kStages;
 
   // chunk ci's tiles into stage s; kWhole (ping-pong, a chunk of C rows): no zero fill, so
@@ -282,18 +291,18 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
       cp_async_tile_by<C, C, LDP, kIssuers, kW, true>(dst, src, p.Hv * C, L, itid);
     };
     // conv: the bf16 inputs' bits into the fp16 tiles, converted in place after landing
-    const __half* ksrc = conv ? static_cast<const __half*>(p.k) : p.Kh;
-    const __half* qsrc = conv ? static_cast<const __half*>(p.q) : p.Qh;
+    const __half* ksrc = raw_kq ? static_cast<const __half*>(p.k) : p.Kh;
+    const __half* qsrc = raw_kq ? static_cast<const __half*>(p.q) : p.Qh;
     cp_async_tile_by<C, D, LDH, kIssuers, kW>(Kst(s), ksrc + (tok0 * p.Hqk + hq) * D, p.Hqk * D,
                                               L, itid);
-    copy_tri(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C);
+    if (kFused < 2) copy_tri(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C);
     if (!identity)
       cp_async_tile_by<C, D, LDH, kIssuers, kW>(
           Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, L, itid);
     if (want_o && ci >= c_begin) {
       cp_async_tile_by<C, D, LDH, kIssuers, kW>(Qst(s), qsrc + (tok0 * p.Hqk + hq) * D,
                                                 p.Hqk * D, L, itid);
-      copy_tri(Pst(s), p.P16 + (tok0 * p.Hv + h) * C);
+      if (!kFused) copy_tri(Pst(s), p.P16 + (tok0 * p.Hv + h) * C);
     }
     if (itid < C) {  // rows past the chunk's end repeat its last row: e^{G_last - G} = 1
       const int r = kW || itid < L ? itid : L - 1;
@@ -303,7 +312,7 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
   auto issue = [&](int64_t ci, int s) {
     if (kPing && !(p.debug & 2) && chunk_rows(len, ci) == C) copy_tiles(ci, s, std::true_type{});
     else if (!(p.debug & 2)) copy_tiles(ci, s, std::false_type{});
-    if constexpr (kPing) cp_async_mbar_arrive(conv ? &landed[s] : &full[s]);
+    if constexpr (kPing) cp_async_mbar_arrive(raw_kq ? &landed[s] : &full[s]);
     else cp_async_commit();
   };
   // conv, warpgroup 0: chunk ci's K (and Q) tiles (use n) to fp16 in place once landed

@@ -44,70 +44,44 @@ constexpr size_t wy_lean_tiles(int kH) {
 // the tail: beta and G of kH heads, |k|^2
 constexpr size_t wy_lean_smem(int kH) { return wy_lean_tiles(kH) + sizeof(float) * (2 * kH + 1) * C; }
 
-// T[row][col] = v of one head (row_off: its row offset) into Tmat / T16, rows in the chunk
-// (wy_lean_kernel<., ., true>).
-__device__ __forceinline__ void lean_put_t(const FwdParams& p, int64_t row_off, int L, int row,
-                                           int col, float v) {
-  if (row < L) {
-    const int64_t idx = (row_off + static_cast<int64_t>(row) * p.Hv) * C + col;
-    if (p.Tmat != nullptr) p.Tmat[idx] = v;
-    if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(v);
-  }
-}
-// T21 = -y^T of a join (y: the m16 x 16 accumulators of T21^T, its rows T's columns i0 (the
-// thread's row g's) and i0 + 8, its columns T's rows j0 + 8 nt + 2t (+1)) into Tmat / T16.
-__device__ __forceinline__ void lean_store_t(const FwdParams& p, const float (&y)[2][4],
-                                             int64_t row_off, int L, int i0, int j0) {
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      lean_put_t(p, row_off, L, j0 + 8 * nt + acc_col(e), i0 + (e >= 2 ? 8 : 0), -y[nt][e]);
-}
-
 // blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, three (56 KB) 4, four (75 KB) 3
 constexpr int wy_lean_occupancy(int kH) { return kH <= 2 ? 5 : kH == 3 ? 4 : 3; }
 
-// kT (opt-in, FLASHGDN_WY_LEAN_T=1; not yet run on a GPU): also T (fp32 Tmat or fp16 T16)
-// and fp32 P (Pmat) as the backward's recomputation and the kept forward ask, whole rows
-// with zero blocks above the diagonal as wy_batched_kernel writes them: T from the fp32
-// values where they are formed (the substitution's columns, the joins' accumulators).
-template <typename In, int kH, bool kT = false>
-__global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_kernel(FwdParams p) {
-  if (p.seqs.failed()) return;
-  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
-  const WyBlock wb = wy_block(p, nh);
-  const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
-  const ChunkRef ck = locate_chunk(p.seqs, chunk);
-  if (ck.L == 0) return;
-  const int L = ck.L;
-  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = lane_id();
-  const int g = lane >> 2, t = lane & 3;
-  constexpr float kL2e = 1.4426950408889634f;
+// The warpgroup's chunk work, as device functions a kernel composes (wy_lean_kernel below; a
+// fused forward kernel's auxiliary warpgroup, docs/perf-notes.md plan item 1). They run on
+// the 128 threads of one warpgroup (wt = the thread's index in it, warp = wt / 32), for nh
+// value heads of one q/k head whose tiles LeanTiles places; `sync` is the warpgroup's
+// barrier between phases (__syncthreads in a block of one warpgroup, a named barrier of 128
+// threads in a larger one).
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH], then the heads' parts over them
-  In* Qs = Ks + C * LDH;
-  auto a_tile = [&](int hi) { return reinterpret_cast<__half*>(smem_raw + hi * kLeanHead); };
-  auto tv_tile = [&](int hi) { return a_tile(hi) + C * kLeanLd; };
-  auto diag = [&](int hi, int b) {  // row 0 of diagonal block b's fp32 copy (rows kLeanDiagLd apart)
-    __half* tile = b < 2 ? tv_tile(hi) : a_tile(hi);
+// Where head hi's A (then T) tile and T diag(beta) tile lie ([C][kLeanLd] fp16 each, heads
+// `stride` halves apart), and the fp32 copies of A's diagonal blocks in their unused upper
+// blocks (kLeanHead's comment).
+struct LeanTiles {
+  __half* a0;
+  __half* tv0;
+  int stride;
+  __device__ __forceinline__ __half* a(int hi) const { return a0 + hi * stride; }
+  __device__ __forceinline__ __half* tv(int hi) const { return tv0 + hi * stride; }
+  // row 0 of diagonal block b's fp32 copy (rows kLeanDiagLd floats apart)
+  __device__ __forceinline__ float* diag(int hi, int b) const {
+    __half* tile = b < 2 ? tv(hi) : a(hi);
     return reinterpret_cast<float*>(tile + (b & 1) * (16 * kLeanLd + 16) + 16);
-  };
-  float* bs_all = reinterpret_cast<float*>(smem_raw + wy_lean_tiles(kH));  // [heads][C]
-  float* Gs_all = bs_all + kH * C;                                       // [heads][C]
-  float* kn = Gs_all + kH * C;                                           // [C] |k_r|^2
+  }
+};
 
-  const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off0 = ck.tok0 * p.Hv + h0;
-  cp_async_tile_by<C, D, LDH, kLeanThreads>(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D,
-                                            L, tid);
-  cp_async_tile_by<C, D, LDH, kLeanThreads>(Qs, static_cast<const In*>(p.q) + qk_off, p.Hqk * D,
-                                            L, tid);
-  cp_async_commit();
-  // gates: warp w takes heads w, w + 4, ..., lane l rows 2 l, 2 l + 1 (beta 0 past the chunk)
+constexpr float kLeanL2e = 1.4426950408889634f;
+
+// Cumulative gates G (an inclusive scan over the chunk's rows) and beta of the nh value heads
+// from h0 into Gs_all, bs_all ([heads][C]): warp w takes heads w, w + 4, ..., lane l rows
+// 2 l, 2 l + 1 (past the chunk's L rows: g 0, so G stays at G_{L-1}, and beta 0); warp:
+// the calling warp's index in its warpgroup.
+__device__ __forceinline__ void lean_gates(const FwdParams& p, int64_t tok0, int L, int64_t h0,
+                                           int nh, float* Gs_all, float* bs_all, int warp) {
+  const int lane = lane_id();
   for (int hi = warp; hi < nh; hi += 4) {
     const int r0 = 2 * lane;
-    const int64_t i0 = (ck.tok0 + r0) * p.Hv + h0 + hi;
+    const int64_t i0 = (tok0 + r0) * p.Hv + h0 + hi;
     float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
     if (r0 < L) {
       g0 = load_scalar(p.g, p.g_dtype, i0);
@@ -126,157 +100,144 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     *reinterpret_cast<float2*>(Gs_all + hi * C + r0) = make_float2(incl - g1, incl);
     *reinterpret_cast<float2*>(bs_all + hi * C + r0) = make_float2(b0, b1);
   }
-  cp_async_wait<0>();
-  __syncthreads();
-  wy_fp16_copies<In, kLeanThreads>(p, Ks, Qs, h0, qk_off, L);
+}
 
-  // Q K^T, then K K^T, their lower block triangles one after the other (32 accumulators a
-  // thread at most), on m16n8k16 in the inputs' 16-bit type (ldmatrix moves bits): rows
-  // 16 rb .. +16, column blocks jp <= rb, with rb = w for Q K^T and 3 - w for K K^T (every
-  // warp five 16 x 16 blocks of products and epilogue)
+// T[row][col] = v of one head (row_off: its row offset) into Tmat / T16, rows in the chunk
+// (wy_lean_kernel<., ., true>).
+__device__ __forceinline__ void lean_put_t(const FwdParams& p, int64_t row_off, int L, int row,
+                                           int col, float v) {
+  if (row < L) {
+    const int64_t idx = (row_off + static_cast<int64_t>(row) * p.Hv) * C + col;
+    if (p.Tmat != nullptr) p.Tmat[idx] = v;
+    if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(v);
+  }
+}
+
+// The lower block triangle of X K^T (X = Q or K, [C][LDH] tiles in the 16-bit input type):
+// rows 16 rb .. +16 of the calling warp, column blocks jp <= rb, m16n8k16 with fp32
+// accumulators (acc[j]: columns 8 j ..; tiles past the triangle stay zero).
+template <typename In>
+__device__ __forceinline__ void lean_lower_product(float (&acc)[8][4], const In* X, const In* Ks,
+                                                   int rb) {
+  const __half* Xh = reinterpret_cast<const __half*>(X);
   const __half* Kh = reinterpret_cast<const __half*>(Ks);
-  auto lower_product = [&](float (&acc)[8][4], const In* X, int rb) {
-    const __half* Xh = reinterpret_cast<const __half*>(X);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 #pragma unroll 2
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      uint32_t a[4];
-      frag_a16(a, Xh, LDH, 16 * rb, k0);
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    uint32_t a[4];
+    frag_a16(a, Xh, LDH, 16 * rb, k0);
 #pragma unroll
-      for (int jp = 0; jp < 4; ++jp) {
-        if (jp > rb) break;  // warp-uniform
-        uint32_t b0[2], b1[2];
-        frag_b16_pair(b0, b1, Kh, LDH, 16 * jp, k0);
-        mma_16(acc[2 * jp], a, b0, Ks);
-        mma_16(acc[2 * jp + 1], a, b1, Ks);
-      }
+    for (int jp = 0; jp < 4; ++jp) {
+      if (jp > rb) break;  // warp-uniform
+      uint32_t b0[2], b1[2];
+      frag_b16_pair(b0, b1, Kh, LDH, 16 * jp, k0);
+      mma_16(acc[2 * jp], a, b0, Ks);
+      mma_16(acc[2 * jp + 1], a, b1, Ks);
     }
-  };
-  // Dec[r, s] for the thread's elements of column tile j (rows ra, ra + 8; columns s, s + 1)
-  auto decay = [&](float (&d)[4], const float* Gs, const float (&gr)[2], int ra, int j) {
+  }
+}
+
+// Dec[r, s] = 2^{(G_r - G_s) log2 e} (0 above the diagonal) for the thread's elements of
+// column tile j: rows ra, ra + 8 (gr: their G times log2 e), columns 8 j + 2t, + 1.
+__device__ __forceinline__ void lean_decay(float (&d)[4], const float* Gs, const float (&gr)[2],
+                                           int ra, int j) {
+  const int s = 8 * j + 2 * (lane_id() & 3);
+  const float2 gs = *reinterpret_cast<const float2*>(Gs + s);
+  const float gs0 = gs.x * kLeanL2e, gs1 = gs.y * kLeanL2e;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = ra + 8 * i;
+    d[2 * i] = s <= r ? exp2f(gr[i] - gs0) : 0.f;
+    d[2 * i + 1] = s + 1 <= r ? exp2f(gr[i] - gs1) : 0.f;
+  }
+}
+
+// P = Dec . Q K^T of one head from Q K^T's accumulators (lean_lower_product, row block rb):
+// store(r, s, p0, p1) takes rows r < L, columns s, s + 1 (fp32).
+template <typename Store>
+__device__ __forceinline__ void lean_p_epilogue(const float (&qk)[8][4], const float* Gs, int rb,
+                                                int L, Store store) {
+  const int ra = 16 * rb + (lane_id() >> 2), t = lane_id() & 3;
+  const float gr[2] = {Gs[ra] * kLeanL2e, Gs[ra + 8] * kLeanL2e};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j >= 2 * (rb + 1)) break;
+    float d[4];
+    lean_decay(d, Gs, gr, ra, j);
     const int s = 8 * j + 2 * t;
-    const float2 gs = *reinterpret_cast<const float2*>(Gs + s);
-    const float gs0 = gs.x * kL2e, gs1 = gs.y * kL2e;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = ra + 8 * i;
-      d[2 * i] = s <= r ? exp2f(gr[i] - gs0) : 0.f;
-      d[2 * i + 1] = s + 1 <= r ? exp2f(gr[i] - gs1) : 0.f;
+      if (r < L) store(r, s, d[2 * i] * qk[j][2 * i], d[2 * i + 1] * qk[j][2 * i + 1]);
     }
-  };
+  }
+}
 
-  // P = Dec . Q K^T (fp16) to global memory, every head
-  {
-    const int rb = warp, ra = 16 * rb + g;
-    float qk[8][4];
-    lower_product(qk, Qs, rb);
-    for (int hi = 0; hi < nh && (p.P16 != nullptr || (kT && p.Pmat != nullptr)); ++hi) {
-      const float* Gs = Gs_all + hi * C;
-      const int64_t row_off = row_off0 + hi;
-      const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e};
+// A = diag(beta) (Dec . K K^T) strictly below the diagonal of head hi from K K^T's
+// accumulators (row block rb): fp16 blocks into its A tile (stmatrix), the diagonal block
+// also as fp32 (tiles.diag); |k_r|^2 into kn where with_kn.
+__device__ __forceinline__ void lean_a_epilogue(const float (&kk)[8][4], const LeanTiles& tiles,
+                                                int hi, const float* Gs, const float* bs, int rb,
+                                                float* kn, bool with_kn) {
+  const int m0 = 16 * rb, ra = m0 + (lane_id() >> 2), t = lane_id() & 3;
+  const float gr[2] = {Gs[ra] * kLeanL2e, Gs[ra + 8] * kLeanL2e}, br[2] = {bs[ra], bs[ra + 8]};
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (j >= 2 * (rb + 1)) break;
-        float d[4];
-        decay(d, Gs, gr, ra, j);
-        const int s = 8 * j + 2 * t;
+  for (int jp = 0; jp < 4; ++jp) {
+    if (jp > rb) break;
+    float av[2][4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int r = ra + 8 * i;
-          if constexpr (kT) {
-            if (r < L && p.Pmat != nullptr)
-              *reinterpret_cast<float2*>(p.Pmat + (row_off + r * p.Hv) * C + s) =
-                  make_float2(round_tf32(d[2 * i] * qk[j][2 * i]),
-                              round_tf32(d[2 * i + 1] * qk[j][2 * i + 1]));
-            if (r < L && p.P16 != nullptr)
-              *reinterpret_cast<uint32_t*>(p.P16 + (row_off + r * p.Hv) * C + s) =
-                  pack_half2(d[2 * i] * qk[j][2 * i], d[2 * i + 1] * qk[j][2 * i + 1]);
-          } else if (r < L) {
-            *reinterpret_cast<uint32_t*>(p.P16 + (row_off + r * p.Hv) * C + s) =
-                pack_half2(d[2 * i] * qk[j][2 * i], d[2 * i + 1] * qk[j][2 * i + 1]);
+    for (int hf = 0; hf < 2; ++hf) {
+      const int j = 2 * jp + hf, s = 8 * j + 2 * t;
+      float d[4];
+      lean_decay(d, Gs, gr, ra, j);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = ra + 8 * i;
+        const float k0 = kk[j][2 * i], k1 = kk[j][2 * i + 1];
+        av[hf][2 * i] = s < r ? br[i] * d[2 * i] * k0 : 0.f;
+        av[hf][2 * i + 1] = s + 1 < r ? br[i] * d[2 * i + 1] * k1 : 0.f;
+        if (jp == rb) {  // the diagonal block: fp32 A for the substitution, |k|^2
+          *reinterpret_cast<float2*>(tiles.diag(hi, rb) + (r - m0) * kLeanDiagLd + s - m0) =
+              make_float2(av[hf][2 * i], av[hf][2 * i + 1]);
+          if (with_kn) {
+            if (s == r) kn[r] = k0;
+            if (s + 1 == r) kn[r] = k1;
           }
         }
       }
     }
+    uint32_t a[4];
+    acc_to_a16(a, av[0], av[1]);
+    store_frag_a16(tiles.a(hi), kLeanLd, m0, 16 * jp, a);
   }
-  // A = diag(beta) (Dec . K K^T) strictly below the diagonal: fp16 blocks into the head's A
-  // tile (over K and Q, after the barrier), the diagonal blocks also as fp32; |k|^2
-  {
-    const int rb = 3 - warp, m0 = 16 * rb, ra = m0 + g;
-    float kk[8][4];
-    lower_product(kk, Ks, rb);
-    __syncthreads();  // every read of K, Q done: the heads' parts go over them
-    for (int hi = 0; hi < nh; ++hi) {
-      const float* bs = bs_all + hi * C;
-      const float* Gs = Gs_all + hi * C;
-      const float gr[2] = {Gs[ra] * kL2e, Gs[ra + 8] * kL2e}, br[2] = {bs[ra], bs[ra + 8]};
-#pragma unroll
-      for (int jp = 0; jp < 4; ++jp) {
-        if (jp > rb) break;
-        float av[2][4];
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int j = 2 * jp + hf, s = 8 * j + 2 * t;
-          float d[4];
-          decay(d, Gs, gr, ra, j);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int r = ra + 8 * i;
-            const float k0 = kk[j][2 * i], k1 = kk[j][2 * i + 1];
-            av[hf][2 * i] = s < r ? br[i] * d[2 * i] * k0 : 0.f;
-            av[hf][2 * i + 1] = s + 1 < r ? br[i] * d[2 * i + 1] * k1 : 0.f;
-            if (jp == rb) {  // the diagonal block: fp32 A for the substitution, |k|^2
-              *reinterpret_cast<float2*>(diag(hi, rb) + (r - m0) * kLeanDiagLd + s - m0) =
-                  make_float2(av[hf][2 * i], av[hf][2 * i + 1]);
-              if (hi == 0) {
-                if (s == r) kn[r] = k0;
-                if (s + 1 == r) kn[r] = k1;
-              }
-            }
-          }
-        }
-        uint32_t a[4];
-        acc_to_a16(a, av[0], av[1]);
-        store_frag_a16(a_tile(hi), kLeanLd, m0, 16 * jp, a);
-      }
-    }
-  }
-  // blocks of P16 and Tv16 above the diagonal: zero with whole tiles (!tri16), NaN under
-  // FLASHGDN_DEBUG=16 (no reader may take them), else not written
-  if (!p.tri16 || (p.debug & 16)) {
-    const uint4 fill = (p.debug & 16) ? make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN)
-                                      : make_uint4(0u, 0u, 0u, 0u);
-    for (int e = tid; e < nh * C * (C / 8); e += kLeanThreads) {
-      const int hi = e / (C * (C / 8)), r = (e / (C / 8)) % C, c = 8 * (e % (C / 8));
-      if (r < L && c / 16 > r / 16) {
-        const int64_t idx = (row_off0 + hi + r * p.Hv) * C + c;
-        if (p.P16 != nullptr) *reinterpret_cast<uint4*>(p.P16 + idx) = fill;
-        *reinterpret_cast<uint4*>(p.Tv16 + idx) = fill;
-        if constexpr (kT) {  // zero blocks of T and fp32 P (the backward asks no NaN poison)
-          const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (p.T16 != nullptr) *reinterpret_cast<uint4*>(p.T16 + idx) = make_uint4(0u, 0u, 0u, 0u);
-          if (p.Tmat != nullptr) {
-            *reinterpret_cast<float4*>(p.Tmat + idx) = z;
-            *reinterpret_cast<float4*>(p.Tmat + idx + 4) = z;
-          }
-          if (p.Pmat != nullptr) {
-            *reinterpret_cast<float4*>(p.Pmat + idx) = z;
-            *reinterpret_cast<float4*>(p.Pmat + idx + 4) = z;
-          }
-        }
-      }
-    }
-  }
-  __syncthreads();
+}
 
+// Where T itself goes besides T diag(beta): nowhere (the forward), or (wy_lean_kernel<., .,
+// true>) a sink with column(hi, b, jj, tc) for a substitution thread's column jj of diagonal
+// block b, tc[r] = T[16 b + r][16 b + jj], and join(hi, y, i0, j0) for a join's
+// accumulators y of -T21^T (rows: T's columns i0 and i0 + 8; columns: T's rows j0 + 8 nt +
+// 2t (+1)).
+struct LeanNoT {
+  __device__ __forceinline__ void column(int, int, int, const float (&)[16]) const {}
+  __device__ __forceinline__ void join(int, const float (&)[2][4], int, int) const {}
+};
+
+// T = (I + A)^-1 of nh heads by doubling (after lean_a_epilogue and a `sync`): T diag(beta)
+// (fp16, lower block triangle) into each head's Tv tile, T itself to `sink`; the A tiles
+// hold T's diagonal blocks and the joins of 16 afterwards. bs_all: beta, [heads][C]. Ends
+// with a `sync`.
+template <typename Sync, typename TSink = LeanNoT>
+__device__ __forceinline__ void lean_inverse(const LeanTiles& tiles, const float* bs_all, int nh,
+                                             int wt, Sync sync, TSink sink = {}) {
+  const int warp = wt >> 5, lane = lane_id(), g = lane >> 2;
   // Diagonal blocks of T by fp32 forward substitution, a thread a column of one head's block:
   // T_bb (fp16) over A_bb in the A tile, T_bb diag(beta) (fp16) into the Tv tile
-  for (int task = tid; task < nh * C; task += kLeanThreads) {
+  for (int task = wt; task < nh * C; task += kLeanThreads) {
     const int hi = task / C, b = (task % C) / 16, jj = task % 16;
-    const float* a = diag(hi, b);
+    const float* a = tiles.diag(hi, b);
     float tc[16];
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
@@ -286,24 +247,21 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
       tc[r] = acc;
     }
     const float bj = bs_all[hi * C + 16 * b + jj];
-    __half* tt = a_tile(hi) + 16 * b * kLeanLd + 16 * b + jj;
-    __half* tv = tv_tile(hi) + 16 * b * kLeanLd + 16 * b + jj;
+    __half* tt = tiles.a(hi) + 16 * b * kLeanLd + 16 * b + jj;
+    __half* tv = tiles.tv(hi) + 16 * b * kLeanLd + 16 * b + jj;
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       tt[r * kLeanLd] = __float2half_rn(tc[r]);
       tv[r * kLeanLd] = __float2half_rn(tc[r] * bj);
     }
-    if constexpr (kT) {  // T's column 16 b + jj of block b
-#pragma unroll
-      for (int r = 0; r < 16; ++r) lean_put_t(p, row_off0 + hi, L, 16 * b + r, 16 * b + jj, tc[r]);
-    }
+    sink.column(hi, b, jj, tc);
   }
-  __syncthreads();
+  sync();
 
   // Joins of 16: rows m = r0 + 16 .. +16, columns r0 .. +16 (r0 = 0, 32), a warp each
   for (int task = warp; task < 2 * nh; task += 4) {
     const int hi = task >> 1, r0 = 32 * (task & 1), m = r0 + 16;
-    __half* tt = a_tile(hi);
+    __half* tt = tiles.a(hi);
     const float* bs = bs_all + hi * C;
     float x[2][4] = {}, y[2][4] = {};
     uint32_t a[4], b0[2], b1[2];
@@ -319,17 +277,17 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     acc_to_a16(a, y[0], y[1], -1.f, -1.f);
     store_frag_a16_trans(tt, kLeanLd, m, r0, a);  // T21 over A21 (read above)
     acc_to_a16(a, y[0], y[1], -bs[i0], -bs[i0 + 8]);
-    store_frag_a16_trans(tv_tile(hi), kLeanLd, m, r0, a);
-    if constexpr (kT) lean_store_t(p, y, row_off0 + hi, L, i0, m);
+    store_frag_a16_trans(tiles.tv(hi), kLeanLd, m, r0, a);
+    sink.join(hi, y, i0, m);
   }
-  __syncthreads();
+  sync();
 
   // The join of 32: rows 32 + 16 jh .. +16, columns 16 ih .. +16 of T21 = -T2 (A21 T1), a
   // warp task (head, ih, jh); only T diag(beta) is written (T itself is read no more), so the
   // tasks read A21 while others store. Blocks above the diagonal (unwritten) are skipped.
   for (int task = warp; task < 4 * nh; task += 4) {
     const int hi = task >> 2, ih = (task >> 1) & 1, jh = task & 1;
-    const __half* tt = a_tile(hi);
+    const __half* tt = tiles.a(hi);
     const float* bs = bs_all + hi * C;
     float x[4][4] = {}, y[2][4] = {};
 #pragma unroll
@@ -357,22 +315,181 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
     const int i0 = 16 * ih + g;
     uint32_t a[4];
     acc_to_a16(a, y[0], y[1], -bs[i0], -bs[i0 + 8]);
-    store_frag_a16_trans(tv_tile(hi), kLeanLd, 32 + 16 * jh, 16 * ih, a);
-    if constexpr (kT) lean_store_t(p, y, row_off0 + hi, L, i0, 32 + 16 * jh);
+    store_frag_a16_trans(tiles.tv(hi), kLeanLd, 32 + 16 * jh, 16 * ih, a);
+    sink.join(hi, y, i0, 32 + 16 * jh);
   }
-  __syncthreads();
+  sync();
+}
+
+// kT (opt-in, FLASHGDN_WY_LEAN_T=1; not yet run on a GPU): also T (fp32 Tmat or fp16 T16)
+// and fp32 P (Pmat) as the backward's recomputation and the kept forward ask, whole rows
+// with zero blocks above the diagonal as wy_batched_kernel writes them: T from the fp32
+// values where they are formed (the substitution's columns, the joins' accumulators).
+template <typename In, int kH, bool kT = false>
+__global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_kernel(FwdParams p) {
+  if (p.seqs.failed()) return;
+  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
+  const WyBlock wb = wy_block(p, nh);
+  const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
+  const ChunkRef ck = locate_chunk(p.seqs, chunk);
+  if (ck.L == 0) return;
+  const int L = ck.L;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = lane_id();
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  In* Ks = reinterpret_cast<In*>(smem_raw);  // [C][LDH], then the heads' tiles over them
+  In* Qs = Ks + C * LDH;
+  const LeanTiles tiles{reinterpret_cast<__half*>(smem_raw),
+                        reinterpret_cast<__half*>(smem_raw) + C * kLeanLd,
+                        static_cast<int>(kLeanHead / sizeof(__half))};
+  float* bs_all = reinterpret_cast<float*>(smem_raw + wy_lean_tiles(kH));  // [heads][C]
+  float* Gs_all = bs_all + kH * C;                                       // [heads][C]
+  float* kn = Gs_all + kH * C;                                           // [C] |k_r|^2
+  auto sync = [] { __syncthreads(); };
+
+  const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off0 = ck.tok0 * p.Hv + h0;
+  cp_async_tile_by<C, D, LDH, kLeanThreads>(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D,
+                                            L, tid);
+  // no P asked (the fused forward forms it: FLASHGDN_FUSED=1, 2): no q, no Q K^T
+  const bool with_p = p.P16 != nullptr || (kT && p.Pmat != nullptr) || p.Qh_w != nullptr;
+  if (with_p)
+    cp_async_tile_by<C, D, LDH, kLeanThreads>(Qs, static_cast<const In*>(p.q) + qk_off,
+                                              p.Hqk * D, L, tid);
+  cp_async_commit();
+  lean_gates(p, ck.tok0, L, h0, nh, Gs_all, bs_all, warp);
+  cp_async_wait<0>();
+  sync();
+  wy_fp16_copies<In, kLeanThreads>(p, Ks, Qs, h0, qk_off, L);
+
+  // Q K^T, then K K^T (32 accumulators a thread at a time): row block rb = w for Q K^T and
+  // 3 - w for K K^T, so that every warp takes five 16 x 16 blocks of products and epilogue.
+  // P = Dec . Q K^T (fp16) to global memory, every head
+  if (with_p) {
+    float qk[8][4];
+    lean_lower_product(qk, Qs, Ks, warp);
+    for (int hi = 0; hi < nh && (p.P16 != nullptr || (kT && p.Pmat != nullptr)); ++hi) {
+      const int64_t row_off = row_off0 + hi;
+      lean_p_epilogue(qk, Gs_all + hi * C, warp, L, [&](int r, int s, float p0, float p1) {
+        if (!kT || p.P16 != nullptr)
+          *reinterpret_cast<uint32_t*>(p.P16 + (row_off + r * p.Hv) * C + s) = pack_half2(p0, p1);
+        if (kT && p.Pmat != nullptr)
+          *reinterpret_cast<float2*>(p.Pmat + (row_off + r * p.Hv) * C + s) =
+              make_float2(round_tf32(p0), round_tf32(p1));
+      });
+    }
+  }
+  // A into the heads' A tiles (over K and Q, after the barrier), |k|^2
+  {
+    float kk[8][4];
+    lean_lower_product(kk, Ks, Ks, 3 - warp);
+    sync();  // every read of K, Q done: the heads' tiles go over them
+    for (int hi = 0; hi < nh; ++hi)
+      lean_a_epilogue(kk, tiles, hi, Gs_all + hi * C, bs_all + hi * C, 3 - warp, kn, hi == 0);
+  }
+  // blocks of P16 and Tv16 above the diagonal: zero with whole tiles (!tri16), NaN under
+  // FLASHGDN_DEBUG=16 (no reader may take them), else not written
+  if (!p.tri16 || (p.debug & 16)) {
+    const uint4 fill = (p.debug & 16) ? make_uint4(kHalf2NaN, kHalf2NaN, kHalf2NaN, kHalf2NaN)
+                                      : make_uint4(0u, 0u, 0u, 0u);
+    for (int e = tid; e < nh * C * (C / 8); e += kLeanThreads) {
+      const int hi = e / (C * (C / 8)), r = (e / (C / 8)) % C, c = 8 * (e % (C / 8));
+      if (r < L && c / 16 > r / 16) {
+        const int64_t idx = (row_off0 + hi + r * p.Hv) * C + c;
+        if (p.P16 != nullptr) *reinterpret_cast<uint4*>(p.P16 + idx) = fill;
+        *reinterpret_cast<uint4*>(p.Tv16 + idx) = fill;
+        if constexpr (kT) {  // zero blocks of T and fp32 P (the backward asks no NaN poison)
+          const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (p.T16 != nullptr) *reinterpret_cast<uint4*>(p.T16 + idx) = make_uint4(0u, 0u, 0u, 0u);
+          if (p.Tmat != nullptr) {
+            *reinterpret_cast<float4*>(p.Tmat + idx) = z;
+            *reinterpret_cast<float4*>(p.Tmat + idx + 4) = z;
+          }
+          if (p.Pmat != nullptr) {
+            *reinterpret_cast<float4*>(p.Pmat + idx) = z;
+            *reinterpret_cast<float4*>(p.Pmat + idx + 4) = z;
+          }
+        }
+      }
+    }
+  }
+  sync();
+  if constexpr (kT) {  // T itself, rows in the chunk: fp32 Tmat or fp16 T16
+    struct Sink {
+      const FwdParams& p;
+      int64_t row_off0;
+      int L;
+      __device__ void column(int hi, int b, int jj, const float (&tc)[16]) const {
+#pragma unroll
+        for (int r = 0; r < 16; ++r) lean_put_t(p, row_off0 + hi, L, 16 * b + r, 16 * b + jj, tc[r]);
+      }
+      __device__ void join(int hi, const float (&y)[2][4], int i0, int j0) const {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            lean_put_t(p, row_off0 + hi, L, j0 + 8 * nt + acc_col(e), i0 + (e >= 2 ? 8 : 0),
+                       -y[nt][e]);
+      }
+    };
+    lean_inverse(tiles, bs_all, nh, tid, sync, Sink{p, row_off0, L});
+  } else {
+    lean_inverse(tiles, bs_all, nh, tid, sync);
+  }
 
   // Tv16 (lower block triangle) as 16-byte row pieces, G, e^G, the warm-up bound
   for (int e = tid; e < nh * C * (C / 8); e += kLeanThreads) {
     const int hi = e / (C * (C / 8)), r = (e / (C / 8)) % C, c = 8 * (e % (C / 8));
     if (r < L && c / 16 <= r / 16)
       *reinterpret_cast<uint4*>(p.Tv16 + (row_off0 + hi + r * p.Hv) * C + c) =
-          *reinterpret_cast<const uint4*>(tv_tile(hi) + r * kLeanLd + c);
+          *reinterpret_cast<const uint4*>(tiles.tv(hi) + r * kLeanLd + c);
   }
   for (int hi = 0; hi < nh; ++hi) {
     const float* bs = bs_all + hi * C;
     const float* Gs = Gs_all + hi * C;
     if (p.Lb != nullptr && warp == hi % 4) wy_store_lb(p, bs, Gs, kn, L, chunk * p.Hv + h0 + hi);
+    wy_store_gates(p, Gs, row_off0 + hi, L, tid, kLeanThreads);
+  }
+}
+
+// wy_gates_kernel<In>  grid (max_chunks * H_v / wy_heads), 128 threads, ~2.3 KB static smem
+//   The only pre-pass of the fused forward (gdn_fwd_fused_kernel, fwd_fused.cuh, which forms
+//   T diag(beta) and P itself): per chunk and value head the cumulative gates G (lean_gates:
+//   the same bits as wy_lean_kernel's), e^G and e^{G_last - G} for the state pass's copies,
+//   and the warm-up bound Lb, with |k_r|^2 summed from k's rows (two threads a row).
+//   reads  k, g, beta
+//   writes G, EG, Lb
+template <typename In>
+__global__ void __launch_bounds__(kLeanThreads) wy_gates_kernel(FwdParams p) {
+  if (p.seqs.failed()) return;
+  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kWyMaxHeads
+  const WyBlock wb = wy_block(p, nh);
+  const ChunkRef ck = locate_chunk(p.seqs, wb.chunk);
+  if (ck.L == 0) return;
+  const int L = ck.L, tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
+  __shared__ float bs_all[kWyMaxHeads * C], Gs_all[kWyMaxHeads * C], kn[C];
+  lean_gates(p, ck.tok0, L, wb.h0, nh, Gs_all, bs_all, warp);
+  {
+    const int r = tid >> 1, half = tid & 1;
+    float acc = 0.f;
+    if (r < L) {
+      const In* src = static_cast<const In*>(p.k) + ((ck.tok0 + r) * p.Hqk + wb.hq) * D + 64 * half;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float f[8];
+        unpack8(f, *reinterpret_cast<const uint4*>(src + 8 * i), src);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc = fmaf(f[j], f[j], acc);
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) kn[r] = acc;
+  }
+  __syncthreads();
+  const int64_t row_off0 = ck.tok0 * p.Hv + wb.h0;
+  for (int hi = 0; hi < nh; ++hi) {
+    const float* bs = bs_all + hi * C;
+    const float* Gs = Gs_all + hi * C;
+    if (p.Lb != nullptr && warp == hi % 4) wy_store_lb(p, bs, Gs, kn, L, wb.chunk * p.Hv + wb.h0 + hi);
     wy_store_gates(p, Gs, row_off0 + hi, L, tid, kLeanThreads);
   }
 }
