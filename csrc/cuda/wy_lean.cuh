@@ -102,17 +102,6 @@ __device__ __forceinline__ void lean_gates(const FwdParams& p, int64_t tok0, int
   }
 }
 
-// T[row][col] = v of one head (row_off: its row offset) into Tmat / T16, rows in the chunk
-// (wy_lean_kernel<., ., true>).
-__device__ __forceinline__ void lean_put_t(const FwdParams& p, int64_t row_off, int L, int row,
-                                           int col, float v) {
-  if (row < L) {
-    const int64_t idx = (row_off + static_cast<int64_t>(row) * p.Hv) * C + col;
-    if (p.Tmat != nullptr) p.Tmat[idx] = v;
-    if (p.T16 != nullptr) p.T16[idx] = __float2half_rn(v);
-  }
-}
-
 // The lower block triangle of X K^T (X = Q or K, [C][LDH] tiles in the 16-bit input type):
 // rows 16 rb .. +16 of the calling warp, column blocks jp <= rb, m16n8k16 with fp32
 // accumulators (acc[j]: columns 8 j ..; tiles past the triangle stay zero).
@@ -321,10 +310,10 @@ __device__ __forceinline__ void lean_inverse(const LeanTiles& tiles, const float
   sync();
 }
 
-// kT (opt-in, FLASHGDN_WY_LEAN_T=1; not yet run on a GPU): also T (fp32 Tmat or fp16 T16)
-// and fp32 P (Pmat) as the backward's recomputation and the kept forward ask, whole rows
-// with zero blocks above the diagonal as wy_batched_kernel writes them: T from the fp32
-// values where they are formed (the substitution's columns, the joins' accumulators).
+// kT (FLASHGDN_WY_LEAN_T=1): also T (fp32 Tmat or fp16 T16) and fp32 P (Pmat) as the
+// backward's recomputation and the kept forward ask, whole rows with zero blocks above the
+// diagonal as wy_batched_kernel writes them: T from the fp32 values where they are formed
+// (the substitution's columns, the joins' accumulators), fp16 T16 staged as 16-byte rows.
 template <typename In, int kH, bool kT = false>
 __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
@@ -414,34 +403,62 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
   }
   sync();
   if constexpr (kT) {  // T itself, rows in the chunk: fp32 Tmat or fp16 T16
+    // fp32 Tmat: stored where the values are formed. fp16 T16: staged in shared memory and
+    // stored as 16-byte rows below (2-byte stores from here cost the recomputation ~200 us at
+    // 16/32 x 32768): the A tile holds T's diagonal blocks and the joins of 16 after the
+    // inverse; the join of 32's block (rows 32 .., columns 0 .. 31) goes into the Tv tile's
+    // upper right quarter (rows 0 .. 31, columns 32 .. 63), free once the substitution has
+    // read the fp32 diagonal blocks there and read by no one else.
     struct Sink {
       const FwdParams& p;
+      const LeanTiles& tiles;
       int64_t row_off0;
       int L;
       __device__ void column(int hi, int b, int jj, const float (&tc)[16]) const {
+        if (p.Tmat == nullptr) return;
 #pragma unroll
-        for (int r = 0; r < 16; ++r) lean_put_t(p, row_off0 + hi, L, 16 * b + r, 16 * b + jj, tc[r]);
+        for (int r = 0; r < 16; ++r) {
+          const int row = 16 * b + r;
+          if (row < L) p.Tmat[(row_off0 + hi + static_cast<int64_t>(row) * p.Hv) * C + 16 * b + jj] = tc[r];
+        }
       }
       __device__ void join(int hi, const float (&y)[2][4], int i0, int j0) const {
+        const int c0 = i0 - (lane_id() >> 2);  // the block's first column of T
+        if (p.T16 != nullptr && j0 >= 32 && c0 < 32) {  // the join of 32
+          uint32_t a[4];
+          acc_to_a16(a, y[0], y[1], -1.f, -1.f);
+          store_frag_a16_trans(tiles.tv(hi), kLeanLd, j0 - 32, 32 + c0, a);
+        }
+        if (p.Tmat == nullptr) return;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            lean_put_t(p, row_off0 + hi, L, j0 + 8 * nt + acc_col(e), i0 + (e >= 2 ? 8 : 0),
-                       -y[nt][e]);
+          for (int e = 0; e < 4; ++e) {
+            const int row = j0 + 8 * nt + acc_col(e);
+            if (row < L)
+              p.Tmat[(row_off0 + hi + static_cast<int64_t>(row) * p.Hv) * C + i0 + (e >= 2 ? 8 : 0)] =
+                  -y[nt][e];
+          }
       }
     };
-    lean_inverse(tiles, bs_all, nh, tid, sync, Sink{p, row_off0, L});
+    lean_inverse(tiles, bs_all, nh, tid, sync, Sink{p, tiles, row_off0, L});
   } else {
     lean_inverse(tiles, bs_all, nh, tid, sync);
   }
 
-  // Tv16 (lower block triangle) as 16-byte row pieces, G, e^G, the warm-up bound
+  // Tv16 (and kT's T16; lower block triangle) as 16-byte row pieces, G, e^G, the warm-up bound
   for (int e = tid; e < nh * C * (C / 8); e += kLeanThreads) {
     const int hi = e / (C * (C / 8)), r = (e / (C / 8)) % C, c = 8 * (e % (C / 8));
-    if (r < L && c / 16 <= r / 16)
-      *reinterpret_cast<uint4*>(p.Tv16 + (row_off0 + hi + r * p.Hv) * C + c) =
+    if (r < L && c / 16 <= r / 16) {
+      const int64_t idx = (row_off0 + hi + r * p.Hv) * C + c;
+      *reinterpret_cast<uint4*>(p.Tv16 + idx) =
           *reinterpret_cast<const uint4*>(tiles.tv(hi) + r * kLeanLd + c);
+      if (kT && p.T16 != nullptr) {
+        const __half* t = r >= 32 && c < 32 ? tiles.tv(hi) + (r - 32) * kLeanLd + 32 + c
+                                            : tiles.a(hi) + r * kLeanLd + c;
+        *reinterpret_cast<uint4*>(p.T16 + idx) = *reinterpret_cast<const uint4*>(t);
+      }
+    }
   }
   for (int hi = 0; hi < nh; ++hi) {
     const float* bs = bs_all + hi * C;
