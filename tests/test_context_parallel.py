@@ -66,17 +66,18 @@ CP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bw", ["32", "128", "128wg"])
+@pytest.mark.parametrize("bw", ["32", "128", "128wg", "128wgp"])
 @pytest.mark.parametrize("seg", [1, 2, 5])
 @pytest.mark.parametrize("case", CP_CASES, ids=lambda c: c.name)
 def test_cp_matches_unsplit_and_reference(case: Case, seg: int, bw: str):
     """Each state-pass kernel split into segments (FLASHGDN_FWD_BW: state_fwd_f16_kernel at
     32 columns, state_fwd_cols_kernel at 128, with its own summaries and warm-ups; "128wg":
-    state_fwd_cols_wg_kernel, FLASHGDN_COLS_WGMMA=1) against itself unsplit and the
-    reference."""
+    state_fwd_cols_wg_kernel, FLASHGDN_COLS_WGMMA=1; "128wgp": its ping-pong schedule,
+    =2) against itself unsplit and the reference."""
     inp = make_inputs(case, "cuda", seed=11)
     kernel = {"FLASHGDN_FWD_BW": bw[:3] if bw.startswith("128") else bw,
-              **({"FLASHGDN_COLS_WGMMA": "1"} if bw == "128wg" else {})}
+              **({"FLASHGDN_COLS_WGMMA": "1"} if bw == "128wg" else {}),
+              **({"FLASHGDN_COLS_WGMMA": "2"} if bw == "128wgp" else {})}
     with env_vars({"FLASHGDN_CP": "off", **kernel}):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": str(seg), **kernel}):
@@ -1181,3 +1182,26 @@ def test_fused_forward(case: Case, mode: str):
     assert not any("wy_batched_kernel" in n or "state_fwd_cols_kernel" in n for n in names)
     if mode == "3":
         assert not any("wy_lean_kernel" in n for n in names), sorted(names)
+
+
+@pytest.mark.parametrize("case", [
+    # two value heads a q/k head: bf16 k and q converted in shared memory (kq_bf16)
+    Case("wgp_conv", [1000, 77, 2100], 8, 16, gate="mixed"),
+    # four: wy's fp16 copies; fp16 inputs; 40 short sequences
+    Case("wgp_copies", [700, 130], 2, 8, gate="very_negative"),
+    Case("wgp_fp16", [513, 64, 1], 2, 4, gate="zero_heads", dtype=torch.float16),
+    Case("wgp_short", [1 + (7 * i) % 23 for i in range(40)], 2, 2, cu_dtype=torch.int64),
+    # split plans (phase 1's identity blocks, the chain, exact and warm-started segments)
+    Case("wgp_cp_long", [16384], 4, 16, gate="mixed"),
+    Case("wgp_cp_two", [9000, 7000], 2, 4, gate="normal"),
+], ids=lambda c: c.name)
+def test_wgmma_ping_bit_identical(case: Case):
+    """FLASHGDN_COLS_WGMMA=2 (state_fwd_cols_wg_kernel in the ping-pong schedule, mbarriers
+    and proxy fences instead of a block barrier a chunk; bf16 k, q converted in shared memory
+    where a q/k head has at most two value heads) gives the barrier schedule's bits
+    (FLASHGDN_COLS_WGMMA=1: the same products in the same order on the same operands),
+    eagerly and from a CUDA graph, within the float64 reference's tolerance."""
+    inp = make_inputs(case, "cuda", seed=83)
+    forward_bit_identical(inp, {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_WGMMA": "1"},
+                          {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_WGMMA": "2"},
+                          f"wgmma ping-pong {case.name}")

@@ -203,7 +203,7 @@ def test_more_sequences_than_grid_z():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16wu", "bw128", "bw128wg"])
+@pytest.mark.parametrize("other", ["tf32", "wgmma", "f16wu", "bw128", "bw128wg", "bw128wgp"])
 @pytest.mark.parametrize("bw", ["16", "32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch.dtype):
@@ -225,6 +225,8 @@ def test_state_pass_kernels_agree(monkeypatch, other: str, bw: str, dtype: torch
         monkeypatch.setenv("FLASHGDN_FWD_BW", "128")
         if other == "bw128wg":  # state_fwd_cols_wg_kernel (wgmma)
             monkeypatch.setenv("FLASHGDN_COLS_WGMMA", "1")
+        if other == "bw128wgp":  # the same in the ping-pong schedule
+            monkeypatch.setenv("FLASHGDN_COLS_WGMMA", "2")
     else:
         monkeypatch.setenv("FLASHGDN_FWD_PASS", other)
     o, ht = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)

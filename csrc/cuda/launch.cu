@@ -110,7 +110,10 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_
 
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
 // forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
-bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") == 1; }
+bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") >= 1; }
+// FLASHGDN_COLS_WGMMA=2: the wgmma kernel in the ping-pong schedule (state_fwd_cols_wg_kernel's
+// kPing), which also converts bf16 k and q in shared memory where kq_in_pass allows
+bool cols_wgmma_ping() { return env_int("FLASHGDN_COLS_WGMMA") == 2; }
 // The forward's 128-column passes (and the backward's recomputation in them) without a block
 // barrier a chunk, their two warpgroups apart in the chunk step (state_fwd_cols_segment's
 // kPing; bit-identical): the default; FLASHGDN_COLS_PING=0 the barrier-per-chunk schedule.
@@ -694,6 +697,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_cols_kernel<In, false, false, true, 3>,
              StateFwdColsSmem::stage_bytes(3, false));
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
+    set_smem(state_fwd_cols_wg_kernel<In, true>, StateFwdColsWgSmem::kPingBytes);
     set_smem(state_fwd_cols_owg_kernel<In>, StateFwdOwgSmem::kBytes);
     set_smem(gdn_fwd_fused_kernel<In, false>, FwdFusedSmem::bytes(false, 2));
     set_smem(gdn_fwd_fused_kernel<In, false, 2, 216, 72>, FwdFusedSmem::bytes(false, 2));
@@ -736,7 +740,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
       else if (mode == 3) fgo(gdn_fwd_fused_kernel<In, true, 2, 216, 72>, FS::bytes(true, 2));
       else if (mode == 2) fgo(gdn_fwd_fused_kernel<In, false, 2, 216, 72>, FS::bytes(false, 2));
       else fgo(gdn_fwd_fused_kernel<In, false>, FS::bytes(false, 2));
-    } else if (f.h == nullptr && cols_wgmma())
+    } else if (f.h == nullptr && cols_wgmma_ping())
+      go(state_fwd_cols_wg_kernel<In, true>, StateFwdColsWgSmem::kPingBytes);
+    else if (f.h == nullptr && cols_wgmma())
       go(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
     else if (f.corr && f.phase == 1)  // exact segments' outputs by correction (the planner
       // takes them at 16 / 32 columns only; here forced: the barrier schedule, as tested)
@@ -1201,7 +1207,7 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
   return p.qkv_dtype == FLASHGDN_DTYPE_BF16 && (p.Hv <= 2 * p.Hqk || forced == 0) &&
          f.Kh_w != nullptr && f.h == nullptr && !f.corr && !plan.device_col_block &&
          launches(plan, D) && cols_ping() && !cols_three_stages() && !cols_owg() &&
-         !cols_wgmma() && forced != 1;
+         (!cols_wgmma() || cols_wgmma_ping()) && forced != 1;
 }
 
 // Whether the plain forward's state pass is gdn_fwd_fused_kernel (fwd_fused.cuh: T diag(beta)

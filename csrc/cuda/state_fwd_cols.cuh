@@ -545,12 +545,23 @@ struct StateFwdColsWgSmem {
   static constexpr size_t kV = sizeof(__half) * C * LDH;    // V [64][136]
   static constexpr size_t kStage = 2 * kCoreD + 2 * kCoreC + kV + sizeof(float2) * C;
   static constexpr size_t kBytes = 2 * kStage + sizeof(__half) * (NT / 32) * C * LDO;
+  // kPing: mbarriers full[2], empty[2], landed[2] after the above
+  static constexpr size_t kPingBytes = kBytes + 6 * sizeof(uint64_t);
 };
 
 // One segment block of state_fwd_cols_wg_kernel (for_each_segment_block).
-template <typename In>
+// kPing (FLASHGDN_COLS_WGMMA=2): state_fwd_cols_segment's ping-pong schedule instead of a
+// block barrier a chunk. Warpgroup 1 issues chunk ci + 1's copies at the head of its chunk
+// ci (once empty[s] says both warpgroups released the stage) and, after its first products,
+// waits for them, makes them visible to the tensor cores' reads (fence.proxy.async: cp.async
+// writes are the generic proxy's, wgmma reads the async proxy's) and arrives on full[s], or
+// with p.kq_bf16 on landed[s]: then warpgroup 0, after its state update, converts the bf16 K
+// and Q tiles to fp16 in place (elementwise: the core-matrix layout does not matter), fences
+// and arrives on full[s]. A warp releases the stage (empty[s]) after its last wgmma's wait.
+template <typename In, bool kPing = false>
 __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
-                                                          const SegmentBlock& b) {
+                                                          const SegmentBlock& b,
+                                                          uint32_t& n_used) {
   using Sm = StateFwdColsWgSmem;
   constexpr int LDO = Sm::LDO;
   // core-matrix byte strides: a row group of 8 tokens spans D / 8 (K, Q) or C / 8 (T, P) core
@@ -568,44 +579,100 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
   auto Pst = [&](int s) { return Tst(s) + C * C; };
   auto Vst = [&](int s) { return reinterpret_cast<In*>(Pst(s) + C * C); };
   auto Est = [&](int s) { return reinterpret_cast<float2*>(Vst(s) + C * LDH); };
-  const int warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = lane_id();
   __half* Ost = reinterpret_cast<__half*>(smem_raw + 2 * Sm::kStage) + warp * C * LDO;
   const int v0 = 16 * warp;
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  // kPing: the stages' mbarriers; warpgroup 1 (itid) issues the copies
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_raw + Sm::kBytes);
+  uint64_t* empty = full + 2;
+  uint64_t* landed = full + 4;
+  constexpr int kIssuers = kPing ? NT / 2 : NT;
+  const bool issuer = !kPing || threadIdx.x >= NT / 2;
+  const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
+  const bool conv = kPing && p.kq_bf16;  // K and Q as the inputs' bf16 tiles
+  const uint32_t n0 = n_used;
 
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
-    cp_async_core16<C, D>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-    cp_async_core16<C, C>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+    const __half* ksrc = conv ? static_cast<const __half*>(p.k) : p.Kh;
+    const __half* qsrc = conv ? static_cast<const __half*>(p.q) : p.Qh;
+    cp_async_core16_by<C, D, kIssuers>(Kst(s), ksrc + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L, itid);
+    cp_async_core16_by<C, C, kIssuers>(Tst(s), p.Tv16 + (tok0 * p.Hv + h) * C, p.Hv * C, L, itid);
     if (!identity)
-      cp_async_tile<C, D, LDH>(Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D,
-                               p.Hv * D, L);
+      cp_async_tile_by<C, D, LDH, kIssuers>(
+          Vst(s), static_cast<const In*>(p.v) + (tok0 * p.Hv + h) * D, p.Hv * D, L, itid);
     if (want_o && ci >= c_begin) {
-      cp_async_core16<C, D>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-      cp_async_core16<C, C>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+      cp_async_core16_by<C, D, kIssuers>(Qst(s), qsrc + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L,
+                                         itid);
+      cp_async_core16_by<C, C, kIssuers>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L,
+                                         itid);
     }
-    if (threadIdx.x < C) {
-      const int r = threadIdx.x < L ? threadIdx.x : L - 1;
-      cp_async8(Est(s) + threadIdx.x, p.EG + (tok0 + r) * p.Hv + h);
+    if (itid < C) {
+      const int r = itid < L ? itid : L - 1;
+      cp_async8(Est(s) + itid, p.EG + (tok0 + r) * p.Hv + h);
     }
     cp_async_commit();
   };
+  // kPing, warpgroup 1: chunk ci's copies (use n) into stage n % 2 once its use n - 2 is
+  // released; publish: once they landed, visible to wgmma, signalled
+  auto issue_use = [&](int64_t ci, uint32_t n) {
+    if (n >= 2) mbar_wait(&empty[n & 1], ((n >> 1) - 1) & 1);
+    issue(ci, static_cast<int>(n & 1));
+  };
+  auto publish = [&](uint32_t n) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    mbar_arrive(conv ? &landed[n & 1] : &full[n & 1]);
+  };
+  // kPing with conv, warpgroup 0: chunk ci's K (and Q) tiles (use n) to fp16 in place
+  auto convert_use = [&](int64_t ci, uint32_t n) {
+    const int s = static_cast<int>(n & 1);
+    mbar_wait(&landed[s], (n >> 1) & 1);
+    const int t = static_cast<int>(threadIdx.x);
+    auto convert = [&](__half* tile) {
+#pragma unroll
+      for (int i = 0; i < C * D / 8 / (NT / 2); ++i) {
+        In* piece = reinterpret_cast<In*>(tile) + 8 * (t + (NT / 2) * i);
+        *reinterpret_cast<uint4*>(piece) = half8_of(piece);
+      }
+    };
+    convert(Kst(s));
+    if (want_o && ci >= c_begin) convert(Qst(s));
+    fence_proxy_async();
+    mbar_arrive(&full[s]);
+  };
 
   float sacc[16][4];
-  if (c_first < c_end) issue(c_first, 0);
+  if constexpr (kPing) {
+    if (c_first < c_end && issuer) {
+      issue_use(c_first, n0);
+      publish(n0);
+    }
+    if (conv && !issuer && c_first < c_end) convert_use(c_first, n0);
+  } else {
+    if (c_first < c_end) issue(c_first, 0);
+  }
   if (b.ss.src == SegSource::Exact) pdl_wait();  // as in state_fwd_cols_segment
   load_state_cols(sacc, entering_state(p, b), identity, v0);
 
   for (int64_t ci = c_first; ci < c_end; ++ci) {
-    const int s = static_cast<int>((ci - c_first) & 1);
+    const uint32_t n = n0 + static_cast<uint32_t>(ci - c_first);
+    const int s = kPing ? static_cast<int>(n & 1) : static_cast<int>((ci - c_first) & 1);
     const int64_t tok0 = start + ci * C;
     const int L = chunk_rows(len, ci);
-    cp_async_wait<0>();
-    fence_proxy_async();  // this thread's cp.async data, visible to the tensor cores' reads
-    __syncthreads();
-    if (ci + 1 < c_end) issue(ci + 1, s ^ 1);
+    const bool next = ci + 1 < c_end;
+    if constexpr (kPing) {
+      if (issuer && next) issue_use(ci + 1, n + 1);
+      mbar_wait(&full[s], (n >> 1) & 1);  // stage s landed and visible
+    } else {
+      cp_async_wait<0>();
+      fence_proxy_async();  // this thread's cp.async data, visible to the tensor cores' reads
+      __syncthreads();
+      if (next) issue(ci + 1, s ^ 1);
+    }
     // the chunk's work, compiled once with and once without outputs, so that every wgmma
     // sequence is straight-line code (a conditional one makes ptxas serialise, C7519)
     auto chunk = [&](auto with_out) {
@@ -632,6 +699,7 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
           wgmma_rs_f16<64>(o, sa[kk], f16_core_desc(Q + 16 * kk * 8, 128, kRowGroupD), true);
       }
       wgmma_commit();
+      if (kPing && issuer && next) publish(n + 1);  // the next chunk's copies, under the products
       wgmma_wait<0>();
       fence_acc(x);
       fence_acc(o);
@@ -685,22 +753,41 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
         fence_frag(ue[kt]);
         fence_frag(ua[kt]);
       }
+      if constexpr (kPing) {  // this warp's reads of stage s are done
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+      }
 
       if constexpr (kOut) store_o_cols<In>(p, o, Ost, LDO, tok0, L, h, v0);
     };
     if (want_o && ci >= c_begin) chunk(std::true_type{});
     else chunk(std::false_type{});
+    if (conv && !issuer && next) convert_use(ci + 1, n + 1);
   }
 
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
+  if (c_first < c_end) n_used = n0 + static_cast<uint32_t>(c_end - c_first);
 }
 
-template <typename In>
+template <typename In, bool kPing = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
   PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  if constexpr (kPing) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw + StateFwdColsWgSmem::kBytes);
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < 2; ++st) {
+        mbar_init(&bars[st], NT / 2);      // full: warpgroup 1's (or with conv 0's) threads
+        mbar_init(&bars[2 + st], NT / 32); // empty: one arrival per warp
+        mbar_init(&bars[4 + st], NT / 2);  // landed: warpgroup 1's threads
+      }
+    }
+    __syncthreads();
+  }
+  uint32_t n_used = 0;
   for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-    state_fwd_cols_wg_segment<In>(p, b);
+    state_fwd_cols_wg_segment<In, kPing>(p, b, n_used);
   });
 }
 

@@ -220,16 +220,22 @@ __device__ __forceinline__ void wgmma_rs_f16<128, true>(float (&d)[16][4], const
 // its row r % 8 at 16 (r % 8) bytes. Piece i (16 bytes) of the destination is row
 // 8 (i / KD) + i % 8, values 8 ((i / 8) % (KD / 8)) ..: eight consecutive threads fill one
 // core matrix, a warp reads 8 rows x 64 bytes.
-template <int ROWS, int KD, typename T>
-__device__ __forceinline__ void cp_async_core16(T* dst, const T* src, int64_t stride, int L) {
-  static_assert(sizeof(T) == 2 && (KD == 64 || KD == 128) && ROWS * KD / 8 % 256 == 0, "tile");
-  constexpr int kPieces = ROWS * KD / 8, kPasses = kPieces / 256;
+// cp_async_core16_by: the same spread over NTHR threads (tid in [0, NTHR)), e.g. one warpgroup.
+template <int ROWS, int KD, int NTHR = 256, typename T>
+__device__ __forceinline__ void cp_async_core16_by(T* dst, const T* src, int64_t stride, int L,
+                                                   int tid) {
+  static_assert(sizeof(T) == 2 && (KD == 64 || KD == 128) && ROWS * KD / 8 % NTHR == 0, "tile");
+  constexpr int kPieces = ROWS * KD / 8, kPasses = kPieces / NTHR;
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
-    const int i = static_cast<int>(threadIdx.x) + 256 * pass;
+    const int i = tid + NTHR * pass;
     const int r = 8 * (i / KD) + (i & 7), k = 8 * ((i >> 3) % (KD / 8));
     cp_async16(dst + 8 * i, r < L ? src + r * stride + k : src, r < L);
   }
+}
+template <int ROWS, int KD, typename T>
+__device__ __forceinline__ void cp_async_core16(T* dst, const T* src, int64_t stride, int L) {
+  cp_async_core16_by<ROWS, KD, 256>(dst, src, stride, L, static_cast<int>(threadIdx.x));
 }
 
 }  // namespace cuda
