@@ -135,16 +135,8 @@ __device__ __forceinline__ void fused_aux_segment(const FwdParams& p, const Segm
       sync();  // every read of K, Q (and of Gs) done
     }
     if constexpr (!std::is_same<In, __half>::value) {  // K (and Q) to fp16 in place
-      const int r0 = wt / (D / 8), c = (wt % (D / 8)) * 8;
-      auto convert = [&](In* tile) {
-#pragma unroll
-        for (int i = 0; i < C / 8; ++i) {
-          In* piece = tile + (r0 + 8 * i) * LDH + c;
-          *reinterpret_cast<uint4*>(piece) = half8_of(piece);
-        }
-      };
-      convert(Kst(s));
-      if (out) convert(Qst(s));
+      tile_to_half_in_place<In>(reinterpret_cast<__half*>(Kst(s)), wt);
+      if (out) tile_to_half_in_place<In>(reinterpret_cast<__half*>(Qst(s)), wt);
     }
     mbar_arrive(&full[s]);
   }

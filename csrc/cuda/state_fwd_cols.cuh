@@ -60,6 +60,20 @@ struct StateFwdColsSmem {
 static_assert(StateFwdColsSmem::stage_bytes(3, false) <= 227 * 1024,
               "three stages fit the 227 KB a block may opt in to");
 
+// A [C][LDH] tile holding the inputs' 16-bit values (bf16 k or q rows; rows past the chunk's
+// end zeros) to fp16 in place, by the 128 threads of one warpgroup (wt: the thread's index in
+// it): row wt / 16 + 8 i, values 8 (wt % 16) .. (the conversions of FwdParams::kq_bf16 and
+// of the fused forward's auxiliary warpgroup).
+template <typename In>
+__device__ __forceinline__ void tile_to_half_in_place(__half* tile, int wt) {
+  const int r0 = wt / (D / 8), c = (wt % (D / 8)) * 8;
+#pragma unroll
+  for (int i = 0; i < C / 8; ++i) {
+    __half* piece = tile + (r0 + 8 * i) * LDH + c;
+    *reinterpret_cast<uint4*>(piece) = half8_of(reinterpret_cast<const In*>(piece));
+  }
+}
+
 template <typename In>
 __device__ __forceinline__ uint32_t pack_in2(float lo, float hi) {
   In pair[2] = {from_f<In>(lo), from_f<In>(hi)};
@@ -323,16 +337,8 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     mbar_wait(&landed[s], (n / kStages) & 1);
     const bool with_q = want_o && ci >= c_begin;
     const int t = static_cast<int>(threadIdx.x);
-    const int r0 = t / (D / 8), c = (t % (D / 8)) * 8;
-    auto convert = [&](__half* tile) {
-#pragma unroll
-      for (int i = 0; i < C / 8; ++i) {
-        __half* piece = tile + (r0 + 8 * i) * LDH + c;
-        *reinterpret_cast<uint4*>(piece) = half8_of(reinterpret_cast<const In*>(piece));
-      }
-    };
-    convert(Kst(s));
-    if (with_q) convert(Qst(s));
+    tile_to_half_in_place<In>(Kst(s), t);
+    if (with_q) tile_to_half_in_place<In>(Qst(s), t);
     mbar_arrive(&full[s]);
   };
   // kPing: chunk ci's copies (use n) into stage n % kStages once its previous use
