@@ -1,29 +1,31 @@
-// gdn_fwd_fused_kernel<In, kT>: the plain forward's 128-column state pass with (part of) the
-// WY part inside it (opt-in, FLASHGDN_FUSED; docs/perf-notes.md plan item 1).
+// gdn_fwd_fused_kernel<In, kT, kStages, chain regs, aux regs>: the plain forward's 128-column
+// state pass with (part of) the WY part inside it (opt-in, FLASHGDN_FUSED, launch.cu
+// fused_mode; docs/perf-notes.md version 39: correct, and slower than the default kernels on
+// every variant measured, because the pass is near the SM's shared-memory wavefront rate).
 //   kT (FLASHGDN_FUSED=3): T diag(beta) and P formed inside; before it only wy_gates_kernel
 //     runs (G, e^G, e^{G_last - G}, Lb): no T diag(beta), P or fp16 copy of k and q goes
 //     through HBM.
-//   !kT (FLASHGDN_FUSED=1, 2): P formed inside; wy_lean_kernel without its Q K^T before it
+//   !kT (FLASHGDN_FUSED=1, 2, 4): P formed inside; wy_lean_kernel without its Q K^T before it
 //     (T diag(beta), G, e^G, Lb): no P or fp16 copy of k and q goes through HBM.
 //
 // grid as state_fwd_cols_kernel's ((1 [x 2 in phase 1], H_v, segments or slots):
-// for_each_segment_block), 384 threads, one block an SM (two stages ~168 KB (kT ~177 KB),
-// three ~209 KB).
+// for_each_segment_block), 384 threads, one block an SM (two stages ~164 KB, kT ~173 KB; three
+// stages ~209 KB).
 //   * warpgroups 0 and 1 (the chain): state_fwd_cols_kernel's ping-pong step
-//     (state_fwd_cols_segment<., ., ., true, 2, kFused = true>): warpgroup 1 issues chunk
-//     c + 1's copies of k, q (the inputs' tiles), v and e^G into the stage and signals
-//     landed[s]; both wait on full[s], step the state over chunk c and write o;
+//     (state_fwd_cols_segment<., ., ., true, kStages, kFused = kT ? 2 : 1>): warpgroup 1
+//     issues chunk c + 1's copies of k, q (the inputs' tiles), v, e^G (and !kT T diag(beta))
+//     into the stage and signals landed[s]; both wait on full[s], step the state over chunk c
+//     and write o;
 //   * warpgroup 2 (auxiliary): per chunk of the same segment blocks, in the same order, once
-//     landed[s]: the cumulative gates of the chunk (lean_gates; !kT: G from memory), Q K^T ->
-//     P = Dec . Q K^T
-//     (fp16, straight into the stage's P tile; phase 0's output chunks only), K K^T ->
-//     A = diag(beta) (Dec . K K^T) -> T = (I + A)^-1 by doubling -> T diag(beta) (fp16,
-//     straight into the stage's T tile; kT only), all with wy_lean_kernel's warpgroup functions (the
-//     same arithmetic, so the same bits as its P16 and Tv16), then k and q to fp16 in place
-//     (bf16 inputs) and its 128 arrivals on full[s].
-// setmaxnreg: the chain 224 registers, the auxiliary warpgroup 56 (2 x 128 x 224 + 128 x 56 =
-// 64512, the pool of a 384-thread block; ptxas probes in perf-notes plan item 1).
-//   reads  k, q, v, g, beta, EG, Lb (wy_gates_kernel), initial state, seg_in
+//     landed[s]: the chunk's cumulative gates (kT: lean_gates; else wy_lean_kernel's G, loaded
+//     a chunk ahead), Q K^T -> P = Dec . Q K^T (fp16, straight into the stage's P tile; phase
+//     0's output chunks only), with kT K K^T -> A = diag(beta) (Dec . K K^T) -> T = (I + A)^-1
+//     by doubling -> T diag(beta) (fp16, straight into the stage's T tile), all with
+//     wy_lean_kernel's warpgroup functions (the same arithmetic, so the same values as its P16
+//     and Tv16), then k and q to fp16 in place (bf16 inputs) and its 128 arrivals on full[s].
+// setmaxnreg: the chain / the auxiliary warpgroup 224 / 56 (FLASHGDN_FUSED=1) or 216 / 72
+// (2 x 128 x chain + 128 x aux <= 64512, the pool of a 384-thread block).
+//   reads  k, q, v, g, beta, EG, Lb (and !kT: Tv16, G), initial state, seg_in
 //   writes o, final state (phase 0); seg_L, seg_M (phase 1)
 #pragma once
 
