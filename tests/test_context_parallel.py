@@ -1195,13 +1195,15 @@ def test_fused_forward(case: Case, mode: str):
     Case("wgp_cp_long", [16384], 4, 16, gate="mixed"),
     Case("wgp_cp_two", [9000, 7000], 2, 4, gate="normal"),
 ], ids=lambda c: c.name)
-def test_wgmma_ping_bit_identical(case: Case):
+@pytest.mark.parametrize("mode", ["2", "3"], ids=["ping", "ping_order"])
+def test_wgmma_ping_bit_identical(case: Case, mode: str):
     """FLASHGDN_COLS_WGMMA=2 (state_fwd_cols_wg_kernel in the ping-pong schedule, mbarriers
     and proxy fences instead of a block barrier a chunk; bf16 k, q converted in shared memory
     where a q/k head has at most two value heads) gives the barrier schedule's bits
     (FLASHGDN_COLS_WGMMA=1: the same products in the same order on the same operands),
-    eagerly and from a CUDA graph, within the float64 reference's tolerance."""
+    eagerly and from a CUDA graph, within the float64 reference's tolerance. Mode 3 (the two
+    warpgroups' wgmma groups issued in alternation; written without a GPU) likewise."""
     inp = make_inputs(case, "cuda", seed=83)
     forward_bit_identical(inp, {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_WGMMA": "1"},
-                          {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_WGMMA": "2"},
-                          f"wgmma ping-pong {case.name}")
+                          {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_WGMMA": mode},
+                          f"wgmma ping-pong {mode} {case.name}")

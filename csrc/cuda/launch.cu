@@ -113,7 +113,10 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_
 bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") >= 1; }
 // FLASHGDN_COLS_WGMMA=2: the wgmma kernel in the ping-pong schedule (state_fwd_cols_wg_kernel's
 // kPing), which also converts bf16 k and q in shared memory where kq_in_pass allows
-bool cols_wgmma_ping() { return env_int("FLASHGDN_COLS_WGMMA") == 2; }
+bool cols_wgmma_ping() { return env_int("FLASHGDN_COLS_WGMMA") >= 2; }
+// =3: and the two warpgroups issue their wgmma groups in alternation (kOrder; not yet run on
+// a GPU)
+bool cols_wgmma_order() { return env_int("FLASHGDN_COLS_WGMMA") == 3; }
 // The forward's 128-column passes (and the backward's recomputation in them) without a block
 // barrier a chunk, their two warpgroups apart in the chunk step (state_fwd_cols_segment's
 // kPing; bit-identical): the default; FLASHGDN_COLS_PING=0 the barrier-per-chunk schedule.
@@ -698,6 +701,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
              StateFwdColsSmem::stage_bytes(3, false));
     set_smem(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);
     set_smem(state_fwd_cols_wg_kernel<In, true>, StateFwdColsWgSmem::kPingBytes);
+    set_smem(state_fwd_cols_wg_kernel<In, true, true>, StateFwdColsWgSmem::kPingBytes);
     set_smem(state_fwd_cols_owg_kernel<In>, StateFwdOwgSmem::kBytes);
     set_smem(gdn_fwd_fused_kernel<In, false>, FwdFusedSmem::bytes(false, 2));
     set_smem(gdn_fwd_fused_kernel<In, false, 2, 216, 72>, FwdFusedSmem::bytes(false, 2));
@@ -740,7 +744,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
       else if (mode == 3) fgo(gdn_fwd_fused_kernel<In, true, 2, 216, 72>, FS::bytes(true, 2));
       else if (mode == 2) fgo(gdn_fwd_fused_kernel<In, false, 2, 216, 72>, FS::bytes(false, 2));
       else fgo(gdn_fwd_fused_kernel<In, false>, FS::bytes(false, 2));
-    } else if (f.h == nullptr && cols_wgmma_ping())
+    } else if (f.h == nullptr && cols_wgmma_order())
+      go(state_fwd_cols_wg_kernel<In, true, true>, StateFwdColsWgSmem::kPingBytes);
+    else if (f.h == nullptr && cols_wgmma_ping())
       go(state_fwd_cols_wg_kernel<In, true>, StateFwdColsWgSmem::kPingBytes);
     else if (f.h == nullptr && cols_wgmma())
       go(state_fwd_cols_wg_kernel<In>, StateFwdColsWgSmem::kBytes);

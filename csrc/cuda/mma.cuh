@@ -286,6 +286,11 @@ __device__ __forceinline__ void store_frag_a16_trans(__half* s, int ld, int row0
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// This warp's arrival on named barrier `id` without waiting (the producer side of a
+// bar.sync by other warps with the same count).
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 // The registers a thread of this warpgroup may use from here on (sm_90a; every thread of the
 // warpgroup executes it): more for one role, fewer for another, within the block's share.
 template <int N>

@@ -564,7 +564,15 @@ struct StateFwdColsWgSmem {
 // with p.kq_bf16 on landed[s]: then warpgroup 0, after its state update, converts the bf16 K
 // and Q tiles to fp16 in place (elementwise: the core-matrix layout does not matter), fences
 // and arrives on full[s]. A warp releases the stage (empty[s]) after its last wgmma's wait.
-template <typename In, bool kPing = false>
+// kOrder (FLASHGDN_COLS_WGMMA=3, with kPing; written 2026-11-26 after the session's device
+// time, NOT yet run on a GPU): the two warpgroups issue their wgmma groups in strict
+// alternation, as FlashInfer's Hopper forward does (docs/perf-notes.md version 39), so that
+// one warpgroup's products run on the tensor cores while the other does its epilogue:
+// warpgroup 0 waits on named barrier 1 before each group but its segment's first, warpgroup
+// 1 on barrier 2 before each; after committing a group each arrives on the other's barrier;
+// warpgroup 0's last wait, after the segment, takes warpgroup 1's last arrival. The same
+// products on the same operands: the same bits.
+template <typename In, bool kPing = false, bool kOrder = false>
 __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
                                                           const SegmentBlock& b,
                                                           uint32_t& n_used) {
@@ -598,6 +606,19 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
   const int itid = kPing ? static_cast<int>(threadIdx.x) - NT / 2 : static_cast<int>(threadIdx.x);
   const bool conv = kPing && p.kq_bf16;  // K and Q as the inputs' bf16 tiles
   const uint32_t n0 = n_used;
+  static_assert(!kOrder || kPing, "the issue order: in the ping-pong schedule");
+  const bool wg0 = threadIdx.x < NT / 2;
+  bool first_group = true;  // kOrder, warpgroup 0: its segment's first wgmma group waits for no one
+  auto order_wait = [&] {
+    if constexpr (kOrder) {
+      if (!wg0) named_bar_sync(2, NT);
+      else if (!first_group) named_bar_sync(1, NT);
+      first_group = false;
+    }
+  };
+  auto order_notify = [&] {
+    if constexpr (kOrder) named_bar_arrive(wg0 ? 2 : 1, NT);
+  };
 
   auto issue = [&](int64_t ci, int s) {
     if (p.debug & 2) return;
@@ -692,6 +713,7 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
 
       // X^T = S^T K^T and Q S: B = K^T (K-major: token rows, keys contiguous), k16 = 2 key groups
       float x[8][4] = {}, o[8][4] = {};
+      order_wait();
       wgmma_fence();
       fence_acc(x);
       fence_acc(o);
@@ -705,6 +727,7 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
           wgmma_rs_f16<64>(o, sa[kk], f16_core_desc(Q + 16 * kk * 8, 128, kRowGroupD), true);
       }
       wgmma_commit();
+      order_notify();
       if (kPing && issuer && next) publish(n + 1);  // the next chunk's copies, under the products
       wgmma_wait<0>();
       fence_acc(x);
@@ -716,12 +739,14 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
       w_prime_frags(wa, x, Vst(s), E, v0, identity);
       // U^T = W'^T (T diag(beta))^T: B K-major on the [r][s] tile (r rows, s contiguous)
       float u[8][4] = {};
+      order_wait();
       wgmma_fence();
       fence_acc(u);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt)
         wgmma_rs_f16<64>(u, wa[kt], f16_core_desc(Tst(s) + 16 * kt * 8, 128, kRowGroupC), true);
       wgmma_commit();
+      order_notify();
       wgmma_wait<0>();
       fence_acc(u);
 #pragma unroll
@@ -737,6 +762,7 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
 #pragma unroll
         for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
       if constexpr (kOut) scale_by_eg(o, E);
+      order_wait();
       wgmma_fence();
       fence_acc(sacc);
       fence_acc(o);
@@ -751,6 +777,7 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
           wgmma_rs_f16<64>(o, ua[kt], f16_core_desc(P + 16 * kt * 8, 128, kRowGroupC), true);
       }
       wgmma_commit();
+      order_notify();
       wgmma_wait<0>();
       fence_acc(sacc);
       fence_acc(o);
@@ -771,11 +798,13 @@ __device__ __forceinline__ void state_fwd_cols_wg_segment(const FwdParams& p,
     if (conv && !issuer && next) convert_use(ci + 1, n + 1);
   }
 
+  // kOrder: warpgroup 1's last arrival (after its last group) taken, so barrier 1 is empty
+  if (kOrder && wg0 && c_first < c_end) named_bar_sync(1, NT);
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
   if (c_first < c_end) n_used = n0 + static_cast<uint32_t>(c_end - c_first);
 }
 
-template <typename In, bool kPing = false>
+template <typename In, bool kPing = false, bool kOrder = false>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
   PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
@@ -793,7 +822,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_wg_kernel(FwdParams p) {
   }
   uint32_t n_used = 0;
   for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-    state_fwd_cols_wg_segment<In, kPing>(p, b, n_used);
+    state_fwd_cols_wg_segment<In, kPing, kOrder>(p, b, n_used);
   });
 }
 
