@@ -16,10 +16,16 @@
 //     (bench/precision_study.py "inverse by doubling": o and state errors as wy_kernel's);
 //   * Tv16 = T diag(beta) in fp16 from the fp32 results (the joins' accumulators, the
 //     substitution's values), staged in shared memory, stored as 16-byte rows.
-//   reads  k, q, g, beta
+//   The phases are warpgroup functions (lean_lower_product, lean_p_epilogue, lean_a_epilogue,
+//   lean_inverse), which the fused forward's auxiliary warpgroup (fwd_fused.cuh) runs too.
+//   reads  k, q (not where no P is asked: the fused forward's FLASHGDN_FUSED=1, 2), g, beta
 //   writes P16, Tv16 (lower block triangle; with !tri16 zero blocks above it), G, EG, Lb, and
-//          the fp16 copies of bf16 k and q where FwdParams::Kh_w asks
-//   Not for the backward's recomputation (T, fp32 P): launch.cu takes wy_batched_kernel there.
+//          the fp16 copies of bf16 k and q where FwdParams::Kh_w asks; kT also T (Tmat or
+//          T16) and fp32 P (Pmat)
+//   The backward's recomputation and the kept forward (T, fp32 P) take wy_batched_kernel
+//   unless FLASHGDN_WY_LEAN_T=1 asks for kT (launch.cu wy_lean_heads).
+//
+// wy_gates_kernel (below): only G, EG and Lb, for the fused forward's FLASHGDN_FUSED=3.
 #pragma once
 
 #include "fwd_kernels.cuh"
