@@ -197,9 +197,11 @@ constexpr size_t kWySmem = kFree ? kWyFreeTiles + (kMulti ? sizeof(float) * C * 
 // heads of a chunk are neighbours in the launch order, so the heads that share a q/k head
 // find its K and Q tiles in L2 (H100, 2026-11-23: 16/32 x 32768 0.690 -> 0.428 ms, 2/8 0.113
 // -> 0.102; the chunk-major grid read them from DRAM once per value head). 32-bit divisions
-// (the grid is below 2^31 blocks; a 64-bit one is ~70 instructions).
+// (the grid is below 2^31 blocks; a 64-bit one is ~70 instructions). ck: where the chunk
+// lies (ck.L == 0: past the last chunk, the block has nothing to do).
 struct WyBlock {
   int64_t chunk, h0, hq;
+  ChunkRef ck;
 };
 __device__ __forceinline__ WyBlock wy_block(const FwdParams& p, int nh) {
   const uint32_t blocks_per_chunk = static_cast<uint32_t>(p.Hv) / static_cast<uint32_t>(nh);
@@ -207,6 +209,7 @@ __device__ __forceinline__ WyBlock wy_block(const FwdParams& p, int nh) {
   b.chunk = blockIdx.x / blocks_per_chunk;
   b.h0 = (blockIdx.x % blocks_per_chunk) * static_cast<uint32_t>(nh);
   b.hq = static_cast<uint32_t>(b.h0) / static_cast<uint32_t>(p.Hv / p.Hqk);
+  b.ck = locate_chunk(p.seqs, b.chunk);
   return b;
 }
 
@@ -411,7 +414,7 @@ __global__ void __launch_bounds__(NT, kFree ? (kMulti ? 3 : 4) : 2) wy_kernel(Fw
   const int nh = kMulti ? p.wy_heads : 1;  // divides H_v / H_qk
   const WyBlock wb = wy_block(p, nh);
   const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
-  const ChunkRef ck = locate_chunk(p.seqs, chunk);
+  const ChunkRef ck = wb.ck;
   if (ck.L == 0) return;
   const int L = ck.L;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -753,7 +756,7 @@ __global__ void __launch_bounds__(NT, kH <= 2 ? 4 : 3) wy_batched_kernel(FwdPara
   const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
   const WyBlock wb = wy_block(p, nh);
   const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
-  const ChunkRef ck = locate_chunk(p.seqs, chunk);
+  const ChunkRef ck = wb.ck;
   if (ck.L == 0) return;
   const int L = ck.L;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -109,7 +109,8 @@ void launch_kernel(void (*kernel)(KArgs...), dim3 grid, size_t smem, cudaStream_
 }
 
 // FLASHGDN_COLS_WGMMA=1 (opt-in; tests pass on H100, no faster than the default): the
-// forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel).
+// forward's 128-column pass on warpgroup tensor cores (state_fwd_cols_wg_kernel); 2 and 3
+// below are variants of it.
 bool cols_wgmma() { return env_int("FLASHGDN_COLS_WGMMA") >= 1; }
 // FLASHGDN_COLS_WGMMA=2: the wgmma kernel in the ping-pong schedule (state_fwd_cols_wg_kernel's
 // kPing), which also converts bf16 k and q in shared memory where kq_in_pass allows
@@ -899,7 +900,8 @@ bool wy_occ4() { return env_int_or("FLASHGDN_WY_OCC4", 1) != 0; }
 // of even ratios slower). FLASHGDN_WY_LEAN=<n>: the largest divisor of H_v / H_qk up to n
 // (0: never).
 // T or fp32 P asked (the backward's recomputation, the kept forward): only with
-// FLASHGDN_WY_LEAN_T=1 (wy_lean_kernel<., ., true>, opt-in, not yet run on a GPU).
+// FLASHGDN_WY_LEAN_T=1 (wy_lean_kernel<., ., true>; opt-in: tested, but 447 against 401 us
+// at 16/32 x 32768 in the backward, docs/perf-notes.md version 39).
 bool wy_lean_wants_t(const FwdParams& f) {
   return f.Tmat != nullptr || f.T16 != nullptr || f.Pmat != nullptr;
 }
@@ -1216,10 +1218,10 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
          (!cols_wgmma() || cols_wgmma_ping()) && forced != 1;
 }
 
-// Whether the plain forward's state pass is gdn_fwd_fused_kernel (fwd_fused.cuh: T diag(beta)
-// and P formed inside it, wy_gates_kernel before it; opt-in FLASHGDN_FUSED=1): the W/U0-free
-// pass at the planner's 128 columns only (not the device's column choice), no records, no
-// T or fp32 P kept, no correction, the default ping-pong kernel (two stages, no output
+// Whether the plain forward's state pass is gdn_fwd_fused_kernel (fwd_fused.cuh: P, and
+// with FLASHGDN_FUSED=3 T diag(beta), formed inside it; fused_mode): the W/U0-free pass at
+// the planner's 128 columns only (not the device's column choice), no records, no T or fp32
+// P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
 bool fused_in_pass(const SegmentPlan& plan, const FwdParams& f) {
   return fused_mode() > 0 && f.Tv16 != nullptr && f.EG != nullptr &&
@@ -1235,9 +1237,8 @@ template <typename In>
 void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
-  f.kq_bf16 = kq_in_pass(p, plan, f);
   f.fused = fused_in_pass(plan, f);
-  if (f.fused) f.kq_bf16 = false;
+  f.kq_bf16 = !f.fused && kq_in_pass(p, plan, f);
   if (f.fused) f.P16 = nullptr;  // P is formed in the pass (wy_lean_kernel: no Q K^T)
   if (f.kq_bf16 || f.fused) f.Kh_w = f.Qh_w = nullptr;  // wy_kernel: no copies
   // FLASHGDN_DEBUG & 256 (tests): the copies' space NaN and never written, so that any pass

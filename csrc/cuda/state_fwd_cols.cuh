@@ -405,8 +405,6 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     float x[8][4] = {}, o[8][4] = {};
     if (out) sk_products<true>(x, o, sa, K, Qst(s));
     else sk_products<false>(x, o, sa, K, Qst(s));
-    // this thread's token columns of tile j: 8 j + 2t, + 1
-    const int tc = 2 * (lane & 3);
 
     uint32_t wa[4][4];  // W'^T = V^T - X^T diag(e^G)
     w_prime_frags(wa, x, Vst(s), E, v0, identity);
@@ -424,19 +422,12 @@ __device__ __forceinline__ void state_fwd_cols_segment(const FwdParams& p, const
     if (!out) release();
     // conv: the next chunk's K and Q (issued at this chunk's head by warpgroup 1) to fp16
     if (conv && !issuer && ci + 1 < c_end) convert_use(ci + 1, n + 1);
-    // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory: scale_by_eg and
-    // store_o_cols written out (those helpers change this GPU-tested kernel's integer address
-    // arithmetic; to be called here once it has run again)
+    // O^T = S^T Q^T diag(e^G) + U^T P^T, then out through shared memory (the staging written
+    // out rather than store_o_cols: the ping-pong schedule reads the rows back before it
+    // releases the stage, three stages stage them in the V tile)
     if (out) {
       const __half* P = Pst(s);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float e0 = E[8 * j + tc].x, e1 = E[8 * j + tc + 1].x;
-        o[j][0] *= e0;
-        o[j][1] *= e1;
-        o[j][2] *= e0;
-        o[j][3] *= e1;
-      }
+      scale_by_eg(o, E);
       tri_product(o, ua, P, LDP);  // O^T += U^T P^T
       if constexpr (kStages == 2) release();  // three stages: after the staging's reads
       if (kCorr && corr_out) {  // fp32 [h][value][token]: a thread's token pairs adjacent

@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
   const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
   const WyBlock wb = wy_block(p, nh);
   const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
-  const ChunkRef ck = locate_chunk(p.seqs, chunk);
+  const ChunkRef ck = wb.ck;
   if (ck.L == 0) return;
   const int L = ck.L;
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = lane_id();
@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(kLeanThreads) wy_gates_kernel(FwdParams p) {
   if (p.seqs.failed()) return;
   const int nh = p.wy_heads;  // divides H_v / H_qk, at most kWyMaxHeads
   const WyBlock wb = wy_block(p, nh);
-  const ChunkRef ck = locate_chunk(p.seqs, wb.chunk);
+  const ChunkRef ck = wb.ck;
   if (ck.L == 0) return;
   const int L = ck.L, tid = static_cast<int>(threadIdx.x), warp = tid >> 5;
   __shared__ float bs_all[kWyMaxHeads * C], Gs_all[kWyMaxHeads * C], kn[C];
