@@ -299,6 +299,15 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       if (lengths_unknown)
         d.device_col_blocks =
             device_col_blocks(q, cost, bound, false) | col_block_bit(d.col_block);
+      // only the host's block can win: no column choice on the device (as for the unsplit
+      // plans below), so the passes that need the planner's own column block run (the
+      // 128-column pass converting bf16 k and q itself, launch.cu kq_in_pass). H100,
+      // 2026-11-26, forward ms with cu_seqlens_cpu: 32/32 heads 28672 + 4096 1.188 -> 0.969,
+      // 16384 + 16384 1.186 -> 0.986; 16/16 heads 28672 + 4096 0.657 -> 0.544.
+      if (d.device_col_blocks == col_block_bit(d.col_block)) {
+        d.device_col_block = false;
+        d.device_col_blocks = 0;
+      }
       return d;
     }
     set_p0_merge(q, best_split, cost);

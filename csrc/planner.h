@@ -69,6 +69,12 @@ struct SegmentPlan {
   // device will choose: its empty blocks would cost time (H100, 8/32 heads 8192 x 4:
   // 16- and 32-column kernels of ~6400 and ~12800 blocks that return at once took 0.11 ms).
   int device_col_blocks = 0;
+  // device_choice made on the host from the caller's copy of cu_seqlens (launch.cu
+  // plan_forward, the forward): the count of the chosen segments at those lengths (0:
+  // unknown). The looped passes then launch that many slots, about a block per segment, in
+  // place of a wave of slots walking the device's list (SegParams::host_slots). Buffers stay
+  // sized by max_segments: a host copy that does not match cu_seqlens only slows the call.
+  int64_t host_segments = 0;
 };
 
 // A column block's bit in SegmentPlan::device_col_blocks (16 -> 1, 32 -> 2, 128 -> 8).

@@ -30,7 +30,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
-            "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED")
+            "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS")
 
 
 @contextmanager
@@ -317,6 +317,67 @@ def test_host_schedule_opt_in():
     inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
     check_split_env("host schedule", case, inp,
                     {"FLASHGDN_CP": "auto", "FLASHGDN_HOST_SCHEDULE": "1"}, {"FLASHGDN_CP": "off"})
+
+
+def state_kernels(names: set) -> set:
+    """The forward state passes' kernels among the names cuda_kernels_run found."""
+    return {n for n in names if "state_fwd_f16_kernel" in n or "state_fwd_cols_kernel" in n}
+
+
+def test_host_pins_the_column_block():
+    """With cu_seqlens_cpu the host makes the device's choice of column block and the plan
+    takes it (launch.cu plan_forward): 2/8 heads, 3000 + 700 + 1800 tokens, 32 columns
+    unsplit (flashgdn_plan --hv 8 --tokens 3000,700,1800: the device picks among 32 and
+    128). The 128-column kernel the device's choice also launches (FLASHGDN_HOST_COLS=0, to
+    return at once) is not launched; o and the final state equal the device's choice bit for
+    bit, eagerly and from a CUDA graph, within the float64 reference's tolerance."""
+    case = Case("host_cols_32", [3000, 700, 1800], 2, 8, gate="mixed")
+    inp = {**make_inputs(case, "cuda", seed=67)}
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+
+    def run():
+        return flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+
+    with env_vars({"FLASHGDN_HOST_COLS": "0"}):
+        dev_state = state_kernels(cuda_kernels_run(run))
+    host_state = state_kernels(cuda_kernels_run(run))
+    print(f"device's choice launches {sorted(dev_state)}; pinned {sorted(host_state)}")
+    assert any("state_fwd_cols_kernel" in n for n in dev_state), "no column choice to pin"
+    assert host_state and all("state_fwd_f16_kernel" in n for n in host_state)
+    assert host_state < dev_state
+    forward_bit_identical(inp, {"FLASHGDN_HOST_COLS": "0"}, {}, "host cols 32")
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host_copy", "device_only"])
+@pytest.mark.parametrize("case", [
+    # two value heads a q/k head, a sequential split at 128 columns (flashgdn_plan --hv 16
+    # --tokens 8192,8192: segments of 32; looped slots)
+    Case("packed_kq_seq", [8192, 8192], 8, 16, gate="mixed"),
+    # one value head a q/k head, the overlapped launches (--hv 8 --tokens 12000,3000)
+    Case("packed_kq_ov", [12000, 3000], 8, 8, gate="mixed"),
+], ids=lambda c: c.name)
+def test_packed_split_without_column_choice(case: Case, host: bool):
+    """Packed sequences whose split only the 128-column pass can win: the planner leaves the
+    column block to no one (planner.cpp), so the pass converts the bf16 k and q tiles itself
+    (kq_in_pass; FLASHGDN_DEBUG=256 poisons wy's fp16 copies), with or without the host copy
+    of cu_seqlens; with it, the looped passes launch the host's count of the chosen segments
+    as slots (SegmentPlan::host_segments). Bit for bit against wy's copies
+    (FLASHGDN_KQ_COPIES=1) and a wave of slots (FLASHGDN_HOST_COLS=2), eagerly and from a
+    CUDA graph, within the float64 reference's tolerance; a host copy claiming other
+    (well-formed) lengths only steers the choice: the reference's accuracy."""
+    inp = {**make_inputs(case, "cuda", seed=71)}
+    if host:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    forward_bit_identical(inp, {"FLASHGDN_KQ_COPIES": "1", "FLASHGDN_HOST_COLS": "2"},
+                          {"FLASHGDN_DEBUG": "256"}, f"packed kq {case.name} host {host}")
+    if host:
+        total = sum(case.lens)
+        wrong = torch.tensor([0, 64, total], dtype=torch.int64)  # one short, one long
+        o_w, h_w = flashgdn.chunk_gated_delta_rule(**{**inp, "cu_seqlens_cpu": wrong},
+                                                   output_final_state=True)
+        ro, rh = reference(inp)
+        print(f"wrong host copy: o {rel_err(o_w, ro):.2e} state {rel_err(h_w, rh):.2e}")
+        assert rel_err(o_w, ro) < O_TOL and rel_err(h_w, rh) < STATE_TOL
 
 
 def off_and_auto(case: Case, seed: int):

@@ -61,6 +61,8 @@ struct SegParams {
   bool looped;  // the sequential passes' blocks walk segments (for_each_segment_block):
                 //   split plans of several packed sequences without sub-segments; else
                 //   one block per segment
+  int64_t host_slots;  // looped: slots to launch (host only; SegmentPlan::host_segments),
+                       //   0: a wave in phase 0, four in phase 1 (launch.cu for_each_z_slice)
   float* seg_L;   // [segments, Hv, D, D] state (or dS) leaving a segment, from its own start
                   //   (zero for an exact segment, else h0 / dht / warm-up)
   float* seg_M;   // [segments, Hv, D, D] transition of an exact segment

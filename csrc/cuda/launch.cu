@@ -585,6 +585,43 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
   SegmentPlan plan = plan_segments(q, plan_cost(backward));
+  // The caller's host copy of cu_seqlens and a plan whose column block the device was to pick
+  // (packed sequences): the host makes that choice now, from the lengths, and the plan takes
+  // its column block. Only that block's kernels are launched then (the others' empty blocks
+  // are gone), and the passes that need the planner's own 128 columns (the bf16 k / q tiles
+  // converted in the pass, kq_in_pass) run as for one sequence. The segment length stays the
+  // device's to write (the host's preset of the same choice, state_pass_params). Not where the
+  // device would schedule the overlapped launches and the choice is a narrow block (their
+  // narrow kernels run in the overlapped launch's phase 0: kept as it was). H100, 2026-11-26,
+  // CUDA graphs, forward ms (the column choice -> pinned): 32/32 28672+4096 1.188 -> 0.969,
+  // 16384+16384 1.186 -> 0.986; 16/16 28672+4096 0.657 -> 0.544 (one sequence of 32768:
+  // 0.991, 0.547). FLASHGDN_HOST_COLS=0 leaves the choice to the device (measurements).
+  // The forward only (the backward's plans as before: not measured).
+  // Then, for a split the device was to choose, the count of the chosen segments at these
+  // lengths sizes the looped launches (SegmentPlan::host_segments): about a block per segment
+  // as for one sequence, instead of a wave of slots walking the device's list
+  // (FLASHGDN_HOST_COLS=2 keeps the wave).
+  const int host_cols = env_int_or("FLASHGDN_HOST_COLS", 1);
+  if (!backward && (plan.device_col_block || plan.device_choice) && host_choice(p) &&
+      host_cols != 0) {
+    const int nsub = cp_subsegments(plan, fwd_pass(), false);
+    const DeviceChoiceParams c = device_choice_params(plan, plan_cost(false), true,
+                                                      device_schedule(plan), nsub, p.Hv,
+                                                      sm_count(p.device_id));
+    int64_t out[4];
+    device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out);
+    const int bw = static_cast<int>(out[1]);
+    if (plan.device_col_block && (bw != D || plan.cols) && (bw == D || !plan.device_overlap)) {
+      plan.col_block = bw;
+      plan.device_col_block = false;
+      plan.device_col_blocks = 0;
+    }
+    if (plan.device_choice && host_cols == 1) {
+      int64_t segs = 0;
+      for (int64_t n : p.host_chunks) segs += segments_of(n, out[0]);
+      plan.host_segments = segs;
+    }
+  }
   // FLASHGDN_HOST_SCHEDULE=1 (opt-in; H200 2026-11-26: 2/8 8192 x 4 0.313 -> 0.300 ms, no
   // other row measured faster, docs/benchmarks.md session 36): where the host makes the device's
   // choice and it is a sequential split, the overlapped launches made for that choice
@@ -629,7 +666,8 @@ void for_each_z_slice(const Params& f, int64_t count, int64_t blocks_per_z, int 
                       Launch&& launch) {
   constexpr int64_t kMaxZ = 65535;
   if (f.looped) {
-    const int64_t slots = wave_slots(f.phase == 1 ? 4 : 1, sms, blocks_per_z);
+    const int64_t slots =
+        f.host_slots > 0 ? f.host_slots : wave_slots(f.phase == 1 ? 4 : 1, sms, blocks_per_z);
     Params all = f;
     all.z_base = 0;
     launch(all, static_cast<unsigned>(std::min({count, slots, kMaxZ})));
@@ -1174,6 +1212,7 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   // fit test) and a block per segment, so that the exact segments' blocks take SMs as the
   // warm-started ones end)
   f.looped = b.split_seqs != nullptr && p.N > 1 && b.nsub <= 1 && !dev_schedule;
+  f.host_slots = plan.host_segments;
   f.seg_chunks_dev = plan.device_choice ? b.seg_chunks : nullptr;
   f.col_block_dev = plan.device_col_block ? b.seg_chunks + 1 : nullptr;
   f.schedule_dev = dev_schedule ? b.seg_chunks + 2 : nullptr;

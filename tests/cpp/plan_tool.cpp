@@ -103,7 +103,12 @@ int main(int argc, char** argv) {
   if (p.device_choice) std::printf(", the device picks the segments");
   if (p.device_overlap)
     std::printf(" and may take the overlapped schedule (nsub %d)", p.nsub);
-  if (p.device_col_block) std::printf(", the device picks the column block");
+  if (p.device_col_block) {
+    std::printf(", the device picks the column block (of");
+    for (int bw : {16, 32, 128})
+      if (p.device_col_blocks & col_block_bit(bw)) std::printf(" %d", bw);
+    std::printf(")");
+  }
   std::printf(", estimate %.1f us\n", p.est_us);
   if (!seq_chunks.empty() && (p.device_choice || p.device_col_block)) {
     // as launch.cu hands it to plan_kernel (the forward; the workspace's sub-segments)
