@@ -75,6 +75,9 @@ struct SegmentPlan {
   // place of a wave of slots walking the device's list (SegParams::host_slots). Buffers stay
   // sized by max_segments: a host copy that does not match cu_seqlens only slows the call.
   int64_t host_segments = 0;
+  // ... and that choice also tried the lengths that cut the longest sequence into exactly m
+  // segments (device_choice_on_host's exact_counts; state_pass_params presets the same one)
+  bool host_exact = false;
 };
 
 // A column block's bit in SegmentPlan::device_col_blocks (16 -> 1, 32 -> 2, 128 -> 8).
@@ -662,8 +665,11 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost = Forwa
 // FLASHGDN_FWD_BW = 16 | 32 | 128 forces the column block.
 // The device's choice (device_pick's out) made on the host from the sequences' chunk counts,
 // step for step as plan_kernel makes it.
+// exact_counts (the host's own choice from the caller's copy, launch.cu host_plan_choice):
+// also the lengths that cut the longest sequence into exactly m segments, which the device's
+// candidates (next_seg_candidate's steps) may miss.
 void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, int64_t n,
-                           int64_t seg_chunks, int64_t out[4]);
+                           int64_t seg_chunks, int64_t out[4], bool exact_counts = false);
 // What launch.cu hands plan_kernel for a plan the device completes (device_choice or
 // device_col_block): the cost model (cost: the pass's, forward = !backward), the schedule
 // the launches allow (the overlapped launches: SegmentPlan::device_overlap unless forced

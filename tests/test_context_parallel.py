@@ -30,7 +30,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
-            "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS")
+            "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS")
 
 
 @contextmanager
@@ -282,7 +282,8 @@ def test_host_choice_is_the_device_choice(case: Case):
     plan_kernel only writes it: the same bits as the device's own choice
     (FLASHGDN_HOST_CHOICE=0; the two compute the same fp64 estimates), eagerly and from a
     CUDA graph. A host copy claiming other lengths (well-formed) steers the choice only:
-    the reference's accuracy, the g == 0 heads as exact as unsplit."""
+    the reference's accuracy, the g == 0 heads as exact as unsplit; so does the host's own
+    choice, which also tries the lengths of exact segment counts (the default)."""
     inp = make_inputs(case, "cuda", seed=53)
     cu_cpu = inp["cu_seqlens"].cpu()
     with cp_env("off"):
@@ -290,9 +291,13 @@ def test_host_choice_is_the_device_choice(case: Case):
     with env_vars({"FLASHGDN_HOST_CHOICE": "0"}):
         o_d, h_d = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
                                                    cu_seqlens_cpu=cu_cpu)
-    o_h, h_h = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+    with env_vars({"FLASHGDN_HOST_SEGS": "0"}):  # the device's candidate lengths only
+        o_h, h_h = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                                   cu_seqlens_cpu=cu_cpu)
+        o_g, h_g = forward_from_graph({**inp, "cu_seqlens_cpu": cu_cpu}, replays=2)
+    # the host's own choice (the lengths of exact segment counts too: SegmentPlan::host_exact)
+    o_x, h_x = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
                                                cu_seqlens_cpu=cu_cpu)
-    o_g, h_g = forward_from_graph({**inp, "cu_seqlens_cpu": cu_cpu}, replays=2)
     total = sum(case.lens)
     wrong = torch.tensor([0] + [total * (i + 1) // len(case.lens) for i in range(len(case.lens))],
                          dtype=torch.int64)  # equal lengths
@@ -303,6 +308,7 @@ def test_host_choice_is_the_device_choice(case: Case):
     assert torch.equal(o_h, o_g) and torch.equal(h_h, h_g), "graph replay differs"
     ro, rh = reference(inp)
     check_split(f"{case.name} host choice", case, o_h, h_h, o_ref, h_ref, ro, rh)
+    check_split(f"{case.name} host's exact counts", case, o_x, h_x, o_ref, h_ref, ro, rh)
     check_split(f"{case.name} wrong host copy", case, o_w, h_w, o_ref, h_ref, ro, rh)
 
 

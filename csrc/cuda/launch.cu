@@ -601,6 +601,11 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   // lengths sizes the looped launches (SegmentPlan::host_segments): about a block per segment
   // as for one sequence, instead of a wave of slots walking the device's list
   // (FLASHGDN_HOST_COLS=2 keeps the wave).
+  // The host's choice also tries the lengths that cut the longest sequence into exactly m
+  // segments, for sequential splits (SegmentPlan::host_exact, planner.cpp; FLASHGDN_HOST_SEGS=0:
+  // the device's candidates only). H100, 2026-11-26, forward ms: 1024 + 7168 tokens at 8/32,
+  // 16/32, 32/32 heads 0.393 -> 0.335, 0.399 -> 0.344, 0.422 -> 0.365; 8/24 28672 + 4096
+  // 0.767 -> 0.746.
   const int host_cols = env_int_or("FLASHGDN_HOST_COLS", 1);
   if (!backward && (plan.device_col_block || plan.device_choice) && host_choice(p) &&
       host_cols != 0) {
@@ -608,8 +613,9 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
     const DeviceChoiceParams c = device_choice_params(plan, plan_cost(false), true,
                                                       device_schedule(plan), nsub, p.Hv,
                                                       sm_count(p.device_id));
+    plan.host_exact = plan.device_choice && env_int_or("FLASHGDN_HOST_SEGS", 1) != 0;
     int64_t out[4];
-    device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out);
+    device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out, plan.host_exact);
     const int bw = static_cast<int>(out[1]);
     if (plan.device_col_block && (bw != D || plan.cols) && (bw == D || !plan.device_overlap)) {
       plan.col_block = bw;
@@ -1196,7 +1202,8 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
     // the caller's host copy of cu_seqlens: the same choice made here (plan_kernel then
     // only writes it; FLASHGDN_HOST_CHOICE=0 leaves it to the device, for measurements)
     if (host_choice(p)) {
-      device_choice_on_host(choice, p.host_chunks.data(), p.N, plan.seg_chunks, choice.preset);
+      device_choice_on_host(choice, p.host_chunks.data(), p.N, plan.seg_chunks, choice.preset,
+                            plan.host_exact);
       choice.has_preset = true;
     }
   }

@@ -124,6 +124,11 @@ int main(int argc, char** argv) {
       std::printf(", seg %lld, %s, phase 0 merge %lld", static_cast<long long>(out[0]),
                   out[2] ? "overlapped" : "sequential", static_cast<long long>(out[3]));
     std::printf("\n");
+    // the host's own choice from the caller's copy (exact segment counts tried as well)
+    device_choice_on_host(d, seq_chunks.data(), q.N, p.seg_chunks, out, /*exact_counts=*/true);
+    std::printf("  the host's choice: col_block %lld, seg %lld, %s, phase 0 merge %lld\n",
+                static_cast<long long>(out[1]), static_cast<long long>(out[0]),
+                out[2] ? "overlapped or unsplit" : "sequential", static_cast<long long>(out[3]));
   }
   return 0;
 }
