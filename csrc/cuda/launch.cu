@@ -574,6 +574,47 @@ bool host_choice(const Problem& p) {
          env_int_or("FLASHGDN_HOST_CHOICE", 1) != 0;
 }
 
+// The forward's plan of packed sequences completed on the host from the caller's copy of
+// cu_seqlens (host_choice), where the device was to choose (device_col_block, device_choice);
+// the backward's plans as before (not measured). Session 40, H100, CUDA graphs, forward ms:
+// * the column block: the host makes the device's choice and the plan takes its block, so
+//   only that block's kernels are launched and the passes that need the planner's own 128
+//   columns run as for one sequence (kq_in_pass: bf16 k and q converted in the pass); 32/32
+//   heads 28672 + 4096 1.188 -> 0.969, 16/16 0.657 -> 0.544. Not where the device would
+//   schedule the overlapped launches and the choice is a narrow block (their narrow kernels
+//   run in the overlapped launch's phase 0). FLASHGDN_HOST_COLS=0: the device's choice.
+// * the slots: the count of the chosen segments at these lengths sizes the looped launches
+//   (SegmentPlan::host_segments), about a block per segment, instead of a wave of slots
+//   walking the device's list (FLASHGDN_HOST_COLS=2 keeps the wave); with the column block,
+//   8/24 heads 28672 + 4096 0.918 -> 0.761.
+// * exact segment counts: sequential splits also try the lengths that cut the longest
+//   sequence into exactly m segments (SegmentPlan::host_exact, planner.cpp; FLASHGDN_HOST_SEGS=0:
+//   the device's candidates only, its choice exactly): 1024 + 7168 tokens at 8/32, 16/32,
+//   32/32 heads 0.393 -> 0.335, 0.399 -> 0.344, 0.422 -> 0.365.
+// state_pass_params presets the same choice for plan_kernel.
+void host_plan_choice(const Problem& p, SegmentPlan& plan) {
+  const int host_cols = env_int_or("FLASHGDN_HOST_COLS", 1);
+  if (!(plan.device_col_block || plan.device_choice) || !host_choice(p) || host_cols == 0)
+    return;
+  const DeviceChoiceParams c =
+      device_choice_params(plan, plan_cost(false), true, device_schedule(plan),
+                           cp_subsegments(plan, fwd_pass(), false), p.Hv, sm_count(p.device_id));
+  plan.host_exact = plan.device_choice && env_int_or("FLASHGDN_HOST_SEGS", 1) != 0;
+  int64_t out[4];
+  device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out, plan.host_exact);
+  const int bw = static_cast<int>(out[1]);
+  if (plan.device_col_block && (bw != D || plan.cols) && (bw == D || !plan.device_overlap)) {
+    plan.col_block = bw;
+    plan.device_col_block = false;
+    plan.device_col_blocks = 0;
+  }
+  if (plan.device_choice && host_cols == 1) {
+    int64_t segs = 0;
+    for (const int64_t n : p.host_chunks) segs += segments_of(n, out[0]);
+    plan.host_segments = segs;
+  }
+}
+
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
 // recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
@@ -585,49 +626,6 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
   SegmentPlan plan = plan_segments(q, plan_cost(backward));
-  // The caller's host copy of cu_seqlens and a plan whose column block the device was to pick
-  // (packed sequences): the host makes that choice now, from the lengths, and the plan takes
-  // its column block. Only that block's kernels are launched then (the others' empty blocks
-  // are gone), and the passes that need the planner's own 128 columns (the bf16 k / q tiles
-  // converted in the pass, kq_in_pass) run as for one sequence. The segment length stays the
-  // device's to write (the host's preset of the same choice, state_pass_params). Not where the
-  // device would schedule the overlapped launches and the choice is a narrow block (their
-  // narrow kernels run in the overlapped launch's phase 0: kept as it was). H100, 2026-11-26,
-  // CUDA graphs, forward ms (the column choice -> pinned): 32/32 28672+4096 1.188 -> 0.969,
-  // 16384+16384 1.186 -> 0.986; 16/16 28672+4096 0.657 -> 0.544 (one sequence of 32768:
-  // 0.991, 0.547). FLASHGDN_HOST_COLS=0 leaves the choice to the device (measurements).
-  // The forward only (the backward's plans as before: not measured).
-  // Then, for a split the device was to choose, the count of the chosen segments at these
-  // lengths sizes the looped launches (SegmentPlan::host_segments): about a block per segment
-  // as for one sequence, instead of a wave of slots walking the device's list
-  // (FLASHGDN_HOST_COLS=2 keeps the wave).
-  // The host's choice also tries the lengths that cut the longest sequence into exactly m
-  // segments, for sequential splits (SegmentPlan::host_exact, planner.cpp; FLASHGDN_HOST_SEGS=0:
-  // the device's candidates only). H100, 2026-11-26, forward ms: 1024 + 7168 tokens at 8/32,
-  // 16/32, 32/32 heads 0.393 -> 0.335, 0.399 -> 0.344, 0.422 -> 0.365; 8/24 28672 + 4096
-  // 0.767 -> 0.746.
-  const int host_cols = env_int_or("FLASHGDN_HOST_COLS", 1);
-  if (!backward && (plan.device_col_block || plan.device_choice) && host_choice(p) &&
-      host_cols != 0) {
-    const int nsub = cp_subsegments(plan, fwd_pass(), false);
-    const DeviceChoiceParams c = device_choice_params(plan, plan_cost(false), true,
-                                                      device_schedule(plan), nsub, p.Hv,
-                                                      sm_count(p.device_id));
-    plan.host_exact = plan.device_choice && env_int_or("FLASHGDN_HOST_SEGS", 1) != 0;
-    int64_t out[4];
-    device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out, plan.host_exact);
-    const int bw = static_cast<int>(out[1]);
-    if (plan.device_col_block && (bw != D || plan.cols) && (bw == D || !plan.device_overlap)) {
-      plan.col_block = bw;
-      plan.device_col_block = false;
-      plan.device_col_blocks = 0;
-    }
-    if (plan.device_choice && host_cols == 1) {
-      int64_t segs = 0;
-      for (int64_t n : p.host_chunks) segs += segments_of(n, out[0]);
-      plan.host_segments = segs;
-    }
-  }
   // FLASHGDN_HOST_SCHEDULE=1 (opt-in; H200 2026-11-26: 2/8 8192 x 4 0.313 -> 0.300 ms, no
   // other row measured faster, docs/benchmarks.md session 36): where the host makes the device's
   // choice and it is a sequential split, the overlapped launches made for that choice
@@ -647,6 +645,7 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
       plan.nsub = 1;
     }
   }
+  if (!backward) host_plan_choice(p, plan);  // after the schedule: the choice it makes
   return plan;
 }
 
