@@ -30,7 +30,7 @@ def recurrent_gated_delta_rule_ref(
     scale = K ** -0.5 if scale is None else scale
     f = torch.float64
     q, k, v = (x.to(f).repeat_interleave(grp, dim=2) if x is not v else x.to(f) for x in (q, k, v))
-    g, beta = g.to(f), beta.to(f)
+    eg, beta = torch.exp(g.to(f)), beta.to(f)
     if cu_seqlens is None:
         bounds = [(b, 0, T) for b in range(B)]
     else:
@@ -42,13 +42,20 @@ def recurrent_gated_delta_rule_ref(
         S = (initial_state[n].to(f) if initial_state is not None
              else torch.zeros(Hv, K, V, dtype=f, device=q.device))
         rows = []
-        for t in range(s, e):
-            S = torch.exp(g[b, t])[:, None, None] * S
-            pred = torch.einsum("hkv,hk->hv", S, k[b, t])
-            u = beta[b, t][:, None] * (v[b, t] - pred)
-            S = S + torch.einsum("hk,hv->hkv", k[b, t], u)
-            rows.append(scale * torch.einsum("hkv,hk->hv", S, q[b, t]))
-        segments[b].append(torch.stack(rows) if rows
+        # one token at a time; batched products (bmm, broadcasting) rather than einsum: per
+        # call on this repository's 2-core CPU, 2.6 against 7.7 us of host overhead (8 x 8
+        # heads' states) and 6.2 against 34.7 us at 4 x 128 x 128; a 2000-token reference
+        # 0.19 against 0.25 s. The GPU tests' references (up to 32k tokens) are launch-bound
+        # the same way (not yet timed there). Same values: bit-identical o and final state on
+        # the CPU for the cases tried, gradients within 5e-16.
+        kb, qb, vb, egb, bb = k[b, s:e], q[b, s:e], v[b, s:e], eg[b, s:e], beta[b, s:e]
+        for t in range(e - s):
+            S = egb[t][:, None, None] * S                          # S = exp(g_t) S
+            pred = torch.bmm(kb[t].unsqueeze(1), S).squeeze(1)     # S^T k_t, per head
+            u = bb[t][:, None] * (vb[t] - pred)                    # beta_t (v_t - S^T k_t)
+            S = S + kb[t].unsqueeze(2) * u.unsqueeze(1)            # S + k_t u^T
+            rows.append(torch.bmm(qb[t].unsqueeze(1), S).squeeze(1))  # S^T q_t
+        segments[b].append(scale * torch.stack(rows) if rows
                            else torch.zeros(0, Hv, V, dtype=f, device=q.device))
         finals.append(S)
     o = torch.stack([torch.cat(segs) for segs in segments])
