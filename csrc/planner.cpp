@@ -126,6 +126,19 @@ int device_col_blocks(const SegmentQuery& q, const ForwardCost& c, double bound,
   return mask;
 }
 
+// A column choice left to the device where only the plan's own block can win (the mask of
+// device_col_blocks holds it alone): the plan's block, no choice on the device. Then the
+// passes that need the planner's own column block run (the 128-column pass converting bf16
+// k and q itself, launch.cu kq_in_pass; H100, 2026-11-26, forward ms with cu_seqlens_cpu:
+// 32/32 heads 28672 + 4096 1.188 -> 0.969, 16384 + 16384 1.186 -> 0.986; 16/16 heads 28672 +
+// 4096 0.657 -> 0.544), and no kernel is launched only to return at once.
+void settle_single_col_block(SegmentPlan& p) {
+  if (p.device_col_block && p.device_col_blocks == col_block_bit(p.col_block)) {
+    p.device_col_block = false;
+    p.device_col_blocks = 0;
+  }
+}
+
 // Whether a split of q's packed sequences could run the overlapped schedule in one wave: a
 // split makes at least N + 1 segments, each a block per head, and the exact share of those
 // that do not start a sequence runs as max(nsub, 2) blocks beside the others. This is the
@@ -300,15 +313,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       if (lengths_unknown)
         d.device_col_blocks =
             device_col_blocks(q, cost, bound, false) | col_block_bit(d.col_block);
-      // only the host's block can win: no column choice on the device (as for the unsplit
-      // plans below), so the passes that need the planner's own column block run (the
-      // 128-column pass converting bf16 k and q itself, launch.cu kq_in_pass). H100,
-      // 2026-11-26, forward ms with cu_seqlens_cpu: 32/32 heads 28672 + 4096 1.188 -> 0.969,
-      // 16384 + 16384 1.186 -> 0.986; 16/16 heads 28672 + 4096 0.657 -> 0.544.
-      if (d.device_col_blocks == col_block_bit(d.col_block)) {
-        d.device_col_block = false;
-        d.device_col_blocks = 0;
-      }
+      settle_single_col_block(d);
       return d;
     }
     set_p0_merge(q, best_split, cost);
@@ -321,11 +326,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   if (best_unsplit.device_col_block) {
     best_unsplit.device_col_blocks =
         device_col_blocks(q, cost, bound, true) | col_block_bit(best_unsplit.col_block);
-    // only the host's block can win: the host's choice, no choice on the device
-    if (best_unsplit.device_col_blocks == col_block_bit(best_unsplit.col_block)) {
-      best_unsplit.device_col_block = false;
-      best_unsplit.device_col_blocks = 0;
-    }
+    settle_single_col_block(best_unsplit);
   }
   return best_unsplit;
 }
