@@ -19,6 +19,7 @@
 #include "state_fwd_cols.cuh"
 #include "state_fwd_cols_owg.cuh"
 #include "fwd_fused.cuh"
+#include "state_fwd_tma.cuh"
 
 namespace flashgdn {
 namespace {
@@ -136,6 +137,11 @@ bool cols_owg() { return env_int("FLASHGDN_COLS_OWG") == 1; }
 // 128-column pass (no records) with three stages of copies, chunk ci + 2's issued at the
 // head of chunk ci.
 bool cols_three_stages() { return env_int_or("FLASHGDN_COLS_STAGES", 2) == 3; }
+// FLASHGDN_COLS_TMA=1 (opt-in, 2026-11-26): the plain forward's 128-column passes as
+// state_fwd_tma_kernel (TMA loads, two wgmma warpgroups; state_fwd_tma.cuh) where tma_pass
+// allows; bf16 k and q are converted in the pass (kq_in_pass) where the planner names 128
+// columns, else read from wy's fp16 copies.
+bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") == 1; }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
@@ -731,6 +737,64 @@ int fused_mode() { return std::clamp(env_int_or("FLASHGDN_FUSED", 0), 0, 4); }
 // FLASHGDN_CP_P0_MERGE=<m>: SegParams::p0_merge forced to m (0: the plan's or the device's).
 int forced_p0_merge() { return std::max(0, env_int_or("FLASHGDN_CP_P0_MERGE", 0)); }
 
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (no -lcuda link).
+using TensorMapEncode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                     const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                     const cuuint32_t*, CUtensorMapInterleave,
+                                     CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                     CUtensorMapFloatOOBfill);
+TensorMapEncode tensor_map_encode() {
+  static TensorMapEncode fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<TensorMapEncode>(f);
+  }();
+  return fn;
+}
+// A 3-D view [tokens][heads][width] of a 16-bit tensor, boxes of 64 tokens x 1 head x 64
+// values, 128-byte swizzle, zeros past the tokens' end. False where TMA cannot take it (no
+// encoder, an address not 16-byte aligned).
+bool make_tma_map(CUtensorMap& m, const void* ptr, int64_t tokens, int64_t heads, int width,
+                  CUtensorMapDataType type) {
+  const TensorMapEncode enc = tensor_map_encode();
+  if (enc == nullptr || ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) & 15) != 0)
+    return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(width), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(tokens)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(width) * 2,
+                                 static_cast<cuuint64_t>(width * heads) * 2};
+  const cuuint32_t box[3] = {64, 1, 64}, elem[3] = {1, 1, 1};
+  return enc(&m, type, 3, const_cast<void*>(ptr), dims, strides, box, elem,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+// Whether this launch of the 128-column pass is state_fwd_tma_kernel (FLASHGDN_COLS_TMA=1):
+// the plain forward (no records, correction or fused WY part); maps: its tensor maps (k and
+// q: the inputs, converted in the kernel where bf16 (kq_bf16), or wy's fp16 copies).
+bool tma_pass(const Problem& p, const FwdParams& f, TmaMaps& maps) {
+  // K and Q: the bf16 inputs converted in the kernel (kq_bf16), else fp16 (wy's copies or
+  // the fp16 inputs)
+  const void* k = f.kq_bf16 ? f.k : f.Kh;
+  const void* q = f.kq_bf16 ? f.q : f.Qh;
+  if (!cols_tma() || f.h != nullptr || f.corr || f.fused || f.Tv16 == nullptr ||
+      f.EG == nullptr || k == nullptr ||
+      (f.phase == 0 && f.o != nullptr && (f.P16 == nullptr || q == nullptr)))
+    return false;
+  const CUtensorMapDataType in16 = p.qkv_dtype == FLASHGDN_DTYPE_BF16
+                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType f16 = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType kq16 = f.kq_bf16 ? in16 : f16;
+  if (q == nullptr) q = k;  // no outputs: never loaded
+  return make_tma_map(maps.k, k, p.TT, p.Hqk, D, kq16) &&
+         make_tma_map(maps.q, q, p.TT, p.Hqk, D, kq16) &&
+         make_tma_map(maps.v, f.v, p.TT, p.Hv, D, in16);
+}
+
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st, bool pdl = false) {
@@ -751,7 +815,11 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(gdn_fwd_fused_kernel<In, false, 2, 216, 72>, FwdFusedSmem::bytes(false, 2));
     set_smem(gdn_fwd_fused_kernel<In, true, 2, 216, 72>, FwdFusedSmem::bytes(true, 2));
     set_smem(gdn_fwd_fused_kernel<In, false, 3, 216, 72>, FwdFusedSmem::bytes(false, 3));
+    set_smem(state_fwd_tma_kernel<In>, StateFwdTmaSmem::bytes(2));
+    set_smem(state_fwd_tma_kernel<In, 3>, StateFwdTmaSmem::bytes(3));
   });
+  TmaMaps maps;
+  const bool tma = tma_pass(p, f, maps);
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
   for_each_z_slice(f, plan.max_segments * subs, blocks_x * p.Hv, sm_count(p.device_id),
@@ -803,6 +871,14 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     else if (f.phase == 0 && f.o != nullptr && cols_owg() && !(f.debug & 1))
       launch_kernel_threads(state_fwd_cols_owg_kernel<In>, grid, kOwgThreads,
                             StateFwdOwgSmem::kBytes, st, dep, what, fm);
+    else if (tma && cols_three_stages())
+      launch_kernel_threads(state_fwd_tma_kernel<In, 3>, grid, kTmaThreads,
+                            StateFwdTmaSmem::bytes(3), st, dep, "state_fwd_tma_kernel launch",
+                            maps, fm);
+    else if (tma)
+      launch_kernel_threads(state_fwd_tma_kernel<In>, grid, kTmaThreads,
+                            StateFwdTmaSmem::bytes(2), st, dep, "state_fwd_tma_kernel launch",
+                            maps, fm);
     else if (ping && cols_three_stages())
       go(state_fwd_cols_kernel<In, false, false, true, 3>, Sm::stage_bytes(3, false));
     else
@@ -1251,16 +1327,18 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
 // 0.946; three and four value heads a q/k head within 0.5% either way: 8/24, 16/48, 4/16 x
 // 32768 0.500 -> 0.498, 8/32 x 8192 0.308 -> 0.309; with the issuing warpgroup converting,
 // four were 0.5-2.3% slower).
+// With FLASHGDN_COLS_TMA=1 at any number of value heads a q/k head (state_fwd_tma_kernel
+// converts in its producer warpgroup, beside the state warpgroups).
 // FLASHGDN_KQ_COPIES=1 keeps the copies (the same bits; for measurements and the tests).
 // =0 converts at any number of value heads a q/k head (for measurements). Converting a chunk
 // ahead with three stages (at the head of the issuing warpgroup's step) measured slower
 // (H100 2026-11-26: 16/32 x 32768 0.961 -> 1.052 ms, 4/16 x 32768 0.507 -> 0.550).
 bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
   const int forced = env_int_or("FLASHGDN_KQ_COPIES", -1);
-  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 && (p.Hv <= 2 * p.Hqk || forced == 0) &&
+  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 && (p.Hv <= 2 * p.Hqk || forced == 0 || cols_tma()) &&
          f.Kh_w != nullptr && f.h == nullptr && !f.corr && !plan.device_col_block &&
-         launches(plan, D) && cols_ping() && !cols_three_stages() && !cols_owg() &&
-         (!cols_wgmma() || cols_wgmma_ping()) && forced != 1;
+         launches(plan, D) && cols_ping() && (!cols_three_stages() || cols_tma()) &&
+         !cols_owg() && (!cols_wgmma() || cols_wgmma_ping()) && forced != 1;
 }
 
 // Whether the plain forward's state pass is gdn_fwd_fused_kernel (fwd_fused.cuh: P, and
@@ -1272,7 +1350,7 @@ bool fused_in_pass(const SegmentPlan& plan, const FwdParams& f) {
   return fused_mode() > 0 && f.Tv16 != nullptr && f.EG != nullptr &&
          f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
          !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
-         !cols_three_stages() && !cols_owg() && !cols_wgmma();
+         !cols_three_stages() && !cols_owg() && !cols_wgmma() && !cols_tma();
 }
 
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)

@@ -1,0 +1,442 @@
+// state_fwd_tma_kernel: the forward's 128-column pass (phases 0 and 1 of the plain forward)
+// with its tiles loaded by TMA and every product on warpgroup tensor cores, in the shape of
+// FlashInfer's Hopper forward (opt-in FLASHGDN_COLS_TMA=1; docs/perf-notes.md version 41;
+// the shape measured first as bench/probe_tma_chain.cu).
+//
+// grid as state_fwd_cols_kernel's (1 [x 2 in phase 1], H_v, segments or slots:
+// for_each_segment_block), 384 threads, ~150 KB smem (kStages = 3, FLASHGDN_COLS_STAGES=3:
+// ~215 KB), one block an SM. Stages: the chunk's tiles, a ring of kStages.
+// * Warpgroup 2 (72 registers) produces: for each chunk of the block's segments, once the
+//   stage is free (empty[s]), one thread issues TMA loads (completing on landed[s]) of K and Q
+//   ([64 tokens][128] as two 64 x 64 boxes: the inputs, bf16 or fp16, or wy's fp16 copies) and
+//   V (the input dtype) into 128-byte-swizzled tiles; its warp's lanes then copy the chunk's
+//   (e^G, e^{G_last - G}) pairs (rows past the chunk's end repeat its last row, as the
+//   cp.async kernels do); the other three warps copy the lower block triangles of T diag(beta)
+//   and P ([64][64] fp16: all wy stores where tri16) by cp.async into swizzled tiles whose
+//   upper blocks they zeroed at the start, and once landed[s], with kq_bf16, convert K and Q
+//   to fp16 in place; all 128 threads arrive on full[s].
+// * Warpgroups 0 and 1 (216 registers) own value rows 0-63 and 64-127 of S^T in fp32
+//   accumulators (warp w: rows 16 w + g, + 8, keys 8 j + 2t, + 1: state_fwd_cols_kernel's
+//   layout, so load_state_cols / store_state_cols serve). Per chunk three wgmma groups, A from
+//   registers (fp16), B through swizzled descriptors, the two warpgroups issuing their groups
+//   in strict alternation (named barriers 1 and 2):
+//     X^T = S^T K^T and Y^T = S^T Q^T (m64 n64 k128, K-major B);
+//     U^T = (V^T - X^T diag(e^G)) (T diag(beta))^T (m64 n64 k64; V^T by ldmatrix.trans);
+//     S^T <- e^{G_last} S^T + U^T diag(e^{G_last - G}) K (m64 n128 k64, K as MN-major B: the
+//     same tile) and O^T = scale (Y^T diag(e^G) + U^T P^T) (m64 n64 k64).
+//   Rows past a chunk's end hold whatever TMA read there (the next sequence's rows, or zeros
+//   past the tensor's end): W'^T, U^T and U^T diag(e^{G_last - G}) are set to zero at those
+//   token columns (selects, so that no value there reaches a valid one even as NaN), and O
+//   rows past the end are not stored. Each warp releases the stage (empty[s]) after the
+//   chunk's last group; O^T goes out through a staging tile per warpgroup, 16-byte rows.
+// The same segments, warm-ups, phases, identity blocks (phase 1's M: V = 0), sub-segment
+// records and programmatic-dependent waits as state_fwd_cols_kernel.
+//   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles), EG, initial
+//          state, seg_in
+//   writes o, final state (phase 0); seg_L, seg_M, sub_L, sub_M (phase 1)
+#pragma once
+
+#include <cuda.h>
+
+#include "state_fwd_cols.cuh"
+#include "wgmma.cuh"
+
+namespace flashgdn {
+namespace cuda {
+
+// The tensor maps of one launch (launch.cu tma_pass): 3-D views [tokens][heads][128] of k,
+// q (the inputs or wy's fp16 copies) and v, boxes of 64 tokens x 1 head x 64 values.
+struct TmaMaps {
+  CUtensorMap k, q, v;
+};
+
+constexpr int kTmaThreads = 384;
+// setmaxnreg: the launch's pool is 168 registers a thread (65536 / 384, a multiple of 8), and
+// the roles must fit it or setmaxnreg.inc waits for ever; 72 / 216 the fewest spills (ptxas:
+// none; 40 / 232 spilled 336 bytes in the producer's 64-bit index work, 80 / 208 12 bytes).
+constexpr int kTmaProducerRegs = 72, kTmaStateRegs = 216;
+static_assert(128 * kTmaProducerRegs + 256 * kTmaStateRegs <= kTmaThreads * 168,
+              "the roles' registers fit the block's pool");
+struct StateFwdTmaSmem {
+  // a stage: K, Q, V (two 8 KB column halves each), T diag(beta), P, E; 1024-byte aligned
+  static constexpr int kOffK = 0, kOffQ = 16384, kOffV = 32768, kOffT = 49152, kOffP = 57344,
+                       kOffE = 65536;
+  static constexpr int kStage = 66560;
+  static constexpr int kLdo = 72;  // output staging [64 tokens][72] a warpgroup
+  // kStages stages (2, or 3: FLASHGDN_COLS_STAGES=3), then full, empty, landed [kStages]
+  static constexpr size_t bars(int stages) { return stages * kStage; }
+  static constexpr size_t ost(int stages) { return bars(stages) + 128; }
+  static constexpr size_t bytes(int stages) {
+    return ost(stages) + 2 * sizeof(__half) * C * kLdo + 1024;  // + the alignment's slack
+  }
+};
+static_assert(StateFwdTmaSmem::bytes(3) <= 227 * 1024, "one block an SM");
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// one box of a 3-D map (x: value offset, y: head, z: token) into shared memory, signalling bar
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int x, int y, int z,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(smem_addr(bar))
+      : "memory");
+}
+// Descriptor of a 128-byte-swizzled 16-bit tile: K-major (lbo unused, sbo 1024: 8-row groups)
+// or MN-major (lbo between 64-value blocks along MN, sbo 1024 between 8-row groups along K).
+__device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((smem_addr(p) & 0x3ffff) >> 4) |
+         (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32) |
+         (1ull << 62);
+}
+// Byte offset of element (r, c) of a [64][128] 16-bit tile stored as two swizzled 64-column
+// halves (TMA's 128-byte swizzle: the 16-byte piece index XOR the row within 8).
+__device__ __forceinline__ int swz128(int r, int c) {
+  return (c >> 6) * 8192 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + ((c & 7) << 1);
+}
+__device__ __forceinline__ float2 bits_to_float2(uint32_t v, const __half*) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+__device__ __forceinline__ float2 bits_to_float2(uint32_t v, const __nv_bfloat16*) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+
+// The producer warpgroup's part of one segment block, chunk ci into stage n % 2 (use n):
+// warp 0 (lane 0) issues the TMA loads, which complete on landed[s], then its lanes copy the
+// chunk's (e^G, e^{G_last - G}) pairs and arrive on full[s]; warps 1-3 copy the lower block
+// triangles of T diag(beta) and P by cp.async into the swizzled tiles, and once landed[s]
+// convert the bf16 K and Q tiles to fp16 in place (kq_bf16: elementwise, so the swizzle does
+// not matter), wait for their copies, make their writes visible to the tensor cores' reads
+// (fence.proxy.async) and arrive on full[s]. full[s] thus counts 128 arrivals.
+template <typename In, int kStages>
+__device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m,
+                                            const SegmentBlock& b, uint32_t n0,
+                                            unsigned char* base, uint64_t* full,
+                                            uint64_t* empty, uint64_t* landed) {
+  using Sm = StateFwdTmaSmem;
+  const int lane = lane_id(), pw = (threadIdx.x >> 5) - 8;  // the warp in the warpgroup
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const int h = static_cast<int>(b.h), hq = static_cast<int>(b.hq);
+  for (int64_t ci = b.ss.c_first; ci < b.c_end; ++ci) {
+    const uint32_t n = n0 + static_cast<uint32_t>(ci - b.ss.c_first);
+    const int s = static_cast<int>(n % kStages);
+    if (n >= kStages) mbar_wait(&empty[s], ((n / kStages) - 1) & 1);
+    unsigned char* st = base + s * Sm::kStage;
+    const int64_t tok0 = b.start + ci * C;
+    const int L = chunk_rows(b.len, ci);
+    const bool out = want_o && ci >= b.c_begin;
+    if (pw == 0) {
+      if (lane == 0) {
+        const uint32_t bytes = 16384 + (out ? 16384 : 0) + (b.identity ? 0 : 16384);
+        mbar_arrive_expect_tx(&landed[s], bytes);
+        const int z = static_cast<int>(tok0);
+        tma_load_3d(st + Sm::kOffK, &m.k, 0, hq, z, &landed[s]);
+        tma_load_3d(st + Sm::kOffK + 8192, &m.k, 64, hq, z, &landed[s]);
+        if (out) {
+          tma_load_3d(st + Sm::kOffQ, &m.q, 0, hq, z, &landed[s]);
+          tma_load_3d(st + Sm::kOffQ + 8192, &m.q, 64, hq, z, &landed[s]);
+        }
+        if (!b.identity) {
+          tma_load_3d(st + Sm::kOffV, &m.v, 0, h, z, &landed[s]);
+          tma_load_3d(st + Sm::kOffV + 8192, &m.v, 64, h, z, &landed[s]);
+        }
+      }
+      // rows past the chunk's end repeat its last row (e^{G_last} of the chunk's last token)
+      float2* E = reinterpret_cast<float2*>(st + Sm::kOffE);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = lane + 32 * half, rr = r < L ? r : L - 1;
+        E[r] = p.EG[(tok0 + rr) * p.Hv + h];
+      }
+    } else {
+      const int t = static_cast<int>(threadIdx.x) - 288;
+      // T diag(beta) and P: their lower block triangle (what wy stores where tri16; the
+      // blocks above stay the zeros written at the kernel's start), rows past the chunk's
+      // end zero-filled
+      auto copy_tri = [&](unsigned char* tile, const __half* src) {
+        for (int i = t; i < 320; i += 96) {  // 16-byte pieces: 32, 64, 96, 128 a row block
+          const int rb = i < 32 ? 0 : i < 96 ? 1 : i < 192 ? 2 : 3;
+          const int base = 16 * rb * (rb + 1), per = 2 * (rb + 1);
+          const int r = 16 * rb + (i - base) / per, cp = (i - base) % per;
+          const __half* g = src + ((tok0 + r) * p.Hv + h) * C + 8 * cp;
+          cp_async16(tile + r * 128 + ((cp ^ (r & 7)) << 4), r < L ? g : src, r < L);
+        }
+      };
+      copy_tri(st + Sm::kOffT, p.Tv16);
+      if (out) copy_tri(st + Sm::kOffP, p.P16);
+      mbar_wait(&landed[s], (n / kStages) & 1);
+      if (p.kq_bf16) {  // 96 threads, 16 KB a tile: 1024 pieces of 8 values
+        auto convert = [&](unsigned char* tile) {
+          for (int i = t; i < C * D / 8; i += 96) {
+            In* piece = reinterpret_cast<In*>(tile) + 8 * i;
+            *reinterpret_cast<uint4*>(piece) = half8_of(piece);
+          }
+        };
+        convert(st + Sm::kOffK);
+        if (out) convert(st + Sm::kOffQ);
+      }
+      cp_async_wait<0>();
+      fence_proxy_async();  // the conversions' and copies' writes, for the tensor cores' reads
+    }
+    mbar_arrive(&full[s]);
+  }
+}
+
+// The alternation of the two state warpgroups' wgmma groups: warpgroup 0 waits on named
+// barrier 1 before each group but its first, warpgroup 1 on barrier 2 before each; after
+// committing a group each arrives on the other's barrier.
+struct TmaIssueOrder {
+  bool wg0;
+  bool first = true;
+  __device__ __forceinline__ void wait() {
+    if (!wg0) named_bar_sync(2, 256);
+    else if (!first) named_bar_sync(1, 256);
+    first = false;
+  }
+  __device__ __forceinline__ void notify() const { named_bar_arrive(wg0 ? 2 : 1, 256); }
+};
+
+// One chunk of a state warpgroup (kOut: with outputs). s: the stage; L: the chunk's rows.
+template <typename In, bool kOut>
+__device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][4],
+                                          const unsigned char* st, TmaIssueOrder& order,
+                                          bool identity, int L, uint64_t* empty_s, __half* Ost,
+                                          int64_t tok0, int64_t h) {
+  using Sm = StateFwdTmaSmem;
+  const int warp = threadIdx.x >> 5, lane = lane_id();
+  const int wg = warp >> 2, wq = warp & 3, t = lane & 3;
+  const unsigned char* K = st + Sm::kOffK;
+  const float2* E = reinterpret_cast<const float2*>(st + Sm::kOffE);
+  auto valid = [&](int tok) { return tok < L; };
+
+  uint32_t sa[8][4];
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
+  float x[8][4] = {}, y[8][4] = {};
+  order.wait();
+  wgmma_fence();
+  fence_acc(x);
+  fence_acc(y);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    wgmma_rs_f16<64>(x, sa[kk], sw128_desc(K + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
+                     kk > 0);
+  if constexpr (kOut) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_rs_f16<64>(y, sa[kk],
+                       sw128_desc(st + Sm::kOffQ + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
+                       kk > 0);
+  }
+  wgmma_commit();
+  order.notify();
+  wgmma_wait<0>();
+  fence_acc(x);
+  fence_acc(y);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) fence_frag(sa[kk]);
+
+  // W'^T = V^T - X^T diag(e^G), zero at token columns past the chunk's end. V^T's A
+  // fragments by ldmatrix.trans: matrix mi = lane / 8 holds value rows + 8 (mi & 1), tokens
+  // + 8 (mi >> 1); lane's row address: token row, 16-byte piece of its 8 values.
+  uint32_t wa[4][4];
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    uint32_t vf[4] = {0u, 0u, 0u, 0u};
+    if (!identity) {
+      const int mi = lane >> 3, r = lane & 7;
+      const int tok = 16 * kt + 8 * (mi >> 1) + r, vc = 64 * wg + 16 * wq + 8 * (mi & 1);
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(vf[0]), "=r"(vf[1]), "=r"(vf[2]), "=r"(vf[3])
+                   : "r"(smem_addr(st + Sm::kOffV + swz128(tok, vc))));
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int j = 2 * kt + hf, c0 = 8 * j + 2 * t;
+      const float e0 = E[c0].x, e1 = E[c0 + 1].x;
+      const float2 lo = bits_to_float2(vf[2 * hf], static_cast<const In*>(nullptr));
+      const float2 hi = bits_to_float2(vf[2 * hf + 1], static_cast<const In*>(nullptr));
+      const bool ok0 = valid(c0), ok1 = valid(c0 + 1);
+      wa[kt][2 * hf] = pack_half2(ok0 ? lo.x - e0 * x[j][0] : 0.f, ok1 ? lo.y - e1 * x[j][1] : 0.f);
+      wa[kt][2 * hf + 1] =
+          pack_half2(ok0 ? hi.x - e0 * x[j][2] : 0.f, ok1 ? hi.y - e1 * x[j][3] : 0.f);
+    }
+  }
+
+  float u[8][4] = {};
+  order.wait();
+  wgmma_fence();
+  fence_acc(u);
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt)
+    wgmma_rs_f16<64>(u, wa[kt], sw128_desc(st + Sm::kOffT + kt * 32, 16, 1024), kt > 0);
+  wgmma_commit();
+  order.notify();
+  wgmma_wait<0>();
+  fence_acc(u);
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) fence_frag(wa[kt]);
+
+  // U^T and U^T diag(e^{G_last - G}) as A fragments, zero at token columns past the end
+  uint32_t ua[4][4], ue[4][4];
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int j = 2 * kt + hf, c0 = 8 * j + 2 * t;
+      const bool ok0 = valid(c0), ok1 = valid(c0 + 1);
+      const float l0 = E[c0].y, l1 = E[c0 + 1].y;
+      ua[kt][2 * hf] = pack_half2(ok0 ? u[j][0] : 0.f, ok1 ? u[j][1] : 0.f);
+      ua[kt][2 * hf + 1] = pack_half2(ok0 ? u[j][2] : 0.f, ok1 ? u[j][3] : 0.f);
+      ue[kt][2 * hf] = pack_half2(ok0 ? l0 * u[j][0] : 0.f, ok1 ? l1 * u[j][1] : 0.f);
+      ue[kt][2 * hf + 1] = pack_half2(ok0 ? l0 * u[j][2] : 0.f, ok1 ? l1 * u[j][3] : 0.f);
+    }
+  const float egl = E[C - 1].x;
+#pragma unroll
+  for (int jn = 0; jn < 16; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
+  if constexpr (kOut) scale_by_eg(y, E);
+  order.wait();
+  wgmma_fence();
+  fence_acc(sacc);
+  fence_acc(y);
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt)
+    wgmma_rs_f16<128, true>(sacc, ue[kt], sw128_desc(K + kt * 2048, 8192, 1024), true);
+  if constexpr (kOut) {
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt)
+      wgmma_rs_f16<64>(y, ua[kt], sw128_desc(st + Sm::kOffP + kt * 32, 16, 1024), true);
+  }
+  wgmma_commit();
+  order.notify();
+  wgmma_wait<0>();
+  fence_acc(sacc);
+  fence_acc(y);
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    fence_frag(ue[kt]);
+    fence_frag(ua[kt]);
+  }
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty_s);  // this warp's reads of the stage are done
+
+  if constexpr (kOut) {  // O^T -> staging [token][64 values] -> 16-byte rows of o
+    named_bar_sync(3 + wg, 128);  // the previous chunk's staging read back
+    const int mi = lane >> 3, i = lane & 7;
+    const float sc = p.scale;
+    __half* ost = Ost + 16 * wq;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+      stmatrix_x4_trans(ost + (16 * nt + (mi >> 1) * 8 + i) * Sm::kLdo + (mi & 1) * 8,
+                        pack_in2<In>(sc * y[2 * nt][0], sc * y[2 * nt][1]),
+                        pack_in2<In>(sc * y[2 * nt][2], sc * y[2 * nt][3]),
+                        pack_in2<In>(sc * y[2 * nt + 1][0], sc * y[2 * nt + 1][1]),
+                        pack_in2<In>(sc * y[2 * nt + 1][2], sc * y[2 * nt + 1][3]));
+    named_bar_sync(3 + wg, 128);
+    In* dst = static_cast<In*>(p.o) + h * D + 64 * wg;
+    const int wt = static_cast<int>(threadIdx.x) - 128 * wg;
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int piece = wt + 128 * it, r = piece >> 3, c = (piece & 7) * 8;
+      if (r < L)
+        st_global_16(dst + (tok0 + r) * p.Hv * D + c,
+                     *reinterpret_cast<const uint4*>(Ost + r * Sm::kLdo + c));
+    }
+  }
+}
+
+// A state warpgroup's part of one segment block.
+template <typename In, int kStages>
+__device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlock& b,
+                                            uint32_t n0, unsigned char* base, uint64_t* full,
+                                            uint64_t* empty, TmaIssueOrder& order) {
+  using Sm = StateFwdTmaSmem;
+  const int warp = threadIdx.x >> 5;
+  const int v0 = 16 * warp;
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  __half* Ost = reinterpret_cast<__half*>(base + Sm::ost(kStages)) + (warp >> 2) * C * Sm::kLdo;
+  float sacc[16][4];
+  if (b.ss.src == SegSource::Exact) pdl_wait();  // as in state_fwd_cols_segment
+  load_state_cols(sacc, entering_state(p, b), b.identity, v0);
+  for (int64_t ci = b.ss.c_first; ci < b.c_end; ++ci) {
+    if (ci + 1 == b.c_end) pdl_trigger();
+    const uint32_t n = n0 + static_cast<uint32_t>(ci - b.ss.c_first);
+    const int s = static_cast<int>(n % kStages);
+    mbar_wait(&full[s], (n / kStages) & 1);
+    if (float* dst = sub_record(p, b, ci)) store_state_cols(dst, sacc, v0);
+    const unsigned char* st = base + s * Sm::kStage;
+    const int64_t tok0 = b.start + ci * C;
+    const int L = chunk_rows(b.len, ci);
+    if (want_o && ci >= b.c_begin)
+      tma_chunk<In, true>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h);
+    else
+      tma_chunk<In, false>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h);
+  }
+  if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
+}
+
+template <typename In, int kStages = 2>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    state_fwd_tma_kernel(const __grid_constant__ TmaMaps maps, FwdParams p) {
+  PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
+  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  using Sm = StateFwdTmaSmem;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* base = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + Sm::bars(kStages));
+  uint64_t* empty = full + kStages;
+  uint64_t* landed = full + 2 * kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 128);   // the producer warpgroup's threads
+      mbar_init(&empty[s], 8);    // one arrival a state warp
+      mbar_init(&landed[s], 1);   // the TMA issue (its bytes expected)
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  // the two roles as separate code (ptxas then gives each its setmaxnreg budget); their
+  // segment walks meet at for_each_segment_block's barriers between looped items
+  const int warp = threadIdx.x >> 5;
+  uint32_t n_used = 0;
+  if (warp >= 8) {
+    setmaxnreg_dec<kTmaProducerRegs>();
+    if (warp > 8) {  // the blocks of T diag(beta) and P above their diagonal: zero for good
+      // (only those: the copies of the lower blocks, by other threads, may land first)
+      const int t = static_cast<int>(threadIdx.x) - 288;
+      for (int i = t; i < kStages * 2 * 512; i += 96) {  // 2 tiles a stage, 512 pieces each
+        const int r = (i & 511) >> 3, cp = i & 7;  // row, 16-byte piece of the row
+        if (cp < 2 * (r / 16 + 1)) continue;       // at or below the block diagonal
+        unsigned char* tile =
+            base + (i >> 10) * Sm::kStage + Sm::kOffT + ((i >> 9) & 1) * (Sm::kOffP - Sm::kOffT);
+        *reinterpret_cast<uint4*>(tile + r * 128 + ((cp ^ (r & 7)) << 4)) =
+            make_uint4(0u, 0u, 0u, 0u);
+      }
+      fence_proxy_async();
+    }
+    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+      tma_produce<In, kStages>(p, maps, b, n_used, base, full, empty, landed);
+      pdl_trigger();  // its loads issued (the state warps trigger at their last chunk)
+      if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
+    });
+  } else {
+    setmaxnreg_inc<kTmaStateRegs>();
+    TmaIssueOrder order{warp < 4};
+    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+      tma_consume<In, kStages>(p, b, n_used, base, full, empty, order);
+      if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
+    });
+    // warpgroup 1's last arrival on barrier 1 taken, so the barrier is empty at exit
+    if (order.wg0 && !order.first) named_bar_sync(1, 256);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flashgdn
