@@ -406,6 +406,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   // segment walks meet at for_each_segment_block's barriers between looped items
   const int warp = threadIdx.x >> 5;
   uint32_t n_used = 0;
+  // Programmatic dependents are released by the state warps at their last chunk only: with
+  // the producer also triggering once its loads were out (two-chunk segments: at once), a
+  // split test's eager and graph-replayed outputs differed in 2 of 16 runs, without it in
+  // none of 24 (H100, 2026-11-26; docs/perf-notes.md version 41).
   if (warp >= 8) {
     setmaxnreg_dec<kTmaProducerRegs>();
     if (warp > 8) {  // the blocks of T diag(beta) and P above their diagonal: zero for good
@@ -423,7 +427,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
       tma_produce<In, kStages>(p, maps, b, n_used, base, full, empty, landed);
-      pdl_trigger();  // its loads issued (the state warps trigger at their last chunk)
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
   } else {
