@@ -22,9 +22,12 @@
 // work); the argument share (K and Q rows shared by that many consecutive blocks, as the value
 // heads of one q/k head share them) in the stream rows.
 // Build and run (device, from the repository root):
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc/cuda -Icsrc \
-//     bench/probe_tma_chain.cu -lcuda -o /tmp/probe_tma_chain && /tmp/probe_tma_chain 132 64 1
-// (blocks, chunks a block, 1: check the X-first kernel instead of the default one)
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//     -Icsrc/cuda -Icsrc -Iinclude bench/probe_tma_chain.cu -lcuda -o /tmp/probe_tma_chain && \
+//     /tmp/probe_tma_chain 132 64 1
+// (blocks, chunks a block, 1: check the X-first kernel instead of the default one). Measured
+// 2026-11-26 with its own copies of the swizzle / descriptor helpers, since then taken from
+// csrc/cuda/state_fwd_tma.cuh: the same functions (compiled here, not re-run).
 #include <cuda.h>
 #include <cuda_fp16.h>
 
@@ -34,8 +37,7 @@
 #include <random>
 #include <vector>
 
-#include "common.cuh"
-#include "wgmma.cuh"
+#include "state_fwd_tma.cuh"  // sw128_desc, swz128, mbar_arrive_expect_tx, wgmma helpers
 
 using namespace flashgdn::cuda;
 
@@ -60,11 +62,6 @@ constexpr int kLdo = 72;  // staging [64 tokens][72] halves a warpgroup
 __device__ __forceinline__ uint32_t saddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(saddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void tma2d(void* dst, const CUtensorMap* map, int x, int y,
                                       uint64_t* bar) {
   asm volatile(
@@ -81,18 +78,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       "l"(src), "r"(bytes), "r"(saddr(bar))
       : "memory");
 }
-// 128-byte-swizzled descriptors: K-major (rows 128 bytes apart, 8-row groups 1024) and
-// MN-major (8-row groups of k 1024 apart, 64-value MN blocks lbo apart)
-__device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr(p) & 0x3ffff) >> 4) |
-         (static_cast<uint64_t>(lbo >> 4) << 16) | (static_cast<uint64_t>(sbo >> 4) << 32) |
-         (1ull << 62);
-}
-// byte offset of element (r, c) of a [64][128] 16-bit tile stored as two swizzled halves
-__device__ __forceinline__ int swz(int r, int c) {
-  return (c >> 6) * 8192 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + ((c & 7) << 1);
-}
-
 struct Args {
   const float2* E;   // [blocks][NCH * 64] (e^G, e^{G_last - G}) per token, chunk-relative
   __half* O;         // [blocks * NCH * 64][128]
@@ -138,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = i % kStages;
         if (i >= kStages) mbar_wait(&empty[s], ((i / kStages) - 1) & 1);
         unsigned char* st = base + s * kStageBytes;
-        bar_expect_tx(&full[s], kOut ? kTxBytes : kTxBytes - 24576);
+        mbar_arrive_expect_tx(&full[s], kOut ? kTxBytes : kTxBytes - 24576);
         const int y = row_of(i), yk = kq_row_of(i);
         tma2d(st + kOffK, &mK, 0, yk, &full[s]);
         tma2d(st + kOffK + 8192, &mK, 64, yk, &full[s]);
@@ -223,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t vf[4];
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                    : "=r"(vf[0]), "=r"(vf[1]), "=r"(vf[2]), "=r"(vf[3])
-                   : "r"(saddr(st + kOffV + swz(tok, vc))));
+                   : "r"(saddr(st + kOffV + swz128(tok, vc))));
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int j = 2 * kt + hf;
