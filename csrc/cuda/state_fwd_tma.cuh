@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   // Programmatic dependents are released by the state warps at their last chunk only: with
   // the producer also triggering once its loads were out (two-chunk segments: at once), a
   // split test's eager and graph-replayed outputs differed in 2 of 16 runs, without it in
-  // none of 24 (H100, 2026-11-26; docs/perf-notes.md version 41).
+  // none of 24 (H100, 2026-11-26; suggestive, not established: docs/perf-notes.md version 41).
   if (warp >= 8) {
     setmaxnreg_dec<kTmaProducerRegs>();
     if (warp > 8) {  // the blocks of T diag(beta) and P above their diagonal: zero for good
