@@ -84,6 +84,9 @@ class Design:
     # operands in format inv and fp32 results
     doubling: bool = False
     a_fmt: str = "f32"
+    # e^G folded into Q before its fp16 rounding (a fused kernel's Q tile scaled row by row,
+    # docs/perf-notes.md version 41), so that Q S needs no scaling before P U is added
+    q_eg: bool = False
 
 
 DESIGNS = (
@@ -117,6 +120,8 @@ DESIGNS = (
            a_fmt="f16"),
     Design("default, inverse by doubling, A and products tf32", "-", "-", "f16", "f16", "f16",
            "f16", t="f16", wy_free=True, inv="tf32", doubling=True, a_fmt="tf32"),
+    Design("FlashInfer-like doubling, e^G folded into fp16 Q", "-", "-", "f16", "f16", "f16",
+           "f16", t="f16", wy_free=True, inv="f16", doubling=True, a_fmt="f16", q_eg=True),
 )
 
 
@@ -200,7 +205,11 @@ def chunked_forward(q, k, v, g, beta, scale: float, d: Design,
             U0 = rnd(f32(rnd(Tm * b[None, :], d.t) @ V), d.u0)
             U = f32(U0 - f32(W @ rnd(S, d.s_ws)))
         Ur = rnd(U, d.u)
-        O = f32(scale * (torch.exp(G)[:, None] * f32(Q @ rnd(S, d.s_qs)) + f32(P @ Ur)))
+        if d.q_eg:
+            O = f32(scale * (f32(rnd(torch.exp(G)[:, None] * Q, "f16") @ rnd(S, d.s_qs)) +
+                             f32(P @ Ur)))
+        else:
+            O = f32(scale * (torch.exp(G)[:, None] * f32(Q @ rnd(S, d.s_qs)) + f32(P @ Ur)))
         eL = torch.exp(G[-1] - G)
         S = f32(torch.exp(G[-1]) * S + f32(K.T @ rnd(eL[:, None] * U, d.u)))
         for name, x in (("W", W), ("U0", U0), ("P", P), ("S", S), ("U", U)):
