@@ -1259,26 +1259,28 @@ TMA_CASES = FUSED_CASES + [
 ]
 
 
-@pytest.mark.parametrize("stages", ["2", "3"])
+@pytest.mark.parametrize("variant", ["2", "3", "ssy"])
 @pytest.mark.parametrize("split", ["auto", "seg2"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.name)
-def test_tma_forward(case: Case, split: str, stages: str):
+def test_tma_forward(case: Case, split: str, variant: str):
     """FLASHGDN_COLS_TMA=1 (state_fwd_tma_kernel: TMA loads, two wgmma warpgroups) against the
     default 128-column kernel: within the float64 reference's tolerance and no less accurate
     (o and state errors at most 10% above, + 1e-4), eagerly and from a CUDA graph; "seg2"
     forces a split into segments of two chunks (phase 1's summaries and identity blocks, the
-    chain, warm-ups); "3": its three-stage ring (FLASHGDN_COLS_STAGES=3); state_fwd_tma_kernel
-    ran and state_fwd_cols_kernel did not."""
+    chain, warm-ups); "3": its three-stage ring (FLASHGDN_COLS_STAGES=3); "ssy":
+    FLASHGDN_COLS_TMA=3, S^T Q^T from S^T staged in shared memory against e^G-scaled Q (written
+    2026-11-26 after the device time: not yet run); state_fwd_tma_kernel ran and
+    state_fwd_cols_kernel did not."""
     inp = make_inputs(case, "cuda", seed=83)
     base = {"FLASHGDN_FWD_BW": "128",
             **({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"} if split == "seg2" else {})}
-    tma = {**base, "FLASHGDN_COLS_TMA": "1",
-           **({"FLASHGDN_COLS_STAGES": "3"} if stages == "3" else {})}
+    tma = {**base, "FLASHGDN_COLS_TMA": "3" if variant == "ssy" else "1",
+           **({"FLASHGDN_COLS_STAGES": "3"} if variant == "3" else {})}
     o0, h0, o1, h1 = forward_pair(inp, base, tma, f"tma {case.name}")
     ro, rh = reference(inp)
     e0o, e0h, e1o, e1h = rel_err(o0, ro), rel_err(h0, rh), rel_err(o1, ro), rel_err(h1, rh)
-    print(f"tma {case.name} {split} stages {stages}: o {e1o:.2e} (default {e0o:.2e}) state {e1h:.2e} "
-          f"(default {e0h:.2e})")
+    print(f"tma {case.name} {split} {variant}: o {e1o:.2e} (default {e0o:.2e}) "
+          f"state {e1h:.2e} (default {e0h:.2e})")
     assert e1o < O_TOL and e1h < STATE_TOL
     assert e1o <= 1.1 * e0o + 1e-4 and e1h <= 1.1 * e0h + 1e-4
     with env_vars(tma):

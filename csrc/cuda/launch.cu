@@ -141,7 +141,11 @@ bool cols_three_stages() { return env_int_or("FLASHGDN_COLS_STAGES", 2) == 3; }
 // state_fwd_tma_kernel (TMA loads, two wgmma warpgroups; state_fwd_tma.cuh) where tma_pass
 // allows; bf16 k and q are converted in the pass (kq_in_pass) where the planner names 128
 // columns, else read from wy's fp16 copies.
-bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") == 1; }
+bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") >= 1; }
+// FLASHGDN_COLS_TMA=3 (written 2026-11-26 after the session's device time: NOT yet run on a
+// GPU): that kernel with S^T Q^T from S^T staged in shared memory and e^G folded into the Q
+// tile (kSsY, two stages; docs/perf-notes.md version 41, plan item 1's first step).
+bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
@@ -817,6 +821,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(gdn_fwd_fused_kernel<In, false, 3, 216, 72>, FwdFusedSmem::bytes(false, 3));
     set_smem(state_fwd_tma_kernel<In>, StateFwdTmaSmem::bytes(2));
     set_smem(state_fwd_tma_kernel<In, 3>, StateFwdTmaSmem::bytes(3));
+    set_smem(state_fwd_tma_kernel<In, 2, true>, StateFwdTmaSmem::bytes(2, true));
   });
   TmaMaps maps;
   const bool tma = tma_pass(p, f, maps);
@@ -871,6 +876,10 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     else if (f.phase == 0 && f.o != nullptr && cols_owg() && !(f.debug & 1))
       launch_kernel_threads(state_fwd_cols_owg_kernel<In>, grid, kOwgThreads,
                             StateFwdOwgSmem::kBytes, st, dep, what, fm);
+    else if (tma && cols_tma_ssy())
+      launch_kernel_threads(state_fwd_tma_kernel<In, 2, true>, grid, kTmaThreads,
+                            StateFwdTmaSmem::bytes(2, true), st, dep,
+                            "state_fwd_tma_kernel launch", maps, fm);
     else if (tma && cols_three_stages())
       launch_kernel_threads(state_fwd_tma_kernel<In, 3>, grid, kTmaThreads,
                             StateFwdTmaSmem::bytes(3), st, dep, "state_fwd_tma_kernel launch",

@@ -29,6 +29,11 @@
 //   token columns (selects, so that no value there reaches a valid one even as NaN), and O
 //   rows past the end are not stored. Each warp releases the stage (empty[s]) after the
 //   chunk's last group; O^T goes out through a staging tile per warpgroup, 16-byte rows.
+// kSsY (FLASHGDN_COLS_TMA=3, two stages; written 2026-11-26 after the session's device time,
+// NOT yet run on a GPU): Y = S^T (diag(e^G) Q)^T in the last group as an SS wgmma, from S^T's
+// fp16 fragments staged by stmatrix in a swizzled tile of the warpgroup and the Q tile the
+// producer scaled by e^G (plan item 1's first step: the state role then needs 168 registers,
+// not 216; docs/perf-notes.md version 41).
 // The same segments, warm-ups, phases, identity blocks (phase 1's M: V = 0), sub-segment
 // records and programmatic-dependent waits as state_fwd_cols_kernel.
 //   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles), EG, initial
@@ -63,13 +68,19 @@ struct StateFwdTmaSmem {
                        kOffE = 65536;
   static constexpr int kStage = 66560;
   static constexpr int kLdo = 72;  // output staging [64 tokens][72] a warpgroup
-  // kStages stages (2, or 3: FLASHGDN_COLS_STAGES=3), then full, empty, landed [kStages]
+  // kStages stages (2, or 3: FLASHGDN_COLS_STAGES=3), then full, empty, landed [kStages];
+  // kSsY: then each state warpgroup's S^T tile (fp16 [64][128], two swizzled halves, 1024-byte
+  // aligned); then the output staging
   static constexpr size_t bars(int stages) { return stages * kStage; }
-  static constexpr size_t ost(int stages) { return bars(stages) + 128; }
-  static constexpr size_t bytes(int stages) {
-    return ost(stages) + 2 * sizeof(__half) * C * kLdo + 1024;  // + the alignment's slack
+  static constexpr size_t s_tiles(int stages) { return bars(stages) + 1024; }
+  static constexpr size_t ost(int stages, bool ssy = false) {
+    return ssy ? s_tiles(stages) + 2 * 16384 : bars(stages) + 128;
+  }
+  static constexpr size_t bytes(int stages, bool ssy = false) {
+    return ost(stages, ssy) + 2 * sizeof(__half) * C * kLdo + 1024;  // + the alignment's slack
   }
 };
+static_assert(StateFwdTmaSmem::bytes(2, true) <= 227 * 1024, "kSsY: two stages fit");
 static_assert(StateFwdTmaSmem::bytes(3) <= 227 * 1024, "one block an SM");
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
@@ -112,7 +123,7 @@ __device__ __forceinline__ float2 bits_to_float2(uint32_t v, const __nv_bfloat16
 // convert the bf16 K and Q tiles to fp16 in place (kq_bf16: elementwise, so the swizzle does
 // not matter), wait for their copies, make their writes visible to the tensor cores' reads
 // (fence.proxy.async) and arrive on full[s]. full[s] thus counts 128 arrivals.
-template <typename In, int kStages>
+template <typename In, int kStages, bool kSsY>
 __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m,
                                             const SegmentBlock& b, uint32_t n0,
                                             unsigned char* base, uint64_t* full,
@@ -168,7 +179,33 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
       };
       copy_tri(st + Sm::kOffT, p.Tv16);
       if (out) copy_tri(st + Sm::kOffP, p.P16);
+      // kSsY: Q's rows times e^G (row r's e^G in Eq), for the state warpgroups' S^T Q^T
+      float* Eq = reinterpret_cast<float*>(st + Sm::kOffE + 512);
+      if (kSsY && out) {
+        if (t < C) Eq[t] = p.EG[(tok0 + (t < L ? t : L - 1)) * p.Hv + h].x;
+        named_bar_sync(5, 96);
+      }
       mbar_wait(&landed[s], (n / kStages) & 1);
+      if (kSsY && out) {  // Q (the bf16 inputs or fp16), scaled by e^G, to fp16 in place
+        auto scale_q = [&](auto tag) {
+          using T = decltype(tag);
+          for (int i = t; i < C * D / 8; i += 96) {
+            unsigned char* piece = st + Sm::kOffQ + 16 * i;
+            const float e = Eq[i >> 4];  // 16 pieces a row: row i / 16
+            const uint4 raw = *reinterpret_cast<const uint4*>(piece);
+            const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+            uint32_t o[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const float2 f = bits_to_float2(w[k], static_cast<const T*>(nullptr));
+              o[k] = pack_half2(e * f.x, e * f.y);
+            }
+            *reinterpret_cast<uint4*>(piece) = make_uint4(o[0], o[1], o[2], o[3]);
+          }
+        };
+        if (p.kq_bf16) scale_q(In{});
+        else scale_q(__half{});  // wy's fp16 copies or the fp16 inputs
+      }
       if (p.kq_bf16) {  // 96 threads, 16 KB a tile: 1024 pieces of 8 values
         auto convert = [&](unsigned char* tile) {
           for (int i = t; i < C * D / 8; i += 96) {
@@ -177,7 +214,7 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
           }
         };
         convert(st + Sm::kOffK);
-        if (out) convert(st + Sm::kOffQ);
+        if (out && !kSsY) convert(st + Sm::kOffQ);
       }
       cp_async_wait<0>();
       fence_proxy_async();  // the conversions' and copies' writes, for the tensor cores' reads
@@ -200,12 +237,35 @@ struct TmaIssueOrder {
   __device__ __forceinline__ void notify() const { named_bar_arrive(wg0 ? 2 : 1, 256); }
 };
 
+// d (+)= A B, m64n64k16, fp16 A and B both through shared-memory descriptors (kSsY's S^T Q^T).
+__device__ __forceinline__ void wgmma_ss_f16_n64(float (&d)[8][4], uint64_t da, uint64_t db,
+                                                 bool acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),
+        "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),
+        "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),
+        "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),
+        "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(static_cast<int>(acc)));
+}
+
 // One chunk of a state warpgroup (kOut: with outputs). s: the stage; L: the chunk's rows.
-template <typename In, bool kOut>
+// kSsY (FLASHGDN_COLS_TMA=3): Y = S^T Q^T not beside X in the first group from S^T's
+// registers, but in the last group from S^T's fp16 fragments staged in the warpgroup's tile
+// St (stmatrix, 128-byte swizzle) against the Q tile the producer scaled by e^G: 32 fewer
+// registers live through the chunk (ptxas: the state role without spills down to 168).
+template <typename In, bool kOut, bool kSsY>
 __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][4],
                                           const unsigned char* st, TmaIssueOrder& order,
                                           bool identity, int L, uint64_t* empty_s, __half* Ost,
-                                          int64_t tok0, int64_t h) {
+                                          int64_t tok0, int64_t h, unsigned char* St) {
+  constexpr bool kY1 = kOut && !kSsY;  // Y in the first group
   using Sm = StateFwdTmaSmem;
   const int warp = threadIdx.x >> 5, lane = lane_id();
   const int wg = warp >> 2, wq = warp & 3, t = lane & 3;
@@ -216,16 +276,16 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
   uint32_t sa[8][4];
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], sacc[2 * kk], sacc[2 * kk + 1]);
-  float x[8][4] = {}, y[8][4] = {};
+  float x[8][4] = {}, y[8][4] = {};  // kSsY: y's registers live from the last group on
   order.wait();
   wgmma_fence();
   fence_acc(x);
-  fence_acc(y);
+  if constexpr (kY1) fence_acc(y);
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk)
     wgmma_rs_f16<64>(x, sa[kk], sw128_desc(K + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
                      kk > 0);
-  if constexpr (kOut) {
+  if constexpr (kY1) {
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
       wgmma_rs_f16<64>(y, sa[kk],
@@ -234,9 +294,17 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
   }
   wgmma_commit();
   order.notify();
+  if constexpr (kSsY && kOut) {  // S^T's fp16 fragments into St while X runs
+    const int mi = lane >> 3, rr = 16 * wq + (mi & 1) * 8 + (lane & 7);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      stmatrix_x4(St + swz128(rr, 16 * kk + (mi >> 1) * 8), sa[kk][0], sa[kk][1], sa[kk][2],
+                  sa[kk][3]);
+    fence_proxy_async();  // for the tensor cores' reads of St in the last group
+  }
   wgmma_wait<0>();
   fence_acc(x);
-  fence_acc(y);
+  if constexpr (kY1) fence_acc(y);
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) fence_frag(sa[kk]);
 
@@ -300,7 +368,8 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
   for (int jn = 0; jn < 16; ++jn)
 #pragma unroll
     for (int e = 0; e < 4; ++e) sacc[jn][e] *= egl;
-  if constexpr (kOut) scale_by_eg(y, E);
+  if constexpr (kY1) scale_by_eg(y, E);
+  if constexpr (kSsY && kOut) named_bar_sync(3 + wg, 128);  // St complete (all four warps)
   order.wait();
   wgmma_fence();
   fence_acc(sacc);
@@ -308,6 +377,13 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt)
     wgmma_rs_f16<128, true>(sacc, ue[kt], sw128_desc(K + kt * 2048, 8192, 1024), true);
+  if constexpr (kSsY && kOut) {  // Y = S^T (diag(e^G) Q)^T, both operands in shared memory
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_ss_f16_n64(y, sw128_desc(St + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
+                       sw128_desc(st + Sm::kOffQ + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
+                       kk > 0);
+  }
   if constexpr (kOut) {
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt)
@@ -352,7 +428,7 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
 }
 
 // A state warpgroup's part of one segment block.
-template <typename In, int kStages>
+template <typename In, int kStages, bool kSsY>
 __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlock& b,
                                             uint32_t n0, unsigned char* base, uint64_t* full,
                                             uint64_t* empty, TmaIssueOrder& order) {
@@ -360,7 +436,9 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
   const int warp = threadIdx.x >> 5;
   const int v0 = 16 * warp;
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
-  __half* Ost = reinterpret_cast<__half*>(base + Sm::ost(kStages)) + (warp >> 2) * C * Sm::kLdo;
+  __half* Ost =
+      reinterpret_cast<__half*>(base + Sm::ost(kStages, kSsY)) + (warp >> 2) * C * Sm::kLdo;
+  unsigned char* St = base + Sm::s_tiles(kStages) + (warp >> 2) * 16384;  // kSsY only
   float sacc[16][4];
   if (b.ss.src == SegSource::Exact) pdl_wait();  // as in state_fwd_cols_segment
   load_state_cols(sacc, entering_state(p, b), b.identity, v0);
@@ -374,14 +452,16 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
     const int64_t tok0 = b.start + ci * C;
     const int L = chunk_rows(b.len, ci);
     if (want_o && ci >= b.c_begin)
-      tma_chunk<In, true>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h);
+      tma_chunk<In, true, kSsY>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h,
+                                St);
     else
-      tma_chunk<In, false>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h);
+      tma_chunk<In, false, kSsY>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h,
+                                 St);
   }
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
 }
 
-template <typename In, int kStages = 2>
+template <typename In, int kStages = 2, bool kSsY = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     state_fwd_tma_kernel(const __grid_constant__ TmaMaps maps, FwdParams p) {
   PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
@@ -426,14 +506,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       fence_proxy_async();
     }
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-      tma_produce<In, kStages>(p, maps, b, n_used, base, full, empty, landed);
+      tma_produce<In, kStages, kSsY>(p, maps, b, n_used, base, full, empty, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
   } else {
     setmaxnreg_inc<kTmaStateRegs>();
     TmaIssueOrder order{warp < 4};
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-      tma_consume<In, kStages>(p, b, n_used, base, full, empty, order);
+      tma_consume<In, kStages, kSsY>(p, b, n_used, base, full, empty, order);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
     // warpgroup 1's last arrival on barrier 1 taken, so the barrier is empty at exit
