@@ -849,6 +849,10 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     auto go = [&](auto kernel, size_t bytes) {
       launch_kernel(kernel, grid, bytes, st, dep, what, fm);
     };
+    auto tgo = [&](auto kernel, size_t bytes) {  // state_fwd_tma_kernel (its maps first)
+      launch_kernel_threads(kernel, grid, kTmaThreads, bytes, st, dep,
+                            "state_fwd_tma_kernel launch", maps, fm);
+    };
     using Sm = StateFwdColsSmem;
     const bool ping = cols_ping();
     if (f.fused) {  // (part of) the WY part inside the pass (fused_in_pass)
@@ -877,17 +881,11 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
       launch_kernel_threads(state_fwd_cols_owg_kernel<In>, grid, kOwgThreads,
                             StateFwdOwgSmem::kBytes, st, dep, what, fm);
     else if (tma && cols_tma_ssy())
-      launch_kernel_threads(state_fwd_tma_kernel<In, 2, true>, grid, kTmaThreads,
-                            StateFwdTmaSmem::bytes(2, true), st, dep,
-                            "state_fwd_tma_kernel launch", maps, fm);
+      tgo(state_fwd_tma_kernel<In, 2, true>, StateFwdTmaSmem::bytes(2, true));
     else if (tma && cols_three_stages())
-      launch_kernel_threads(state_fwd_tma_kernel<In, 3>, grid, kTmaThreads,
-                            StateFwdTmaSmem::bytes(3), st, dep, "state_fwd_tma_kernel launch",
-                            maps, fm);
+      tgo(state_fwd_tma_kernel<In, 3>, StateFwdTmaSmem::bytes(3));
     else if (tma)
-      launch_kernel_threads(state_fwd_tma_kernel<In>, grid, kTmaThreads,
-                            StateFwdTmaSmem::bytes(2), st, dep, "state_fwd_tma_kernel launch",
-                            maps, fm);
+      tgo(state_fwd_tma_kernel<In>, StateFwdTmaSmem::bytes(2));
     else if (ping && cols_three_stages())
       go(state_fwd_cols_kernel<In, false, false, true, 3>, Sm::stage_bytes(3, false));
     else
@@ -1344,7 +1342,8 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
 // (H100 2026-11-26: 16/32 x 32768 0.961 -> 1.052 ms, 4/16 x 32768 0.507 -> 0.550).
 bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
   const int forced = env_int_or("FLASHGDN_KQ_COPIES", -1);
-  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 && (p.Hv <= 2 * p.Hqk || forced == 0 || cols_tma()) &&
+  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 &&
+         (p.Hv <= 2 * p.Hqk || forced == 0 || cols_tma()) &&
          f.Kh_w != nullptr && f.h == nullptr && !f.corr && !plan.device_col_block &&
          launches(plan, D) && cols_ping() && (!cols_three_stages() || cols_tma()) &&
          !cols_owg() && (!cols_wgmma() || cols_wgmma_ping()) && forced != 1;

@@ -521,15 +521,20 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
+// This thread's arrival on `bar`, announcing `bytes` that asynchronous copies will count down
+// (expect_tx): the issuer's half of a TMA / bulk copy's completion.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
 // Bulk (TMA) load of `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte
 // aligned) from global into shared memory, completing on `bar`: the issuing thread first
 // announces the bytes (expect_tx, which is also its arrival), the copy's completion counts
 // them down.
 __device__ __forceinline__ void bulk_load(void* sdst, const void* gsrc, uint32_t bytes,
                                           uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
+  mbar_arrive_expect_tx(bar, bytes);
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
       ::"r"(smem_addr(sdst)), "l"(gsrc), "r"(bytes), "r"(smem_addr(bar))
@@ -549,8 +554,10 @@ __device__ __forceinline__ void st_global_16(void* dst, const uint4& v) {
 
 // ---------------------------------------------------------------------------------------
 // Bulk (TMA) stores from shared memory: one thread issues, the copy reads the shared
-// source asynchronously. Writers fence their shared stores into the async proxy first.
-__device__ __forceinline__ void fence_async_smem() {
+// source asynchronously. Writers fence their shared stores into the async proxy first
+// (this fence: also before wgmma reads of shared memory that ordinary stores or cp.async
+// wrote).
+__device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ void bulk_store(void* gdst, const void* ssrc, uint32_t bytes) {
@@ -644,7 +651,7 @@ __device__ __forceinline__ void store_record_cols(__half* dst, float* scale_dst,
                       pack_half2(hi * x[2 * jp][2], hi * x[2 * jp][3]),
                       pack_half2(lo * x[2 * jp + 1][0], lo * x[2 * jp + 1][1]),
                       pack_half2(hi * x[2 * jp + 1][2], hi * x[2 * jp + 1][3]));
-  fence_async_smem();
+  fence_proxy_async();
   __syncwarp();
   if (l == 0) {
     bulk_store(dst, stage, NJ * 256);

@@ -83,11 +83,6 @@ struct StateFwdTmaSmem {
 static_assert(StateFwdTmaSmem::bytes(2, true) <= 227 * 1024, "kSsY: two stages fit");
 static_assert(StateFwdTmaSmem::bytes(3) <= 227 * 1024, "one block an SM");
 
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
 // one box of a 3-D map (x: value offset, y: head, z: token) into shared memory, signalling bar
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int x, int y, int z,
                                             uint64_t* bar) {
@@ -174,7 +169,7 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
           const int base = 16 * rb * (rb + 1), per = 2 * (rb + 1);
           const int r = 16 * rb + (i - base) / per, cp = (i - base) % per;
           const __half* g = src + ((tok0 + r) * p.Hv + h) * C + 8 * cp;
-          cp_async16(tile + r * 128 + ((cp ^ (r & 7)) << 4), r < L ? g : src, r < L);
+          cp_async16(tile + swz128(r, 8 * cp), r < L ? g : src, r < L);
         }
       };
       copy_tri(st + Sm::kOffT, p.Tv16);
@@ -479,7 +474,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       mbar_init(&empty[s], 8);    // one arrival a state warp
       mbar_init(&landed[s], 1);   // the TMA issue (its bytes expected)
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbar_init();
   }
   __syncthreads();
   // the two roles as separate code (ptxas then gives each its setmaxnreg budget); their
@@ -500,8 +495,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         if (cp < 2 * (r / 16 + 1)) continue;       // at or below the block diagonal
         unsigned char* tile =
             base + (i >> 10) * Sm::kStage + Sm::kOffT + ((i >> 9) & 1) * (Sm::kOffP - Sm::kOffT);
-        *reinterpret_cast<uint4*>(tile + r * 128 + ((cp ^ (r & 7)) << 4)) =
-            make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(tile + swz128(r, 8 * cp)) = make_uint4(0u, 0u, 0u, 0u);
       }
       fence_proxy_async();
     }

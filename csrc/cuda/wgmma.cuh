@@ -19,10 +19,11 @@
 // permuted the same way (mma.cuh's "paired k": slot t <-> k 2t, slot t + 4 <-> k 2t + 1).
 //
 // Ordering: shared writes of ordinary (generic-proxy) stores and cp.async become visible to
-// wgmma after fence_proxy_async() by the writing thread and a barrier; wgmma_fence() before
-// the first wgmma of a group whose accumulators or A registers were touched by other
-// instructions; wgmma_wait<N>() before reading accumulators. fence_acc() keeps the compiler
-// from moving accesses of the registers a wgmma group uses across the asynchronous section.
+// wgmma after fence_proxy_async() (mma.cuh) by the writing thread and a barrier;
+// wgmma_fence() before the first wgmma of a group whose accumulators or A registers were
+// touched by other instructions; wgmma_wait<N>() before reading accumulators. fence_acc()
+// keeps the compiler from moving accesses of the registers a wgmma group uses across the
+// asynchronous section.
 #pragma once
 
 #include <cstdint>
@@ -53,9 +54,6 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 template <int NT>
 __device__ __forceinline__ void fence_acc(float (&d)[NT][4]) {
