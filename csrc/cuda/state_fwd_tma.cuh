@@ -29,11 +29,15 @@
 //   token columns (selects, so that no value there reaches a valid one even as NaN), and O
 //   rows past the end are not stored. Each warp releases the stage (empty[s]) after the
 //   chunk's last group; O^T goes out through a staging tile per warpgroup, 16-byte rows.
-// kSsY (FLASHGDN_COLS_TMA=3, two stages; written 2026-11-26 after the session's device time,
-// NOT yet run on a GPU): Y = S^T (diag(e^G) Q)^T in the last group as an SS wgmma, from S^T's
-// fp16 fragments staged by stmatrix in a swizzled tile of the warpgroup and the Q tile the
-// producer scaled by e^G (plan item 1's first step: the state role then needs 168 registers,
-// not 216; docs/perf-notes.md version 41).
+// kSsY (FLASHGDN_COLS_TMA=3, two stages): Y = S^T (diag(e^G) Q)^T in the last group as an SS
+// wgmma, from S^T's fp16 fragments staged by stmatrix in a swizzled tile of the warpgroup and
+// the Q tile the producer scaled by e^G (plan item 1's first step: the state role then needs
+// 168 registers, not 216; docs/perf-notes.md version 41; on H100 7-13% slower than =1).
+// KNOWN DEFECT (docs/perf-notes.md version 42): in phase 0 of split plans with one value head
+// a q/k head (16/16, 32/32 x 32768) o differs from run to run in a few rows of a few chunks
+// (rarely NaN; the final state never), with both variants, two or three stages, copies or
+// conversions, PDL on or off and extra block-wide barriers at the ring's hand-offs; cause not
+// found. Opt-in only; launch.cu warns once.
 // The same segments, warm-ups, phases, identity blocks (phase 1's M: V = 0), sub-segment
 // records and programmatic-dependent waits as state_fwd_cols_kernel.
 //   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles), EG, initial
@@ -186,7 +190,7 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
           using T = decltype(tag);
           for (int i = t; i < C * D / 8; i += 96) {
             unsigned char* piece = st + Sm::kOffQ + 16 * i;
-            const float e = Eq[i >> 4];  // 16 pieces a row: row i / 16
+            const float e = Eq[(i & 511) >> 3];  // two 8 KB halves of 8 pieces a row
             const uint4 raw = *reinterpret_cast<const uint4*>(piece);
             const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
             uint32_t o[4];
