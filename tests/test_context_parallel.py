@@ -489,26 +489,30 @@ def forward_from_graph(inp: dict, replays: int):
     return o_g, h_g
 
 
-def forward_pair(inp: dict, first_env: dict, second_env: dict, label: str):
+def forward_pair(inp: dict, first_env: dict, second_env: dict, label: str,
+                 graph_equal: bool = True):
     """o and the final state under first_env (eagerly), then under second_env eagerly and
-    from a CUDA graph (two replays), the graph's equal to the eager call's bit for bit:
-    (o, final state) of the first, then of the second's eager call."""
+    from a CUDA graph (two replays), the graph's equal to the eager call's bit for bit
+    (graph_equal; else not compared): (o, final state) of the first, then of the second's
+    eager call."""
     with env_vars(first_env):
         o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars(second_env):
         o1, h1 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         o_g, h_g = forward_from_graph(inp, replays=2)
     torch.cuda.synchronize()
-    assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{label}: graph replay differs"
+    if graph_equal:
+        assert torch.equal(o1, o_g) and torch.equal(h1, h_g), f"{label}: graph replay differs"
     return o0, h0, o1, h1
 
 
-def no_less_accurate(inp: dict, base_env: dict, new_env: dict, label: str):
+def no_less_accurate(inp: dict, base_env: dict, new_env: dict, label: str,
+                     graph_equal: bool = True):
     """forward_pair under base_env and new_env (eager, and new_env from a CUDA graph equal to
-    its eager call): the new switches' o and final state within the float64 reference's
-    tolerance and no less accurate than base_env's (errors at most 10% above, + 1e-4);
-    (o, final state) of base_env, then of new_env."""
-    o0, h0, o1, h1 = forward_pair(inp, base_env, new_env, label)
+    its eager call unless not graph_equal): the new switches' o and final state within the
+    float64 reference's tolerance and no less accurate than base_env's (errors at most 10%
+    above, + 1e-4); (o, final state) of base_env, then of new_env."""
+    o0, h0, o1, h1 = forward_pair(inp, base_env, new_env, label, graph_equal)
     ro, rh = reference(inp)
     e0o, e0h, e1o, e1h = rel_err(o0, ro), rel_err(h0, rh), rel_err(o1, ro), rel_err(h1, rh)
     print(f"{label}: o {e1o:.2e} (default {e0o:.2e}) state {e1h:.2e} (default {e0h:.2e})")
@@ -1263,35 +1267,54 @@ TMA_CASES = FUSED_CASES + [
 ]
 
 
-# Known defect (docs/perf-notes.md version 42): state_fwd_tma_kernel's outputs differ from run
-# to run in some split plans (bench/repeat_check.py: 16/16, 32/32 x 32768), so the eager /
-# graph equality below fails now and then; accuracy holds when they agree. Non-strict: the
-# cases run and report XPASS / XFAIL; the kernel is opt-in and warns on use.
-@pytest.mark.xfail(reason="state_fwd_tma_kernel not reproducible in split plans "
-                          "(perf-notes v42)", strict=False)
+def tma_envs(split: str, variant: str):
+    """(the default kernel's switches, state_fwd_tma_kernel's) for test_tma_forward."""
+    base = {"FLASHGDN_FWD_BW": "128",
+            **({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"} if split == "seg2" else {})}
+    tma = {**base, "FLASHGDN_COLS_TMA": "3" if variant == "ssy" else "1",
+           **({"FLASHGDN_COLS_STAGES": "3"} if variant == "3" else {})}
+    return base, tma
+
+
 @pytest.mark.parametrize("variant", ["2", "3", "ssy"])
 @pytest.mark.parametrize("split", ["auto", "seg2"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.name)
 def test_tma_forward(case: Case, split: str, variant: str):
     """FLASHGDN_COLS_TMA=1 (state_fwd_tma_kernel: TMA loads, two wgmma warpgroups) against the
     default 128-column kernel: within the float64 reference's tolerance and no less accurate
-    (o and state errors at most 10% above, + 1e-4), eagerly and from a CUDA graph; "seg2"
-    forces a split into segments of two chunks (phase 1's summaries and identity blocks, the
+    (o and state errors at most 10% above, + 1e-4), eagerly (the graph's equality: the
+    test below); "seg2" forces a split into segments of two chunks (phase 1's summaries and
+    identity blocks, the
     chain, warm-ups); "3": its three-stage ring (FLASHGDN_COLS_STAGES=3); "ssy":
     FLASHGDN_COLS_TMA=3, S^T Q^T from S^T staged in shared memory against e^G-scaled Q (its
     Q scaling's row index fixed 2026-11-26 after these cases failed); state_fwd_tma_kernel
     ran and state_fwd_cols_kernel did not."""
     inp = make_inputs(case, "cuda", seed=83)
-    base = {"FLASHGDN_FWD_BW": "128",
-            **({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"} if split == "seg2" else {})}
-    tma = {**base, "FLASHGDN_COLS_TMA": "3" if variant == "ssy" else "1",
-           **({"FLASHGDN_COLS_STAGES": "3"} if variant == "3" else {})}
-    no_less_accurate(inp, base, tma, f"tma {case.name} {split} {variant}")
+    base, tma = tma_envs(split, variant)
+    # the eager / graph equality is test_tma_forward_reproducible's (a known defect)
+    no_less_accurate(inp, base, tma, f"tma {case.name} {split} {variant}", graph_equal=False)
     with env_vars(tma):
         names = cuda_kernels_run(lambda: flashgdn.chunk_gated_delta_rule(**inp,
                                                                          output_final_state=True))
     assert any("state_fwd_tma_kernel" in n for n in names), sorted(names)
     assert not any("state_fwd_cols_kernel" in n for n in names), sorted(names)
+
+
+# Known defect (docs/perf-notes.md version 42): state_fwd_tma_kernel's outputs differ from run
+# to run in split plans now and then (bench/repeat_check.py: 16/16, 32/32 x 32768 most runs),
+# cause not found. Non-strict xfail: the cases run and report XPASS / XFAIL, and they record
+# the defect until it is fixed (then drop the mark); the kernel is opt-in and warns on use.
+@pytest.mark.xfail(reason="state_fwd_tma_kernel not reproducible run to run in split plans "
+                          "(perf-notes v42)", strict=False)
+@pytest.mark.parametrize("variant", ["2", "ssy"])
+@pytest.mark.parametrize("case", [c for c in TMA_CASES if c.name.startswith("fused_cp")],
+                         ids=lambda c: c.name)
+def test_tma_forward_reproducible(case: Case, variant: str):
+    """state_fwd_tma_kernel's o and final state from a CUDA graph (two replays) equal to its
+    eager call's bit for bit, with the forced two-chunk segments."""
+    inp = make_inputs(case, "cuda", seed=83)
+    base, tma = tma_envs("seg2", variant)
+    forward_pair(inp, base, tma, f"tma reproducible {case.name} {variant}")
 
 
 @pytest.mark.parametrize("case", [
