@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gdn import rel_err as rel  # noqa: E402
 
 
 def main() -> None:
@@ -54,9 +58,6 @@ def main() -> None:
             junk = torch.full_like(v, float("nan"))
             del junk
         return flashgdn.chunk_gated_delta_rule(**args)
-
-    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
-        return ((x.float() - y.float()).norm() / y.float().norm()).item()
 
     def where(o0: torch.Tensor, o1: torch.Tensor) -> str:
         d = (o0.float() - o1.float()).abs().amax(dim=-1)[0]  # [T, H_v]

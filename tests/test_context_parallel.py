@@ -493,8 +493,8 @@ def forward_pair(inp: dict, first_env: dict, second_env: dict, label: str,
                  graph_equal: bool = True):
     """o and the final state under first_env (eagerly), then under second_env eagerly and
     from a CUDA graph (two replays), the graph's equal to the eager call's bit for bit
-    (graph_equal; else not compared): (o, final state) of the first, then of the second's
-    eager call."""
+    (graph_equal; else only captured and replayed): (o, final state) of the first, then of
+    the second's eager call."""
     with env_vars(first_env):
         o0, h0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     with env_vars(second_env):
@@ -1284,11 +1284,10 @@ def test_tma_forward(case: Case, split: str, variant: str):
     default 128-column kernel: within the float64 reference's tolerance and no less accurate
     (o and state errors at most 10% above, + 1e-4), eagerly (the graph's equality: the
     test below); "seg2" forces a split into segments of two chunks (phase 1's summaries and
-    identity blocks, the
-    chain, warm-ups); "3": its three-stage ring (FLASHGDN_COLS_STAGES=3); "ssy":
-    FLASHGDN_COLS_TMA=3, S^T Q^T from S^T staged in shared memory against e^G-scaled Q (its
-    Q scaling's row index fixed 2026-11-26 after these cases failed); state_fwd_tma_kernel
-    ran and state_fwd_cols_kernel did not."""
+    identity blocks, the chain, warm-ups); "3": its three-stage ring (FLASHGDN_COLS_STAGES=3);
+    "ssy": FLASHGDN_COLS_TMA=3, S^T Q^T from S^T staged in shared memory against e^G-scaled Q
+    (its Q scaling's row index fixed 2026-11-26 after these cases failed);
+    state_fwd_tma_kernel ran and state_fwd_cols_kernel did not."""
     inp = make_inputs(case, "cuda", seed=83)
     base, tma = tma_envs(split, variant)
     # the eager / graph equality is test_tma_forward_reproducible's (a known defect)

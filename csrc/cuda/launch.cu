@@ -798,13 +798,13 @@ bool tma_pass(const Problem& p, const FwdParams& f, TmaMaps& maps) {
   // the fp16 inputs)
   const void* k = f.kq_bf16 ? f.k : f.Kh;
   const void* q = f.kq_bf16 ? f.q : f.Qh;
-  // FLASHGDN_COLS_TMA_PHASES (a bit a phase, default 3: both): which phases take it (the
-  // bisection of the defect above: phase 0 only)
-  if (((env_int_or("FLASHGDN_COLS_TMA_PHASES", 3) >> f.phase) & 1) == 0) return false;
   if (!cols_tma() || f.h != nullptr || f.corr || f.fused || f.Tv16 == nullptr ||
       f.EG == nullptr || k == nullptr ||
       (f.phase == 0 && f.o != nullptr && (f.P16 == nullptr || q == nullptr)))
     return false;
+  // FLASHGDN_COLS_TMA_PHASES (a bit a phase, default 3: both): which phases take it (the
+  // bisection of the defect above: phase 0 only)
+  if (((env_int_or("FLASHGDN_COLS_TMA_PHASES", 3) >> f.phase) & 1) == 0) return false;
   const CUtensorMapDataType in16 = p.qkv_dtype == FLASHGDN_DTYPE_BF16
                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
