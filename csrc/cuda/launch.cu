@@ -141,24 +141,13 @@ bool cols_three_stages() { return env_int_or("FLASHGDN_COLS_STAGES", 2) == 3; }
 // FLASHGDN_COLS_TMA=1 (opt-in, experimental, 2026-11-26): the plain forward's 128-column
 // passes as state_fwd_tma_kernel (TMA loads, two wgmma warpgroups; state_fwd_tma.cuh) where
 // tma_pass allows; bf16 k and q are converted in the pass (kq_in_pass) where the planner
-// names 128 columns, else read from wy's fp16 copies. KNOWN DEFECT (H100, 2026-11-26,
-// docs/perf-notes.md version 42): in phase 0 of split plans at 16/16 and 32/32 x 32768 its
-// outputs differ from run to run (a few rows of a few chunks, rarely NaN; the final state
-// never), cause not found; a one-time warning says so.
-bool cols_tma() {
-  const bool on = env_int("FLASHGDN_COLS_TMA") >= 1;
-  static std::once_flag warned;
-  if (on)
-    std::call_once(warned, [] {
-      std::fprintf(stderr,
-                   "flashgdn: FLASHGDN_COLS_TMA is experimental and its outputs are not "
-                   "reproducible in split plans (docs/perf-notes.md version 42)\n");
-    });
-  return on;
-}
+// names 128 columns, else read from wy's fp16 copies. Its outputs equal the default kernel's
+// bit for bit and are reproducible since the cp.async commit of docs/perf-notes.md version 43
+// (before it, split plans differed run to run: version 42); 2-6% slower than the default.
+bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") >= 1; }
 // FLASHGDN_COLS_TMA=3: that kernel with S^T Q^T from S^T staged in shared memory and e^G
 // folded into the Q tile (kSsY, two stages; docs/perf-notes.md versions 41-42, plan item 1's
-// first step; 7-13% slower than =1 on H100, the same defect).
+// first step; 7-13% slower than =1 on H100).
 bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {

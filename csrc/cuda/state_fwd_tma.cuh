@@ -33,11 +33,9 @@
 // wgmma, from S^T's fp16 fragments staged by stmatrix in a swizzled tile of the warpgroup and
 // the Q tile the producer scaled by e^G (plan item 1's first step: the state role then needs
 // 168 registers, not 216; docs/perf-notes.md version 41; on H100 7-13% slower than =1).
-// KNOWN DEFECT (docs/perf-notes.md version 42): in phase 0 of split plans with one value head
-// a q/k head (16/16, 32/32 x 32768) o differs from run to run in a few rows of a few chunks
-// (rarely NaN; the final state never), with both variants, two or three stages, copies or
-// conversions, PDL on or off and extra block-wide barriers at the ring's hand-offs; cause not
-// found. Opt-in only; launch.cu warns once.
+// Reproducible run to run (bench/repeat_check.py) and, at FLASHGDN_COLS_TMA=1, bit-identical to
+// state_fwd_cols_kernel's outputs since the producer commits its cp.async group (a missing
+// commit let full[s] complete before the last T / P rows landed: docs/perf-notes.md v43).
 // The same segments, warm-ups, phases, identity blocks (phase 1's M: V = 0), sub-segment
 // records and programmatic-dependent waits as state_fwd_cols_kernel.
 //   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles), EG, initial
@@ -178,6 +176,10 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
       };
       copy_tri(st + Sm::kOffT, p.Tv16);
       if (out) copy_tri(st + Sm::kOffP, p.P16);
+      // a group of their own: cp.async.wait_group (below) waits only for committed groups,
+      // and without this commit full[s] could complete while the last rows (60-63 of T and
+      // P, issued last) were still in flight: docs/perf-notes.md version 43
+      cp_async_commit();
       // kSsY: Q's rows times e^G (row r's e^G in Eq), for the state warpgroups' S^T Q^T
       float* Eq = reinterpret_cast<float*>(st + Sm::kOffE + 512);
       if (kSsY && out) {
