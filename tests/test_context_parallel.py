@@ -1267,12 +1267,12 @@ def tma_envs(split: str, variant: str):
     """(the default kernel's switches, state_fwd_tma_kernel's) for test_tma_forward."""
     base = {"FLASHGDN_FWD_BW": "128",
             **({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"} if split == "seg2" else {})}
-    tma = {**base, "FLASHGDN_COLS_TMA": "3" if variant == "ssy" else "1",
+    tma = {**base, "FLASHGDN_COLS_TMA": {"ssy": "3", "wy": "4", "wyp": "5"}.get(variant, "1"),
            **({"FLASHGDN_COLS_STAGES": "3"} if variant == "3" else {})}
     return base, tma
 
 
-@pytest.mark.parametrize("variant", ["2", "3", "ssy"])
+@pytest.mark.parametrize("variant", ["2", "3", "ssy", "wy", "wyp"])
 @pytest.mark.parametrize("split", ["auto", "seg2"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.name)
 def test_tma_forward(case: Case, split: str, variant: str):
@@ -1282,8 +1282,11 @@ def test_tma_forward(case: Case, split: str, variant: str):
     a CUDA graph's replays equal to the eager call; "seg2" forces a split into segments of two chunks (phase 1's summaries and
     identity blocks, the chain, warm-ups); "3": its three-stage ring (FLASHGDN_COLS_STAGES=3);
     "ssy": FLASHGDN_COLS_TMA=3, S^T Q^T from S^T staged in shared memory against e^G-scaled Q
-    (its Q scaling's row index fixed 2026-11-26 after these cases failed);
-    state_fwd_tma_kernel ran and state_fwd_cols_kernel did not."""
+    (its Q scaling's row index fixed 2026-11-26 after these cases failed); "wy":
+    FLASHGDN_COLS_TMA=4, the fused forward (T diag(beta) and P formed in the kernel by
+    wy_lean_kernel's functions, wy_gates_kernel before it instead of wy_lean_kernel); "wyp":
+    FLASHGDN_COLS_TMA=5, only P formed in the kernel; state_fwd_tma_kernel ran and
+    state_fwd_cols_kernel did not."""
     inp = make_inputs(case, "cuda", seed=83)
     base, tma = tma_envs(split, variant)
     o0, h0, o1, h1 = no_less_accurate(inp, base, tma, f"tma {case.name} {split} {variant}")
@@ -1294,11 +1297,14 @@ def test_tma_forward(case: Case, split: str, variant: str):
                                                                          output_final_state=True))
     assert any("state_fwd_tma_kernel" in n for n in names), sorted(names)
     assert not any("state_fwd_cols_kernel" in n for n in names), sorted(names)
+    if variant == "wy":
+        assert any("wy_gates_kernel" in n for n in names), sorted(names)
+        assert not any("wy_lean_kernel" in n for n in names), sorted(names)
 
 
 # The defect this guards (docs/perf-notes.md versions 42-43): without the producer's cp.async
 # commit, split plans' outputs differed from run to run (16/16, 32/32 x 32768 most runs).
-@pytest.mark.parametrize("variant", ["2", "ssy"])
+@pytest.mark.parametrize("variant", ["2", "ssy", "wy", "wyp"])
 @pytest.mark.parametrize("case", [c for c in TMA_CASES if c.name.startswith("fused_cp")],
                          ids=lambda c: c.name)
 def test_tma_forward_reproducible(case: Case, variant: str):

@@ -149,6 +149,15 @@ bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") >= 1; }
 // folded into the Q tile (kSsY, two stages; docs/perf-notes.md versions 41-42, plan item 1's
 // first step; 7-13% slower than =1 on H100).
 bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
+// FLASHGDN_COLS_TMA=4 (opt-in, experimental, 2026-11-26; docs/perf-notes.md plan item 1 and
+// version 43): the fused forward on that kernel, state_fwd_tma_kernel<., 2, false, 2> (kWy),
+// whose fourth warpgroup forms T diag(beta) and P from the tiles it loads, wy_gates_kernel (G,
+// e^G, Lb) before it instead of wy_lean_kernel, where fused_in_pass allows (else as =1);
+// =5: kWy 1, P only (wy_lean_kernel without Q K^T before it). Returns kWy (0: neither).
+int cols_tma_wy() {
+  const int v = env_int("FLASHGDN_COLS_TMA");
+  return v == 4 ? 2 : v == 5 ? 1 : 0;
+}
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
   if (env_int("FLASHGDN_WGMMA") != 0) return FwdPass::Wgmma;
@@ -828,6 +837,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_tma_kernel<In>, StateFwdTmaSmem::bytes(2));
     set_smem(state_fwd_tma_kernel<In, 3>, StateFwdTmaSmem::bytes(3));
     set_smem(state_fwd_tma_kernel<In, 2, true>, StateFwdTmaSmem::bytes(2, true));
+    set_smem(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false));
+    set_smem(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true));
   });
   TmaMaps maps;
   const bool tma = tma_pass(p, f, maps);
@@ -861,7 +872,24 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     };
     using Sm = StateFwdColsSmem;
     const bool ping = cols_ping();
-    if (f.fused) {  // (part of) the WY part inside the pass (fused_in_pass)
+    if (f.fused && cols_tma_wy()) {  // the fused TMA kernel (its maps: the inputs)
+      const CUtensorMapDataType in16 = p.qkv_dtype == FLASHGDN_DTYPE_BF16
+                                           ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                           : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+      TmaMaps wm;
+      if (!make_tma_map(wm.k, f.k, p.TT, p.Hqk, D, in16) ||
+          !make_tma_map(wm.q, f.q, p.TT, p.Hqk, D, in16) ||
+          !make_tma_map(wm.v, f.v, p.TT, p.Hv, D, in16))
+        throw Error("flashgdn: FLASHGDN_COLS_TMA=4|5: no tensor map for k, q or v");
+      auto wgo = [&](auto kernel, size_t bytes) {
+        launch_kernel_threads(kernel, grid, kTmaWyThreads, bytes, st, dep,
+                              "state_fwd_tma_kernel launch", wm, fm);
+      };
+      if (cols_tma_wy() == 2)
+        wgo(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true));
+      else  // P only: three stages (no lean tiles)
+        wgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false));
+    } else if (f.fused) {  // (part of) the WY part inside the pass (fused_in_pass)
       const int mode = fused_mode();
       auto fgo = [&](auto kernel, size_t bytes) {
         launch_kernel_threads(kernel, grid, kFusedThreads, bytes, st, dep, what, fm);
@@ -1066,7 +1094,9 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_lean_kernel<In, kWyMaxHeads, true>, wy_lean_smem(kWyMaxHeads));
   });
   if (p.max_chunks() == 0) return;
-  if (f.fused && fused_mode() == 3) {  // gdn_fwd_fused_kernel forms T diag(beta) and P
+  // gdn_fwd_fused_kernel (FLASHGDN_FUSED=3) or state_fwd_tma_kernel's kWy (FLASHGDN_COLS_TMA=4)
+  // forms T diag(beta) and P
+  if (f.fused && (cols_tma_wy() == 2 || fused_mode() == 3)) {
     f.wy_heads = largest_divisor_up_to(static_cast<int>(p.Hv / p.Hqk), kWyMaxHeads);
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
     wy_gates_kernel<In><<<grid, kLeanThreads, 0, st>>>(f);
@@ -1360,11 +1390,16 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // the planner's 128 columns only (not the device's column choice), no records, no T or fp32
 // P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
+// With FLASHGDN_COLS_TMA=4|5 the same, taken by state_fwd_tma_kernel's kWy, where TMA can read
+// k, q and v (16-byte aligned, the driver's encoder found).
 bool fused_in_pass(const SegmentPlan& plan, const FwdParams& f) {
-  return fused_mode() > 0 && f.Tv16 != nullptr && f.EG != nullptr &&
+  auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  const bool tma_wy = cols_tma_wy() > 0 && tensor_map_encode() != nullptr && aligned(f.k) &&
+                      aligned(f.q) && aligned(f.v);
+  return (fused_mode() > 0 || tma_wy) && f.Tv16 != nullptr && f.EG != nullptr &&
          f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
          !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
-         !cols_three_stages() && !cols_owg() && !cols_wgmma() && !cols_tma();
+         !cols_three_stages() && !cols_owg() && !cols_wgmma() && (!cols_tma() || tma_wy);
 }
 
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)

@@ -4,7 +4,7 @@
 // the shape measured first as bench/probe_tma_chain.cu).
 //
 // grid as state_fwd_cols_kernel's (1 [x 2 in phase 1], H_v, segments or slots:
-// for_each_segment_block), 384 threads, ~150 KB smem (kStages = 3, FLASHGDN_COLS_STAGES=3:
+// for_each_segment_block), 384 threads (kWy 512, ~170 KB), ~150 KB smem (kStages = 3, FLASHGDN_COLS_STAGES=3:
 // ~215 KB), one block an SM. Stages: the chunk's tiles, a ring of kStages.
 // * Warpgroup 2 (72 registers) produces: for each chunk of the block's segments, once the
 //   stage is free (empty[s]), one thread issues TMA loads (completing on landed[s]) of K and Q
@@ -33,13 +33,21 @@
 // wgmma, from S^T's fp16 fragments staged by stmatrix in a swizzled tile of the warpgroup and
 // the Q tile the producer scaled by e^G (plan item 1's first step: the state role then needs
 // 168 registers, not 216; docs/perf-notes.md version 41; on H100 7-13% slower than =1).
+// kWy (FLASHGDN_COLS_TMA=4, two stages, 512 threads; docs/perf-notes.md plan item 1 and
+// version 43): the fused forward. A fourth warpgroup (tma_wy, setmaxnreg kTmaWyRegs[2]) forms
+// per chunk the chunk's G and beta from g and beta, and from the landed K and Q tiles P =
+// Dec . Q K^T into the stage's P tile and T diag(beta) (wy_lean_kernel's functions: the same
+// values as its P16 and Tv16) into its T tile, then converts bf16 K and Q to fp16 in place;
+// the producer warpgroup's warp 0 only issues the TMA loads and copies E; before the pass runs
+// wy_gates_kernel (G, EG, Lb) instead of wy_lean_kernel, so no T diag(beta) or P goes through
+// HBM.
 // Reproducible run to run (bench/repeat_check.py) and, at FLASHGDN_COLS_TMA=1, bit-identical to
 // state_fwd_cols_kernel's outputs since the producer commits its cp.async group (a missing
 // commit let full[s] complete before the last T / P rows landed: docs/perf-notes.md v43).
 // The same segments, warm-ups, phases, identity blocks (phase 1's M: V = 0), sub-segment
 // records and programmatic-dependent waits as state_fwd_cols_kernel.
-//   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles), EG, initial
-//          state, seg_in
+//   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles; kWy: g and
+//          beta instead), EG, initial state, seg_in
 //   writes o, final state (phase 0); seg_L, seg_M, sub_L, sub_M (phase 1)
 #pragma once
 
@@ -47,6 +55,7 @@
 
 #include "state_fwd_cols.cuh"
 #include "wgmma.cuh"
+#include "wy_lean.cuh"
 
 namespace flashgdn {
 namespace cuda {
@@ -64,6 +73,17 @@ constexpr int kTmaThreads = 384;
 constexpr int kTmaProducerRegs = 72, kTmaStateRegs = 216;
 static_assert(128 * kTmaProducerRegs + 256 * kTmaStateRegs <= kTmaThreads * 168,
               "the roles' registers fit the block's pool");
+// kWy (FLASHGDN_COLS_TMA=4): a fourth warpgroup forms T diag(beta) and P; 512 threads, a pool
+// of 128 registers a thread: state / producer / WY roles below
+constexpr int kTmaWyThreads = 512;
+#ifndef FLASHGDN_TMA_WY_S  // (compile-time probes: -DFLASHGDN_TMA_WY_S=.. _P=.. _W=..)
+#define FLASHGDN_TMA_WY_S 208
+#define FLASHGDN_TMA_WY_P 24
+#define FLASHGDN_TMA_WY_W 72
+#endif
+constexpr int kTmaWyRegs[3] = {FLASHGDN_TMA_WY_S, FLASHGDN_TMA_WY_P, FLASHGDN_TMA_WY_W};
+static_assert(256 * kTmaWyRegs[0] + 128 * (kTmaWyRegs[1] + kTmaWyRegs[2]) <= 65536,
+              "the kWy roles' registers fit the block's pool");
 struct StateFwdTmaSmem {
   // a stage: K, Q, V (two 8 KB column halves each), T diag(beta), P, E; 1024-byte aligned
   static constexpr int kOffK = 0, kOffQ = 16384, kOffV = 32768, kOffT = 49152, kOffP = 57344,
@@ -81,7 +101,17 @@ struct StateFwdTmaSmem {
   static constexpr size_t bytes(int stages, bool ssy = false) {
     return ost(stages, ssy) + 2 * sizeof(__half) * C * kLdo + 1024;  // + the alignment's slack
   }
+  // kWy: after the output staging, the WY warpgroup's chunk G and beta, then (kWy 2) its A and
+  // T diag(beta) tiles (the lean layout, [C][kLeanLd] fp16 each)
+  static constexpr size_t wy(int stages) { return ost(stages) + 2 * sizeof(__half) * C * kLdo; }
+  static constexpr size_t wy_tiles(int stages) { return wy(stages) + 2 * sizeof(float) * C; }
+  static constexpr size_t wy_bytes(int stages, bool t) {
+    return wy_tiles(stages) + (t ? kLeanHead : 0) + 1024;
+  }
 };
+static_assert(StateFwdTmaSmem::wy_bytes(2, true) <= 227 * 1024 &&
+                  StateFwdTmaSmem::wy_bytes(3, false) <= 227 * 1024,
+              "kWy: two stages (2) or three (1) fit");
 static_assert(StateFwdTmaSmem::bytes(2, true) <= 227 * 1024, "kSsY: two stages fit");
 static_assert(StateFwdTmaSmem::bytes(3) <= 227 * 1024, "one block an SM");
 
@@ -120,13 +150,17 @@ __device__ __forceinline__ float2 bits_to_float2(uint32_t v, const __nv_bfloat16
 // convert the bf16 K and Q tiles to fp16 in place (kq_bf16: elementwise, so the swizzle does
 // not matter), wait for their copies, make their writes visible to the tensor cores' reads
 // (fence.proxy.async) and arrive on full[s]. full[s] thus counts 128 arrivals.
-template <typename In, int kStages, bool kSsY>
+// kWy 2: warps 1-3 have nothing to do (the WY warpgroup forms T diag(beta) and P and converts
+// K and Q), and full[s] counts warp 0's 32 arrivals and the WY warpgroup's 128. kWy 1: they
+// copy T diag(beta) only (the WY warpgroup forms P and converts), full[s] counts 128 + 128.
+template <typename In, int kStages, bool kSsY, int kWy = 0>
 __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m,
                                             const SegmentBlock& b, uint32_t n0,
                                             unsigned char* base, uint64_t* full,
                                             uint64_t* empty, uint64_t* landed) {
   using Sm = StateFwdTmaSmem;
   const int lane = lane_id(), pw = (threadIdx.x >> 5) - 8;  // the warp in the warpgroup
+  if (kWy == 2 && pw != 0) return;
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
   const int h = static_cast<int>(b.h), hq = static_cast<int>(b.hq);
   for (int64_t ci = b.ss.c_first; ci < b.c_end; ++ci) {
@@ -175,7 +209,7 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
         }
       };
       copy_tri(st + Sm::kOffT, p.Tv16);
-      if (out) copy_tri(st + Sm::kOffP, p.P16);
+      if (out && kWy == 0) copy_tri(st + Sm::kOffP, p.P16);
       // a group of their own: cp.async.wait_group (below) waits only for committed groups,
       // and without this commit full[s] could complete while the last rows (60-63 of T and
       // P, issued last) were still in flight: docs/perf-notes.md version 43
@@ -186,7 +220,7 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
         if (t < C) Eq[t] = p.EG[(tok0 + (t < L ? t : L - 1)) * p.Hv + h].x;
         named_bar_sync(5, 96);
       }
-      mbar_wait(&landed[s], (n / kStages) & 1);
+      if (kWy == 0) mbar_wait(&landed[s], (n / kStages) & 1);
       if (kSsY && out) {  // Q (the bf16 inputs or fp16), scaled by e^G, to fp16 in place
         auto scale_q = [&](auto tag) {
           using T = decltype(tag);
@@ -207,7 +241,7 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
         if (p.kq_bf16) scale_q(In{});
         else scale_q(__half{});  // wy's fp16 copies or the fp16 inputs
       }
-      if (p.kq_bf16) {  // 96 threads, 16 KB a tile: 1024 pieces of 8 values
+      if (kWy == 0 && p.kq_bf16) {  // 96 threads, 16 KB a tile: 1024 pieces of 8 values
         auto convert = [&](unsigned char* tile) {
           for (int i = t; i < C * D / 8; i += 96) {
             In* piece = reinterpret_cast<In*>(tile) + 8 * i;
@@ -220,6 +254,199 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
       cp_async_wait<0>();
       fence_proxy_async();  // the conversions' and copies' writes, for the tensor cores' reads
     }
+    mbar_arrive(&full[s]);
+  }
+}
+
+// d (+)= A B, m64n64k16, A and B both through shared-memory descriptors, in the 16-bit type
+// of T (fp16 or bf16; kSsY's S^T Q^T, kWy's Q K^T).
+template <typename T = __half>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t da, uint64_t db, bool acc) {
+#define FLASHGDN_WGMMA_SS_N64(TY)                                                                 \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                              \
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"     \
+      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                   \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
+        "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
+        "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
+        "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
+        "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
+        "+f"(d[7][2]), "+f"(d[7][3])                                                           \
+      : "l"(da), "l"(db), "r"(static_cast<int>(acc)))
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) FLASHGDN_WGMMA_SS_N64("bf16");
+  else FLASHGDN_WGMMA_SS_N64("f16");
+#undef FLASHGDN_WGMMA_SS_N64
+}
+
+// Q K^T of the stage's 128-byte-swizzled [64][128] tiles (the input type) as one wgmma group of
+// the calling warpgroup: its accumulators have lean_lower_product's layout with row block rb =
+// the warp (rows 16 w + g, + 8; acc[j]: columns 8 j + 2t, + 1), over all 64 columns.
+template <typename In>
+__device__ __forceinline__ void qk_wgmma(float (&acc)[8][4], const unsigned char* Q,
+                                         const unsigned char* K) {
+  wgmma_fence();
+  fence_acc(acc);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const int off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    wgmma_ss_n64<In>(acc, sw128_desc(Q + off, 16, 1024), sw128_desc(K + off, 16, 1024), kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc(acc);
+}
+
+// lean_lower_product (wy_lean.cuh) on the stage's 128-byte-swizzled [64][128] tiles (X, K in
+// the 16-bit input type): the lower block triangle of X K^T, rows 16 rb .. +16 of the calling
+// warp; the same fragments in the same order as there, so the same values.
+template <typename In>
+__device__ __forceinline__ void lean_lower_product_sw(float (&acc)[8][4], const unsigned char* X,
+                                                      const unsigned char* Kt, int rb) {
+  const int l = lane_id();
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  auto ldsm = [](uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* ptr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(ptr)));
+  };
+#pragma unroll 1
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    uint32_t a[4];
+    ldsm(a[0], a[1], a[2], a[3], X + swz128(16 * rb + (l & 7) + ((l >> 3) & 1) * 8, k0 + (l >> 4) * 8));
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      if (jp > rb) break;  // warp-uniform
+      uint32_t b0[2], b1[2];
+      ldsm(b0[0], b0[1], b1[0], b1[1],
+           Kt + swz128(16 * jp + (l & 7) + (l >> 4) * 8, k0 + ((l >> 3) & 1) * 8));
+      mma_16(acc[2 * jp], a, b0, static_cast<const In*>(nullptr));
+      mma_16(acc[2 * jp + 1], a, b1, static_cast<const In*>(nullptr));
+    }
+  }
+}
+
+// The WY warpgroup's part of one segment block (kWy, threads 384-511), chunk ci in stage
+// n % kStages as the state warpgroups count them. kT (kWy 2): the chunk's G and beta
+// (lean_gates, from g and beta), and once landed[s]: P = Dec . Q K^T into the stage's P tile
+// (output chunks; every row: rows past the chunk's end hold the next rows' finite values, their
+// o is not stored), A = diag(beta) (Dec . K K^T) and T = (I + A)^-1 by doubling in its own
+// tiles, T diag(beta)'s lower block triangle into the stage's T tile: wy_lean_kernel's
+// functions and arithmetic, so the values of its P16 and Tv16. !kT (kWy 1): P only, from
+// wy_lean_kernel's G (loaded a chunk ahead). Then bf16 K and Q to fp16 in place, a proxy fence
+// and its 128 arrivals on full[s]. Its own barrier: named barrier 6.
+template <typename In, int kStages, bool kT>
+__device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b, uint32_t n0,
+                                       unsigned char* base, uint64_t* full, uint64_t* landed) {
+  using Sm = StateFwdTmaSmem;
+  const int wt = static_cast<int>(threadIdx.x) - 384, warp = wt >> 5;
+  const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  float* Gs = reinterpret_cast<float*>(base + Sm::wy(kStages));
+  float* bs = Gs + C;
+  __half* A = reinterpret_cast<__half*>(base + Sm::wy_tiles(kStages));  // kT
+  const LeanTiles tiles{A, A + C * kLeanLd, 0};
+  auto sync = [] { named_bar_sync(6, 128); };
+  // !kT: G of an output chunk's row wt (rows past L: G_{L-1})
+  auto load_g = [&](int64_t ci) {
+    const int L = chunk_rows(b.len, ci);
+    return wt < C && want_o && ci >= b.c_begin && ci < b.c_end
+               ? p.G[(b.start + ci * C + (wt < L ? wt : L - 1)) * p.Hv + b.h]
+               : 0.f;
+  };
+  float g_next = kT ? 0.f : load_g(b.ss.c_first);
+  // kT: lean_gates split in two, its loads (warp 0: rows 2 lane, + 1) a chunk ahead of its
+  // scan (the same sums, so the same G)
+  const int lane = lane_id();
+  auto load_gb = [&](int64_t ci, float (&v)[4]) {
+    v[0] = v[1] = v[2] = v[3] = 0.f;
+    if (warp != 0 || ci >= b.c_end) return;
+    const int L = chunk_rows(b.len, ci), r0 = 2 * lane;
+    const int64_t i0 = (b.start + ci * C + r0) * p.Hv + b.h;
+    if (r0 < L) {
+      v[0] = load_scalar(p.g, p.g_dtype, i0);
+      v[2] = load_scalar(p.beta, p.beta_dtype, i0);
+    }
+    if (r0 + 1 < L) {
+      v[1] = load_scalar(p.g, p.g_dtype, i0 + p.Hv);
+      v[3] = load_scalar(p.beta, p.beta_dtype, i0 + p.Hv);
+    }
+  };
+  float gb_next[4];
+  if constexpr (kT) load_gb(b.ss.c_first, gb_next);
+  for (int64_t ci = b.ss.c_first; ci < b.c_end; ++ci) {
+    const uint32_t n = n0 + static_cast<uint32_t>(ci - b.ss.c_first);
+    const int s = static_cast<int>(n % kStages);
+    const int L = chunk_rows(b.len, ci);
+    const bool out = want_o && ci >= b.c_begin;
+    if constexpr (kT) {  // lean_gates' scan (the previous chunk's readers passed a sync)
+      const float gb[4] = {gb_next[0], gb_next[1], gb_next[2], gb_next[3]};
+      load_gb(ci + 1, gb_next);
+      if (warp == 0) {
+        float incl = gb[0] + gb[1];
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+          const float y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        *reinterpret_cast<float2*>(Gs + 2 * lane) = make_float2(incl - gb[1], incl);
+        *reinterpret_cast<float2*>(bs + 2 * lane) = make_float2(gb[2], gb[3]);
+      }
+      sync();
+    } else {
+      const float g = g_next;
+      g_next = load_g(ci + 1);
+      if (out) {
+        if (wt < C) Gs[wt] = g;  // the previous chunk's readers passed a sync
+        sync();
+      }
+    }
+    unsigned char* st = base + s * Sm::kStage;
+    mbar_wait(&landed[s], (n / kStages) & 1);
+    if (out && !(p.debug & 512)) {  // (FLASHGDN_DEBUG & 512, timing only: no products)
+      float qk[8][4];
+      if (p.debug & 1024)  // (FLASHGDN_DEBUG & 1024: on mma.sync, lean_lower_product's way)
+        lean_lower_product_sw<In>(qk, st + Sm::kOffQ, st + Sm::kOffK, warp);
+      else
+        qk_wgmma<In>(qk, st + Sm::kOffQ, st + Sm::kOffK);
+      unsigned char* P = st + Sm::kOffP;
+      lean_p_epilogue(qk, Gs, warp, C, [&](int r, int c, float p0, float p1) {
+        *reinterpret_cast<uint32_t*>(P + swz128(r, c)) = pack_half2(p0, p1);
+      });
+    }
+    if (kT && !(p.debug & 512)) {
+      {
+        float kk[8][4];
+        lean_lower_product_sw<In>(kk, st + Sm::kOffK, st + Sm::kOffK, 3 - warp);
+        lean_a_epilogue(kk, tiles, 0, Gs, bs, 3 - warp, nullptr, false);
+      }
+      sync();
+      lean_inverse(tiles, bs, 1, wt, sync);  // ends with a sync: every read of K and Q done
+      for (int i = wt; i < 320; i += 128) {  // T diag(beta)'s lower block triangle, 16-byte pieces
+        const int rb = i < 32 ? 0 : i < 96 ? 1 : i < 192 ? 2 : 3;
+        const int first = 16 * rb * (rb + 1), per = 2 * (rb + 1);
+        const int r = 16 * rb + (i - first) / per, c = 8 * ((i - first) % per);
+        *reinterpret_cast<uint4*>(st + Sm::kOffT + swz128(r, c)) =
+            *reinterpret_cast<const uint4*>(tiles.tv(0) + r * kLeanLd + c);
+      }
+    } else if (out || kT) {
+      sync();  // every read of K and Q (and of Gs) done
+    }
+    if constexpr (!std::is_same<In, __half>::value) {  // K (and Q) to fp16 in place
+      auto convert = [&](unsigned char* tile) {
+        for (int i = wt; i < C * D / 8; i += 128) {
+          In* piece = reinterpret_cast<In*>(tile) + 8 * i;
+          *reinterpret_cast<uint4*>(piece) = half8_of(piece);
+        }
+      };
+      convert(st + Sm::kOffK);
+      if (out) convert(st + Sm::kOffQ);
+    }
+    fence_proxy_async();  // the tiles' generic writes, for the state warpgroups' wgmma
     mbar_arrive(&full[s]);
   }
 }
@@ -238,23 +465,6 @@ struct TmaIssueOrder {
   __device__ __forceinline__ void notify() const { named_bar_arrive(wg0 ? 2 : 1, 256); }
 };
 
-// d (+)= A B, m64n64k16, fp16 A and B both through shared-memory descriptors (kSsY's S^T Q^T).
-__device__ __forceinline__ void wgmma_ss_f16_n64(float (&d)[8][4], uint64_t da, uint64_t db,
-                                                 bool acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
-      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),
-        "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),
-        "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),
-        "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),
-        "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-        "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(da), "l"(db), "r"(static_cast<int>(acc)));
-}
 
 // One chunk of a state warpgroup (kOut: with outputs). s: the stage; L: the chunk's rows.
 // kSsY (FLASHGDN_COLS_TMA=3): Y = S^T Q^T not beside X in the first group from S^T's
@@ -381,7 +591,7 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
   if constexpr (kSsY && kOut) {  // Y = S^T (diag(e^G) Q)^T, both operands in shared memory
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
-      wgmma_ss_f16_n64(y, sw128_desc(St + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
+      wgmma_ss_n64(y, sw128_desc(St + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
                        sw128_desc(st + Sm::kOffQ + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
                        kk > 0);
   }
@@ -462,9 +672,13 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
 }
 
-template <typename In, int kStages = 2, bool kSsY = false>
-__global__ void __launch_bounds__(kTmaThreads, 1)
+// kWy: 0 (FLASHGDN_COLS_TMA=1, 3), 2 (=4: T diag(beta) and P formed by the WY warpgroup),
+// 1 (=5: P only)
+template <typename In, int kStages = 2, bool kSsY = false, int kWy = 0>
+__global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     state_fwd_tma_kernel(const __grid_constant__ TmaMaps maps, FwdParams p) {
+  static_assert(!kWy || (kStages == (kWy == 2 ? 2 : 3) && !kSsY),
+                "kWy 2: two stages, 1: three; Y from registers");
   PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   using Sm = StateFwdTmaSmem;
@@ -474,43 +688,49 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(base + Sm::bars(kStages));
   uint64_t* empty = full + kStages;
   uint64_t* landed = full + 2 * kStages;
+  const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 128);   // the producer warpgroup's threads
+      // the producer's (kWy 2: warp 0's) and the WY's arrivals
+      mbar_init(&full[s], kWy == 2 ? 32 + 128 : kWy == 1 ? 256 : 128);
       mbar_init(&empty[s], 8);    // one arrival a state warp
       mbar_init(&landed[s], 1);   // the TMA issue (its bytes expected)
     }
     fence_mbar_init();
   }
-  __syncthreads();
-  // the two roles as separate code (ptxas then gives each its setmaxnreg budget); their
-  // segment walks meet at for_each_segment_block's barriers between looped items
-  const int warp = threadIdx.x >> 5;
-  uint32_t n_used = 0;
-  // Programmatic dependents are released by the state warps at their last chunk only: with
-  // the producer also triggering once its loads were out (two-chunk segments: at once), a
-  // split test's eager and graph-replayed outputs differed in 2 of 16 runs, without it in
-  // none of 24 (H100, 2026-11-26; suggestive, not established: docs/perf-notes.md version 41).
-  if (warp >= 8) {
-    setmaxnreg_dec<kTmaProducerRegs>();
-    if (warp > 8) {  // the blocks of T diag(beta) and P above their diagonal: zero for good
-      // (only those: the copies of the lower blocks, by other threads, may land first)
-      const int t = static_cast<int>(threadIdx.x) - 288;
-      for (int i = t; i < kStages * 2 * 512; i += 96) {  // 2 tiles a stage, 512 pieces each
-        const int r = (i & 511) >> 3, cp = i & 7;  // row, 16-byte piece of the row
-        if (cp < 2 * (r / 16 + 1)) continue;       // at or below the block diagonal
-        unsigned char* tile =
-            base + (i >> 10) * Sm::kStage + Sm::kOffT + ((i >> 9) & 1) * (Sm::kOffP - Sm::kOffT);
-        *reinterpret_cast<uint4*>(tile + swz128(r, 8 * cp)) = make_uint4(0u, 0u, 0u, 0u);
-      }
-      fence_proxy_async();
+  if (warp > 8 && warp < 12) {  // the blocks of T diag(beta) and P above their diagonal: zero
+    // for good (the copies and stores of the lower blocks come after the barrier below)
+    const int t = static_cast<int>(threadIdx.x) - 288;
+    for (int i = t; i < kStages * 2 * 512; i += 96) {  // 2 tiles a stage, 512 pieces each
+      const int r = (i & 511) >> 3, cp = i & 7;  // row, 16-byte piece of the row
+      if (cp < 2 * (r / 16 + 1)) continue;       // at or below the block diagonal
+      unsigned char* tile =
+          base + (i >> 10) * Sm::kStage + Sm::kOffT + ((i >> 9) & 1) * (Sm::kOffP - Sm::kOffT);
+      *reinterpret_cast<uint4*>(tile + swz128(r, 8 * cp)) = make_uint4(0u, 0u, 0u, 0u);
     }
+    fence_proxy_async();
+  }
+  __syncthreads();
+  // the roles as separate code (ptxas then gives each its setmaxnreg budget); their segment
+  // walks meet at for_each_segment_block's barriers between looped items
+  uint32_t n_used = 0;
+  // Programmatic dependents are released by the state warps at their last chunk only (the
+  // producer once triggered after its loads; version 41's differences with it were most
+  // likely the missing cp.async commit of version 43, but the late trigger costs nothing).
+  if (kWy && warp >= 12) {
+    setmaxnreg_dec<kTmaWyRegs[2]>();
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
-      tma_produce<In, kStages, kSsY>(p, maps, b, n_used, base, full, empty, landed);
+      tma_wy<In, kStages, kWy == 2>(p, b, n_used, base, full, landed);
+      if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
+    });
+  } else if (warp >= 8) {
+    setmaxnreg_dec<kWy ? kTmaWyRegs[1] : kTmaProducerRegs>();
+    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+      tma_produce<In, kStages, kSsY, kWy>(p, maps, b, n_used, base, full, empty, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
   } else {
-    setmaxnreg_inc<kTmaStateRegs>();
+    setmaxnreg_inc<kWy ? kTmaWyRegs[0] : kTmaStateRegs>();
     TmaIssueOrder order{warp < 4};
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
       tma_consume<In, kStages, kSsY>(p, b, n_used, base, full, empty, order);
