@@ -33,21 +33,22 @@
 // wgmma, from S^T's fp16 fragments staged by stmatrix in a swizzled tile of the warpgroup and
 // the Q tile the producer scaled by e^G (plan item 1's first step: the state role then needs
 // 168 registers, not 216; docs/perf-notes.md version 41; on H100 7-13% slower than =1).
-// kWy (FLASHGDN_COLS_TMA=4, two stages, 512 threads; docs/perf-notes.md plan item 1 and
-// version 43): the fused forward. A fourth warpgroup (tma_wy, setmaxnreg kTmaWyRegs[2]) forms
-// per chunk the chunk's G and beta from g and beta, and from the landed K and Q tiles P =
-// Dec . Q K^T into the stage's P tile and T diag(beta) (wy_lean_kernel's functions: the same
-// values as its P16 and Tv16) into its T tile, then converts bf16 K and Q to fp16 in place;
-// the producer warpgroup's warp 0 only issues the TMA loads and copies E; before the pass runs
-// wy_gates_kernel (G, EG, Lb) instead of wy_lean_kernel, so no T diag(beta) or P goes through
-// HBM.
+// kWy (512 threads; docs/perf-notes.md plan item 1 and version 43): the fused forward. A fourth
+// warpgroup (tma_wy, setmaxnreg kTmaWyRegs[2]) forms per chunk, from the landed K and Q tiles,
+// P = Dec . Q K^T (one wgmma group; mma.sync there slows the state warpgroups' wgmma) into the
+// stage's P tile and converts bf16 K and Q to fp16 in place. kWy 1 (FLASHGDN_COLS_TMA=5, three
+// stages): P only, from wy_lean_kernel's G (which runs before without Q K^T), the producer's
+// warps 1-3 copying T diag(beta); H100: 5-17% faster than the default at 24+ value heads.
+// kWy 2 (=4, two stages): also the chunk's G and beta from g and beta and T diag(beta) by
+// wy_lean_kernel's inverse into the T tile (wy_gates_kernel before it), the producer's warp 0
+// alone issuing loads; ~2x slower (the inverse on mma.sync). Both give the default's bits.
 // Reproducible run to run (bench/repeat_check.py) and, at FLASHGDN_COLS_TMA=1, bit-identical to
 // state_fwd_cols_kernel's outputs since the producer commits its cp.async group (a missing
 // commit let full[s] complete before the last T / P rows landed: docs/perf-notes.md v43).
 // The same segments, warm-ups, phases, identity blocks (phase 1's M: V = 0), sub-segment
 // records and programmatic-dependent waits as state_fwd_cols_kernel.
-//   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles; kWy: g and
-//          beta instead), EG, initial state, seg_in
+//   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles; kWy 1: Tv16,
+//          G; kWy 2: g and beta instead), EG, initial state, seg_in
 //   writes o, final state (phase 0); seg_L, seg_M, sub_L, sub_M (phase 1)
 #pragma once
 
