@@ -1290,7 +1290,9 @@ def test_tma_forward(case: Case, split: str, variant: str):
     inp = make_inputs(case, "cuda", seed=83)
     base, tma = tma_envs(split, variant)
     o0, h0, o1, h1 = no_less_accurate(inp, base, tma, f"tma {case.name} {split} {variant}")
-    if variant != "ssy":  # the same products in the same order; ssy rounds e^G Q to fp16
+    # the same products in the same order; ssy rounds e^G Q to fp16, wy forms T diag(beta) by
+    # its own doubling on wgmma (another order of the same sums)
+    if variant not in ("ssy", "wy"):
         assert torch.equal(o1, o0) and torch.equal(h1, h0), "differs from the default kernel"
     with env_vars(tma):
         names = cuda_kernels_run(lambda: flashgdn.chunk_gated_delta_rule(**inp,

@@ -34,7 +34,7 @@
 // the Q tile the producer scaled by e^G (plan item 1's first step: the state role then needs
 // 168 registers, not 216; docs/perf-notes.md version 41; on H100 7-13% slower than =1).
 // kWy (512 threads; docs/perf-notes.md plan item 1 and version 43): the fused forward. A fourth
-// warpgroup (tma_wy, setmaxnreg kTmaWyRegs[2]) forms per chunk, from the landed K and Q tiles,
+// warpgroup (tma_wy, setmaxnreg kTmaWyRegs) forms per chunk, from the landed K and Q tiles,
 // P = Dec . Q K^T (one wgmma group; mma.sync there slows the state warpgroups' wgmma) into the
 // stage's P tile and converts bf16 K and Q to fp16 in place. kWy 1 (FLASHGDN_COLS_TMA=5, three
 // stages): P only, from wy_lean_kernel's G (which runs before without Q K^T), the producer's
@@ -74,16 +74,16 @@ constexpr int kTmaThreads = 384;
 constexpr int kTmaProducerRegs = 72, kTmaStateRegs = 216;
 static_assert(128 * kTmaProducerRegs + 256 * kTmaStateRegs <= kTmaThreads * 168,
               "the roles' registers fit the block's pool");
-// kWy (FLASHGDN_COLS_TMA=4): a fourth warpgroup forms T diag(beta) and P; 512 threads, a pool
-// of 128 registers a thread: state / producer / WY roles below
+// kWy (FLASHGDN_COLS_TMA=4|5): a fourth warpgroup forms P (and T diag(beta)); 512 threads, a
+// pool of 128 registers a thread. setmaxnreg of the state / producer / WY roles, read off the
+// SASS per role (docs/perf-notes.md version 43): kWy 1 208 / 24 / 72 (the WY's product loop
+// spilled at 64); kWy 2 200 / 24 / 88 (at 208 / 24 / 72 ptxas serialized every wgmma of the
+// kernel, C7512, for the WY role's registers).
 constexpr int kTmaWyThreads = 512;
-#ifndef FLASHGDN_TMA_WY_S  // (compile-time probes: -DFLASHGDN_TMA_WY_S=.. _P=.. _W=..)
-#define FLASHGDN_TMA_WY_S 208
-#define FLASHGDN_TMA_WY_P 24
-#define FLASHGDN_TMA_WY_W 72
-#endif
-constexpr int kTmaWyRegs[3] = {FLASHGDN_TMA_WY_S, FLASHGDN_TMA_WY_P, FLASHGDN_TMA_WY_W};
-static_assert(256 * kTmaWyRegs[0] + 128 * (kTmaWyRegs[1] + kTmaWyRegs[2]) <= 65536,
+constexpr int kTmaWyRegs[2][3] = {{208, 24, 72}, {200, 24, 88}};  // [kWy - 1][role]
+constexpr int tma_wy_regs(int kWy, int role) { return kTmaWyRegs[kWy == 2 ? 1 : 0][role]; }
+static_assert(256 * kTmaWyRegs[0][0] + 128 * (kTmaWyRegs[0][1] + kTmaWyRegs[0][2]) <= 65536 &&
+                  256 * kTmaWyRegs[1][0] + 128 * (kTmaWyRegs[1][1] + kTmaWyRegs[1][2]) <= 65536,
               "the kWy roles' registers fit the block's pool");
 struct StateFwdTmaSmem {
   // a stage: K, Q, V (two 8 KB column halves each), T diag(beta), P, E; 1024-byte aligned
@@ -102,12 +102,17 @@ struct StateFwdTmaSmem {
   static constexpr size_t bytes(int stages, bool ssy = false) {
     return ost(stages, ssy) + 2 * sizeof(__half) * C * kLdo + 1024;  // + the alignment's slack
   }
-  // kWy: after the output staging, the WY warpgroup's chunk G and beta, then (kWy 2) its A and
-  // T diag(beta) tiles (the lean layout, [C][kLeanLd] fp16 each)
+  // kWy: after the output staging, the WY warpgroup's chunk G and beta; then (kWy 2, from a
+  // 1024-byte boundary) its two A tiles (swizzled [64][64] fp16: A's blocks (1,0) and (3,2), and
+  // its lower left 32 x 32), A's and T's diagonal 16 x 16 blocks and T's blocks (1,0), (3,2)
+  // (fp32; wy_inverse)
   static constexpr size_t wy(int stages) { return ost(stages) + 2 * sizeof(__half) * C * kLdo; }
-  static constexpr size_t wy_tiles(int stages) { return wy(stages) + 2 * sizeof(float) * C; }
+  static constexpr size_t wy_tiles(int stages) {
+    return (wy(stages) + 2 * sizeof(float) * C + 1023) / 1024 * 1024;
+  }
+  static constexpr size_t kWyInverse = 2 * 8192 + 2 * 4096 + 2048;
   static constexpr size_t wy_bytes(int stages, bool t) {
-    return wy_tiles(stages) + (t ? kLeanHead : 0) + 1024;
+    return wy_tiles(stages) + (t ? kWyInverse : 0) + 1024;
   }
 };
 static_assert(StateFwdTmaSmem::wy_bytes(2, true) <= 227 * 1024 &&
@@ -261,14 +266,15 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
 
 // d (+)= A B, m64n64k16, A and B both through shared-memory descriptors, in the 16-bit type
 // of T (fp16 or bf16; kSsY's S^T Q^T, kWy's Q K^T).
-template <typename T = __half>
+// kTransB: B read MN-major (a tile stored [k][n], n contiguous).
+template <typename T = __half, bool kTransB = false>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t da, uint64_t db, bool acc) {
 #define FLASHGDN_WGMMA_SS_N64(TY)                                                                 \
   asm volatile(                                                                                \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                              \
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"     \
-      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                   \
+      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, %35;\n}\n"                 \
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
         "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
         "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
@@ -276,7 +282,7 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t da, uint
         "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
         "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
         "+f"(d[7][2]), "+f"(d[7][3])                                                           \
-      : "l"(da), "l"(db), "r"(static_cast<int>(acc)))
+      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTransB ? 1 : 0))
   if constexpr (std::is_same<T, __nv_bfloat16>::value) FLASHGDN_WGMMA_SS_N64("bf16");
   else FLASHGDN_WGMMA_SS_N64("f16");
 #undef FLASHGDN_WGMMA_SS_N64
@@ -332,6 +338,151 @@ __device__ __forceinline__ void lean_lower_product_sw(float (&acc)[8][4], const 
   }
 }
 
+// T diag(beta) of a chunk into the stage's T tile (kWy 2, the WY warpgroup), every product on
+// wgmma (mma.sync there slows the state warpgroups' wgmma: docs/perf-notes.md version 43).
+// K K^T as one wgmma group; A = diag(beta) (Dec . K K^T) strictly below the diagonal with
+// lean_a_epilogue's arithmetic, into A1 (blocks (1,0), (3,2)) and A2 (the lower left 32 x 32),
+// fp16 swizzled tiles whose other blocks stay zero, and its diagonal blocks in fp32; their
+// inverses by lean_inverse's fp32 substitution; then the doubling in 64 x 64 form: with D the
+// block diagonal of the inverses so far (fp16, in the T tile), (I + A_diag + A_off)^-1 =
+// D - D A_off D (A_off D A_off is zero), once with A1 (blocks of 16 -> 32) and once with A2
+// (32 -> 64), X = D A_off (SS, A_off read MN-major) then Z = X D (X's fp16 fragments from
+// registers), as lean_inverse's joins: fp16 operands, fp32 accumulation. T diag(beta) is
+// formed from fp32 values (the substitution's, the joins' accumulators). Threads: the
+// warpgroup's 128 (wt), `sync` its barrier.
+template <typename In, typename Sync>
+__device__ __forceinline__ void wy_inverse(unsigned char* st, const float* Gs, const float* bs,
+                                           unsigned char* wyt, int warp, int wt, Sync sync) {
+  using Sm = StateFwdTmaSmem;
+  unsigned char* A1 = wyt;
+  unsigned char* A2 = wyt + 8192;
+  float* Adg = reinterpret_cast<float*>(wyt + 16384);  // [4][16][16] A's diagonal blocks
+  float* Tdg = Adg + 4 * 256;                          // [4][16][16] their inverses
+  float* Z1 = Tdg + 4 * 256;                           // [2][16][16] T's blocks (1,0), (3,2)
+  unsigned char* Tt = st + Sm::kOffT;
+  const int lane = lane_id(), g = lane >> 2, t = lane & 3;
+  {  // A from K K^T: the warp's rows 16 warp + g, + 8
+    float kk[8][4];
+    qk_wgmma<In>(kk, st + Sm::kOffK, st + Sm::kOffK);
+    const int rb = warp, m0 = 16 * rb, ra = m0 + g;
+    const float gr[2] = {Gs[ra] * kLeanL2e, Gs[ra + 8] * kLeanL2e}, br[2] = {bs[ra], bs[ra + 8]};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j >= 2 * (rb + 1)) break;  // warp-uniform: column tiles up to the diagonal block
+      const int jp = j >> 1, s = 8 * j + 2 * t;
+      float d[4];
+      lean_decay(d, Gs, gr, ra, j);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = ra + 8 * i;
+        const float a0 = s < r ? br[i] * d[2 * i] * kk[j][2 * i] : 0.f;
+        const float a1 = s + 1 < r ? br[i] * d[2 * i + 1] * kk[j][2 * i + 1] : 0.f;
+        if (jp == rb)
+          *reinterpret_cast<float2*>(Adg + rb * 256 + (r - m0) * 16 + (s - m0)) =
+              make_float2(a0, a1);
+        else
+          *reinterpret_cast<uint32_t*>(((rb & 1) && jp == rb - 1 ? A1 : A2) + swz128(r, s)) =
+              pack_half2(a0, a1);
+      }
+    }
+  }
+  // D's blocks below the diagonal zero: blocks (1,0), (2,0), (2,1), (3,0), (3,1), (3,2)
+  for (int i = wt; i < 192; i += 128) {
+    const int blk = i >> 5, rr = (i >> 1) & 15, hf = i & 1;
+    const int rbk = blk < 1 ? 1 : blk < 3 ? 2 : 3, jb = blk < 1 ? 0 : blk < 3 ? blk - 1 : blk - 3;
+    *reinterpret_cast<uint4*>(Tt + swz128(16 * rbk + rr, 16 * jb + 8 * hf)) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  sync();  // A's diagonal blocks complete
+  if (wt < 64) {  // the diagonal blocks' inverses, a thread a column (lean_inverse's arithmetic)
+    const int b = wt >> 4, jj = wt & 15;
+    const float* a = Adg + b * 256;
+    float tc[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float acc = r == jj ? 1.f : 0.f;
+#pragma unroll
+      for (int s2 = 0; s2 < r; ++s2) acc -= a[r * 16 + s2] * tc[s2];
+      tc[r] = acc;
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      Tdg[b * 256 + r * 16 + jj] = tc[r];
+      *reinterpret_cast<__half*>(Tt + swz128(16 * b + r, 16 * b + jj)) = __float2half_rn(tc[r]);
+    }
+  }
+  fence_proxy_async();  // D, A1 and A2 (generic writes) for the products
+  sync();
+  // one doubling step: z = D A_off D
+  auto step = [&](const unsigned char* Aoff, float (&z)[8][4]) {
+    float x[8][4];
+    wgmma_fence();
+    fence_acc(x);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt)
+      wgmma_ss_n64<__half, true>(x, sw128_desc(Tt + kt * 32, 16, 1024),
+                                 sw128_desc(Aoff + kt * 2048, 8192, 1024), kt > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(x);
+    uint32_t xa[4][4];
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) acc_to_a16(xa[kt], x[2 * kt], x[2 * kt + 1]);
+    wgmma_fence();
+    fence_acc(z);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt)
+      wgmma_rs_f16<64, true>(z, xa[kt], sw128_desc(Tt + kt * 2048, 8192, 1024), kt > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(z);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) fence_frag(xa[kt]);
+  };
+  {  // blocks of 16 -> 32: T's blocks (1,0) and (3,2) = -z (warps 1 and 3, column block warp - 1)
+    float z[8][4];
+    step(A1, z);
+    sync();  // every warp's products have read D
+    if (warp & 1) {
+      const int jb = warp - 1;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int j = 2 * jb + hf, r = 16 * warp + g + 8 * i, c = 8 * j + 2 * t;
+          const float v0 = -z[j][2 * i], v1 = -z[j][2 * i + 1];
+          *reinterpret_cast<uint32_t*>(Tt + swz128(r, c)) = pack_half2(v0, v1);
+          *reinterpret_cast<float2*>(Z1 + (warp >> 1) * 256 + (r - 16 * warp) * 16 + c - 16 * jb) =
+              make_float2(v0, v1);
+        }
+    }
+    fence_proxy_async();
+    sync();
+  }
+  {  // blocks of 32 -> 64: T's lower left 32 x 32 = -z (warps 2 and 3, column tiles 0-3)
+    float z[8][4];
+    step(A2, z);
+    sync();  // every warp's products have read D: T diag(beta) goes over it
+    if (warp >= 2) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int r = 16 * warp + g + 8 * i, c = 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(Tt + swz128(r, c)) =
+              pack_half2(-z[j][2 * i] * bs[c], -z[j][2 * i + 1] * bs[c + 1]);
+        }
+    }
+  }
+  // the other lower blocks of T diag(beta): the diagonal ones and (1,0), (3,2), from fp32
+  for (int e = wt; e < 768; e += 128) {  // column pairs: 4 + 2 blocks of 128
+    const int blk = e >> 7, q = e & 127, rr = q >> 3, cc = 2 * (q & 7);
+    const int rbk = blk < 4 ? blk : 2 * (blk - 4) + 1, jb = blk < 4 ? blk : 2 * (blk - 4);
+    const float* src = (blk < 4 ? Tdg + blk * 256 : Z1 + (blk - 4) * 256) + rr * 16 + cc;
+    const int r = 16 * rbk + rr, c = 16 * jb + cc;
+    *reinterpret_cast<uint32_t*>(Tt + swz128(r, c)) = pack_half2(src[0] * bs[c], src[1] * bs[c + 1]);
+  }
+}
+
 // The WY warpgroup's part of one segment block (kWy, threads 384-511), chunk ci in stage
 // n % kStages as the state warpgroups count them. kT (kWy 2): the chunk's G and beta
 // (lean_gates, from g and beta), and once landed[s]: P = Dec . Q K^T into the stage's P tile
@@ -349,8 +500,11 @@ __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
   float* Gs = reinterpret_cast<float*>(base + Sm::wy(kStages));
   float* bs = Gs + C;
-  __half* A = reinterpret_cast<__half*>(base + Sm::wy_tiles(kStages));  // kT
-  const LeanTiles tiles{A, A + C * kLeanLd, 0};
+  unsigned char* wyt = base + Sm::wy_tiles(kStages);  // kT: wy_inverse's tiles
+  if (kT) {  // the A tiles' blocks that no chunk writes: zero for good
+    for (int i = wt; i < 2 * 512; i += 128)
+      *reinterpret_cast<uint4*>(wyt + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
+  }
   auto sync = [] { named_bar_sync(6, 128); };
   // !kT: G of an output chunk's row wt (rows past L: G_{L-1})
   auto load_g = [&](int64_t ci) {
@@ -420,20 +574,7 @@ __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b
       });
     }
     if (kT && !(p.debug & 512)) {
-      {
-        float kk[8][4];
-        lean_lower_product_sw<In>(kk, st + Sm::kOffK, st + Sm::kOffK, 3 - warp);
-        lean_a_epilogue(kk, tiles, 0, Gs, bs, 3 - warp, nullptr, false);
-      }
-      sync();
-      lean_inverse(tiles, bs, 1, wt, sync);  // ends with a sync: every read of K and Q done
-      for (int i = wt; i < 320; i += 128) {  // T diag(beta)'s lower block triangle, 16-byte pieces
-        const int rb = i < 32 ? 0 : i < 96 ? 1 : i < 192 ? 2 : 3;
-        const int first = 16 * rb * (rb + 1), per = 2 * (rb + 1);
-        const int r = 16 * rb + (i - first) / per, c = 8 * ((i - first) % per);
-        *reinterpret_cast<uint4*>(st + Sm::kOffT + swz128(r, c)) =
-            *reinterpret_cast<const uint4*>(tiles.tv(0) + r * kLeanLd + c);
-      }
+      wy_inverse<In>(st, Gs, bs, wyt, warp, wt, sync);
     } else if (out || kT) {
       sync();  // every read of K and Q (and of Gs) done
     }
@@ -719,19 +860,19 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
   // producer once triggered after its loads; version 41's differences with it were most
   // likely the missing cp.async commit of version 43, but the late trigger costs nothing).
   if (kWy && warp >= 12) {
-    setmaxnreg_dec<kTmaWyRegs[2]>();
+    setmaxnreg_dec<tma_wy_regs(kWy, 2)>();
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
       tma_wy<In, kStages, kWy == 2>(p, b, n_used, base, full, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
   } else if (warp >= 8) {
-    setmaxnreg_dec<kWy ? kTmaWyRegs[1] : kTmaProducerRegs>();
+    setmaxnreg_dec<kWy ? tma_wy_regs(kWy, 1) : kTmaProducerRegs>();
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
       tma_produce<In, kStages, kSsY, kWy>(p, maps, b, n_used, base, full, empty, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
   } else {
-    setmaxnreg_inc<kWy ? kTmaWyRegs[0] : kTmaStateRegs>();
+    setmaxnreg_inc<kWy ? tma_wy_regs(kWy, 0) : kTmaStateRegs>();
     TmaIssueOrder order{warp < 4};
     for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
       tma_consume<In, kStages, kSsY>(p, b, n_used, base, full, empty, order);
