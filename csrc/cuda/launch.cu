@@ -872,7 +872,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     };
     using Sm = StateFwdColsSmem;
     const bool ping = cols_ping();
-    if (f.fused && cols_tma_wy()) {  // the fused TMA kernel (its maps: the inputs)
+    if (f.fused && fused_mode() == 0 && cols_tma_wy()) {  // the fused TMA kernel (its maps: the inputs)
       const CUtensorMapDataType in16 = p.qkv_dtype == FLASHGDN_DTYPE_BF16
                                            ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -1096,7 +1096,7 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   if (p.max_chunks() == 0) return;
   // gdn_fwd_fused_kernel (FLASHGDN_FUSED=3) or state_fwd_tma_kernel's kWy (FLASHGDN_COLS_TMA=4)
   // forms T diag(beta) and P
-  if (f.fused && (cols_tma_wy() == 2 || fused_mode() == 3)) {
+  if (f.fused && (fused_mode() == 0 ? cols_tma_wy() == 2 : fused_mode() == 3)) {
     f.wy_heads = largest_divisor_up_to(static_cast<int>(p.Hv / p.Hqk), kWyMaxHeads);
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
     wy_gates_kernel<In><<<grid, kLeanThreads, 0, st>>>(f);
@@ -1391,15 +1391,16 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
 // With FLASHGDN_COLS_TMA=4|5 the same, taken by state_fwd_tma_kernel's kWy, where TMA can read
-// k, q and v (16-byte aligned, the driver's encoder found).
+// k, q and v (16-byte aligned, the driver's encoder found); FLASHGDN_FUSED, where set, wins.
 bool fused_in_pass(const SegmentPlan& plan, const FwdParams& f) {
   auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  const bool tma_wy = cols_tma_wy() > 0 && tensor_map_encode() != nullptr && aligned(f.k) &&
-                      aligned(f.q) && aligned(f.v);
+  const bool tma_wy = fused_mode() == 0 && cols_tma_wy() > 0 && tensor_map_encode() != nullptr &&
+                      aligned(f.k) && aligned(f.q) && aligned(f.v);
   return (fused_mode() > 0 || tma_wy) && f.Tv16 != nullptr && f.EG != nullptr &&
          f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
          !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
-         !cols_three_stages() && !cols_owg() && !cols_wgmma() && (!cols_tma() || tma_wy);
+         !cols_three_stages() && !cols_owg() && !cols_wgmma() &&
+         (!cols_tma() || cols_tma_wy() > 0);
 }
 
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
