@@ -122,15 +122,8 @@ __device__ __forceinline__ void wy_inverse(unsigned char* st, const float* Gs, c
   sync();  // A's diagonal blocks complete
   if (wt < 64) {  // the diagonal blocks' inverses, a thread a column (lean_inverse's arithmetic)
     const int b = wt >> 4, jj = wt & 15;
-    const float* a = Adg + b * 256;
     float tc[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      float acc = r == jj ? 1.f : 0.f;
-#pragma unroll
-      for (int s2 = 0; s2 < r; ++s2) acc -= a[r * 16 + s2] * tc[s2];
-      tc[r] = acc;
-    }
+    lean_substitute(tc, Adg + b * 256, 16, jj);
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
       Tdg[b * 256 + r * 16 + jj] = tc[r];
@@ -211,14 +204,13 @@ __device__ __forceinline__ void wy_inverse(unsigned char* st, const float* Gs, c
 }
 
 // The WY warpgroup's part of one segment block (kWy, threads 384-511), chunk ci in stage
-// n % kStages as the state warpgroups count them. kT (kWy 2): the chunk's G and beta
-// (lean_gates, from g and beta), and once landed[s]: P = Dec . Q K^T into the stage's P tile
-// (output chunks; every row: rows past the chunk's end hold the next rows' finite values, their
-// o is not stored), A = diag(beta) (Dec . K K^T) and T = (I + A)^-1 by doubling in its own
-// tiles, T diag(beta)'s lower block triangle into the stage's T tile: wy_lean_kernel's
-// functions and arithmetic, so the values of its P16 and Tv16. !kT (kWy 1): P only, from
-// wy_lean_kernel's G (loaded a chunk ahead). Then bf16 K and Q to fp16 in place, a proxy fence
-// and its 128 arrivals on full[s]. Its own barrier: named barrier 6.
+// n % kStages as the state warpgroups count them. Once landed[s]: P = Dec . Q K^T into the
+// stage's P tile (output chunks; Q K^T as one wgmma group, lean_p_epilogue's values; every row:
+// rows past the chunk's end hold the next rows' finite values, their o is not stored), with G
+// from wy_lean_kernel (!kT, kWy 1: loaded a chunk ahead) or (kT, kWy 2) the chunk's G and beta
+// from g and beta (lean_gates' loads a chunk ahead of its scan) and T diag(beta) by wy_inverse
+// into the stage's T tile. Then bf16 K and Q to fp16 in place, a proxy fence and its 128
+// arrivals on full[s]. Its own barrier: named barrier 6.
 template <typename In, int kStages, bool kT>
 __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b, uint32_t n0,
                                        unsigned char* base, uint64_t* full, uint64_t* landed) {
@@ -241,43 +233,23 @@ __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b
                : 0.f;
   };
   float g_next = kT ? 0.f : load_g(b.ss.c_first);
-  // kT: lean_gates split in two, its loads (warp 0: rows 2 lane, + 1) a chunk ahead of its
-  // scan (the same sums, so the same G)
-  const int lane = lane_id();
-  auto load_gb = [&](int64_t ci, float (&v)[4]) {
-    v[0] = v[1] = v[2] = v[3] = 0.f;
-    if (warp != 0 || ci >= b.c_end) return;
-    const int L = chunk_rows(b.len, ci), r0 = 2 * lane;
-    const int64_t i0 = (b.start + ci * C + r0) * p.Hv + b.h;
-    if (r0 < L) {
-      v[0] = load_scalar(p.g, p.g_dtype, i0);
-      v[2] = load_scalar(p.beta, p.beta_dtype, i0);
-    }
-    if (r0 + 1 < L) {
-      v[1] = load_scalar(p.g, p.g_dtype, i0 + p.Hv);
-      v[3] = load_scalar(p.beta, p.beta_dtype, i0 + p.Hv);
-    }
+  // kT: lean_gates' loads (warp 0) a chunk ahead of its scan
+  auto load_gb = [&](int64_t ci) {
+    return warp == 0 && ci < b.c_end
+               ? lean_gates_load(p, b.start + ci * C, chunk_rows(b.len, ci), b.h, lane_id())
+               : LeanGb{};
   };
-  float gb_next[4];
-  if constexpr (kT) load_gb(b.ss.c_first, gb_next);
+  LeanGb gb_next;
+  if constexpr (kT) gb_next = load_gb(b.ss.c_first);
   for (int64_t ci = b.ss.c_first; ci < b.c_end; ++ci) {
     const uint32_t n = n0 + static_cast<uint32_t>(ci - b.ss.c_first);
     const int s = static_cast<int>(n % kStages);
     const int L = chunk_rows(b.len, ci);
     const bool out = want_o && ci >= b.c_begin;
     if constexpr (kT) {  // lean_gates' scan (the previous chunk's readers passed a sync)
-      const float gb[4] = {gb_next[0], gb_next[1], gb_next[2], gb_next[3]};
-      load_gb(ci + 1, gb_next);
-      if (warp == 0) {
-        float incl = gb[0] + gb[1];
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-          const float y = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += y;
-        }
-        *reinterpret_cast<float2*>(Gs + 2 * lane) = make_float2(incl - gb[1], incl);
-        *reinterpret_cast<float2*>(bs + 2 * lane) = make_float2(gb[2], gb[3]);
-      }
+      const LeanGb gb = gb_next;
+      gb_next = load_gb(ci + 1);
+      if (warp == 0) lean_gates_scan(gb, Gs, bs, lane_id());
       sync();
     } else {
       const float g = g_next;
@@ -306,14 +278,8 @@ __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b
       sync();  // every read of K and Q (and of Gs) done
     }
     if constexpr (!std::is_same<In, __half>::value) {  // K (and Q) to fp16 in place
-      auto convert = [&](unsigned char* tile) {
-        for (int i = wt; i < C * D / 8; i += 128) {
-          In* piece = reinterpret_cast<In*>(tile) + 8 * i;
-          *reinterpret_cast<uint4*>(piece) = half8_of(piece);
-        }
-      };
-      convert(st + Sm::kOffK);
-      if (out) convert(st + Sm::kOffQ);
+      tile_sw_to_half<In, 128>(st + Sm::kOffK, wt);
+      if (out) tile_sw_to_half<In, 128>(st + Sm::kOffQ, wt);
     }
     fence_proxy_async();  // the tiles' generic writes, for the state warpgroups' wgmma
     mbar_arrive(&full[s]);

@@ -750,6 +750,10 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 // 2 with three stages.
 int fused_mode() { return std::clamp(env_int_or("FLASHGDN_FUSED", 0), 0, 4); }
 
+// The kWy of state_fwd_tma_kernel a fused pass takes: FLASHGDN_COLS_TMA=4|5 (cols_tma_wy) unless
+// FLASHGDN_FUSED, where set, asks for gdn_fwd_fused_kernel.
+int tma_wy_mode() { return fused_mode() == 0 ? cols_tma_wy() : 0; }
+
 // FLASHGDN_CP_P0_MERGE=<m>: SegParams::p0_merge forced to m (0: the plan's or the device's).
 int forced_p0_merge() { return std::max(0, env_int_or("FLASHGDN_CP_P0_MERGE", 0)); }
 
@@ -771,14 +775,18 @@ TensorMapEncode tensor_map_encode() {
   }();
   return fn;
 }
+// Whether TMA can read a tensor at ptr: the driver's encoder found, the address 16-byte aligned.
+bool tma_can_read(const void* ptr) {
+  return tensor_map_encode() != nullptr && ptr != nullptr &&
+         (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
+}
 // A 3-D view [tokens][heads][width] of a 16-bit tensor, boxes of 64 tokens x 1 head x 64
-// values, 128-byte swizzle, zeros past the tokens' end. False where TMA cannot take it (no
-// encoder, an address not 16-byte aligned).
+// values, 128-byte swizzle, zeros past the tokens' end. False where TMA cannot take it
+// (tma_can_read).
 bool make_tma_map(CUtensorMap& m, const void* ptr, int64_t tokens, int64_t heads, int width,
                   CUtensorMapDataType type) {
+  if (!tma_can_read(ptr)) return false;
   const TensorMapEncode enc = tensor_map_encode();
-  if (enc == nullptr || ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) & 15) != 0)
-    return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(width), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(tokens)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(width) * 2,
@@ -787,6 +795,11 @@ bool make_tma_map(CUtensorMap& m, const void* ptr, int64_t tokens, int64_t heads
   return enc(&m, type, 3, const_cast<void*>(ptr), dims, strides, box, elem,
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+// The tensor maps' element type of the 16-bit inputs.
+CUtensorMapDataType tma_in_type(const Problem& p) {
+  return p.qkv_dtype == FLASHGDN_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 // Whether this launch of the 128-column pass is state_fwd_tma_kernel (FLASHGDN_COLS_TMA=1):
 // the plain forward (no records, correction or fused WY part); maps: its tensor maps (k and
@@ -800,12 +813,10 @@ bool tma_pass(const Problem& p, const FwdParams& f, TmaMaps& maps) {
       f.EG == nullptr || k == nullptr ||
       (f.phase == 0 && f.o != nullptr && (f.P16 == nullptr || q == nullptr)))
     return false;
-  // FLASHGDN_COLS_TMA_PHASES (a bit a phase, default 3: both): which phases take it (the
-  // bisection of the defect above: phase 0 only)
+  // FLASHGDN_COLS_TMA_PHASES (a bit a phase, default 3: both): which phases take it (a
+  // bisection switch of docs/perf-notes.md version 42)
   if (((env_int_or("FLASHGDN_COLS_TMA_PHASES", 3) >> f.phase) & 1) == 0) return false;
-  const CUtensorMapDataType in16 = p.qkv_dtype == FLASHGDN_DTYPE_BF16
-                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType in16 = tma_in_type(p);
   const CUtensorMapDataType f16 = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUtensorMapDataType kq16 = f.kq_bf16 ? in16 : f16;
   if (q == nullptr) q = k;  // no outputs: never loaded
@@ -842,6 +853,16 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   });
   TmaMaps maps;
   const bool tma = tma_pass(p, f, maps);
+  // the fused TMA kernel (tma_wy_mode): its maps are the inputs (fused_in_pass checked TMA can
+  // read them)
+  const int wy_mode = f.fused ? tma_wy_mode() : 0;
+  if (wy_mode > 0) {
+    const CUtensorMapDataType in16 = tma_in_type(p);
+    if (!make_tma_map(maps.k, f.k, p.TT, p.Hqk, D, in16) ||
+        !make_tma_map(maps.q, f.q, p.TT, p.Hqk, D, in16) ||
+        !make_tma_map(maps.v, f.v, p.TT, p.Hv, D, in16))
+      throw Error("flashgdn: FLASHGDN_COLS_TMA=4|5: no tensor map for k, q or v");
+  }
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
   for_each_z_slice(f, plan.max_segments * subs, blocks_x * p.Hv, sm_count(p.device_id),
@@ -866,29 +887,18 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     auto go = [&](auto kernel, size_t bytes) {
       launch_kernel(kernel, grid, bytes, st, dep, what, fm);
     };
-    auto tgo = [&](auto kernel, size_t bytes) {  // state_fwd_tma_kernel (its maps first)
-      launch_kernel_threads(kernel, grid, kTmaThreads, bytes, st, dep,
-                            "state_fwd_tma_kernel launch", maps, fm);
+    auto tgo = [&](auto kernel, size_t bytes, int threads = kTmaThreads) {  // its maps first
+      launch_kernel_threads(kernel, grid, threads, bytes, st, dep, "state_fwd_tma_kernel launch",
+                            maps, fm);
     };
     using Sm = StateFwdColsSmem;
     const bool ping = cols_ping();
-    if (f.fused && fused_mode() == 0 && cols_tma_wy()) {  // the fused TMA kernel (its maps: the inputs)
-      const CUtensorMapDataType in16 = p.qkv_dtype == FLASHGDN_DTYPE_BF16
-                                           ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                           : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-      TmaMaps wm;
-      if (!make_tma_map(wm.k, f.k, p.TT, p.Hqk, D, in16) ||
-          !make_tma_map(wm.q, f.q, p.TT, p.Hqk, D, in16) ||
-          !make_tma_map(wm.v, f.v, p.TT, p.Hv, D, in16))
-        throw Error("flashgdn: FLASHGDN_COLS_TMA=4|5: no tensor map for k, q or v");
-      auto wgo = [&](auto kernel, size_t bytes) {
-        launch_kernel_threads(kernel, grid, kTmaWyThreads, bytes, st, dep,
-                              "state_fwd_tma_kernel launch", wm, fm);
-      };
-      if (cols_tma_wy() == 2)
-        wgo(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true));
-      else  // P only: three stages (no lean tiles)
-        wgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false));
+    if (wy_mode == 2) {  // the fused TMA kernel
+      tgo(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true),
+          kTmaWyThreads);
+    } else if (wy_mode == 1) {  // P only: three stages (no inverse's tiles)
+      tgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false),
+          kTmaWyThreads);
     } else if (f.fused) {  // (part of) the WY part inside the pass (fused_in_pass)
       const int mode = fused_mode();
       auto fgo = [&](auto kernel, size_t bytes) {
@@ -1096,7 +1106,7 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   if (p.max_chunks() == 0) return;
   // gdn_fwd_fused_kernel (FLASHGDN_FUSED=3) or state_fwd_tma_kernel's kWy (FLASHGDN_COLS_TMA=4)
   // forms T diag(beta) and P
-  if (f.fused && (fused_mode() == 0 ? cols_tma_wy() == 2 : fused_mode() == 3)) {
+  if (f.fused && (tma_wy_mode() == 2 || fused_mode() == 3)) {
     f.wy_heads = largest_divisor_up_to(static_cast<int>(p.Hv / p.Hqk), kWyMaxHeads);
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
     wy_gates_kernel<In><<<grid, kLeanThreads, 0, st>>>(f);
@@ -1391,11 +1401,10 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
 // With FLASHGDN_COLS_TMA=4|5 the same, taken by state_fwd_tma_kernel's kWy, where TMA can read
-// k, q and v (16-byte aligned, the driver's encoder found); FLASHGDN_FUSED, where set, wins.
+// k, q and v (tma_can_read); FLASHGDN_FUSED, where set, wins (tma_wy_mode).
 bool fused_in_pass(const SegmentPlan& plan, const FwdParams& f) {
-  auto aligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
-  const bool tma_wy = fused_mode() == 0 && cols_tma_wy() > 0 && tensor_map_encode() != nullptr &&
-                      aligned(f.k) && aligned(f.q) && aligned(f.v);
+  const bool tma_wy =
+      tma_wy_mode() > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
   return (fused_mode() > 0 || tma_wy) && f.Tv16 != nullptr && f.EG != nullptr &&
          f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
          !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&

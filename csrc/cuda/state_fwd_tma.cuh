@@ -159,14 +159,8 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
         else scale_q(__half{});  // wy's fp16 copies or the fp16 inputs
       }
       if (kWy == 0 && p.kq_bf16) {  // 96 threads, 16 KB a tile: 1024 pieces of 8 values
-        auto convert = [&](unsigned char* tile) {
-          for (int i = t; i < C * D / 8; i += 96) {
-            In* piece = reinterpret_cast<In*>(tile) + 8 * i;
-            *reinterpret_cast<uint4*>(piece) = half8_of(piece);
-          }
-        };
-        convert(st + Sm::kOffK);
-        if (out && !kSsY) convert(st + Sm::kOffQ);
+        tile_sw_to_half<In, 96>(st + Sm::kOffK, t);
+        if (out && !kSsY) tile_sw_to_half<In, 96>(st + Sm::kOffQ, t);
       }
       cp_async_wait<0>();
       fence_proxy_async();  // the conversions' and copies' writes, for the tensor cores' reads

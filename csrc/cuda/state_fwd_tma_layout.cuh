@@ -97,6 +97,16 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo, uint
 __device__ __forceinline__ int swz128(int r, int c) {
   return (c >> 6) * 8192 + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + ((c & 7) << 1);
 }
+// A stage's [64][128] tile of In (bf16) to fp16 in place, the 16-byte pieces tid, tid + NTHR,
+// ... (elementwise, so the swizzle does not matter): the producer's and the WY warpgroup's
+// conversions of K and Q.
+template <typename In, int NTHR>
+__device__ __forceinline__ void tile_sw_to_half(unsigned char* tile, int tid) {
+  for (int i = tid; i < C * D / 8; i += NTHR) {
+    In* piece = reinterpret_cast<In*>(tile) + 8 * i;
+    *reinterpret_cast<uint4*>(piece) = half8_of(piece);
+  }
+}
 __device__ __forceinline__ float2 bits_to_float2(uint32_t v, const __half*) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }

@@ -78,34 +78,48 @@ struct LeanTiles {
 
 constexpr float kLeanL2e = 1.4426950408889634f;
 
+// A lane's g and beta: rows 2 lane, 2 lane + 1 of value head h in the chunk from tok0 (L
+// rows; g 0 and beta 0 past them, so G stays at G_{L-1}).
+struct LeanGb {
+  float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
+};
+__device__ __forceinline__ LeanGb lean_gates_load(const FwdParams& p, int64_t tok0, int L,
+                                                  int64_t h, int lane) {
+  LeanGb v;
+  const int r0 = 2 * lane;
+  const int64_t i0 = (tok0 + r0) * p.Hv + h;
+  if (r0 < L) {
+    v.g0 = load_scalar(p.g, p.g_dtype, i0);
+    v.b0 = load_scalar(p.beta, p.beta_dtype, i0);
+  }
+  if (r0 + 1 < L) {
+    v.g1 = load_scalar(p.g, p.g_dtype, i0 + p.Hv);
+    v.b1 = load_scalar(p.beta, p.beta_dtype, i0 + p.Hv);
+  }
+  return v;
+}
+// The warp's inclusive scan of the loaded g into G (Gs[C]) and beta into bs[C].
+__device__ __forceinline__ void lean_gates_scan(const LeanGb& v, float* Gs, float* bs, int lane) {
+  const int r0 = 2 * lane;
+  float incl = v.g0 + v.g1;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const float y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  *reinterpret_cast<float2*>(Gs + r0) = make_float2(incl - v.g1, incl);
+  *reinterpret_cast<float2*>(bs + r0) = make_float2(v.b0, v.b1);
+}
 // Cumulative gates G (an inclusive scan over the chunk's rows) and beta of the nh value heads
 // from h0 into Gs_all, bs_all ([heads][C]): warp w takes heads w, w + 4, ..., lane l rows
-// 2 l, 2 l + 1 (past the chunk's L rows: g 0, so G stays at G_{L-1}, and beta 0); warp:
-// the calling warp's index in its warpgroup.
+// 2 l, 2 l + 1 (lean_gates_load, lean_gates_scan); warp: the calling warp's index in its
+// warpgroup.
 __device__ __forceinline__ void lean_gates(const FwdParams& p, int64_t tok0, int L, int64_t h0,
                                            int nh, float* Gs_all, float* bs_all, int warp) {
   const int lane = lane_id();
-  for (int hi = warp; hi < nh; hi += 4) {
-    const int r0 = 2 * lane;
-    const int64_t i0 = (tok0 + r0) * p.Hv + h0 + hi;
-    float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
-    if (r0 < L) {
-      g0 = load_scalar(p.g, p.g_dtype, i0);
-      b0 = load_scalar(p.beta, p.beta_dtype, i0);
-    }
-    if (r0 + 1 < L) {
-      g1 = load_scalar(p.g, p.g_dtype, i0 + p.Hv);
-      b1 = load_scalar(p.beta, p.beta_dtype, i0 + p.Hv);
-    }
-    float incl = g0 + g1;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
-    *reinterpret_cast<float2*>(Gs_all + hi * C + r0) = make_float2(incl - g1, incl);
-    *reinterpret_cast<float2*>(bs_all + hi * C + r0) = make_float2(b0, b1);
-  }
+  for (int hi = warp; hi < nh; hi += 4)
+    lean_gates_scan(lean_gates_load(p, tok0, L, h0 + hi, lane), Gs_all + hi * C,
+                    bs_all + hi * C, lane);
 }
 
 // The lower block triangle of X K^T (X = Q or K, [C][LDH] tiles in the 16-bit input type):
@@ -220,6 +234,18 @@ struct LeanNoT {
   __device__ __forceinline__ void join(int, const float (&)[2][4], int, int) const {}
 };
 
+// Column jj of a diagonal block's inverse, (I + A_bb)^-1 e_jj, by fp32 forward substitution
+// (a: A_bb's rows, ld floats apart; strictly lower).
+__device__ __forceinline__ void lean_substitute(float (&tc)[16], const float* a, int ld, int jj) {
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    float acc = r == jj ? 1.f : 0.f;
+#pragma unroll
+    for (int s = 0; s < r; ++s) acc -= a[r * ld + s] * tc[s];
+    tc[r] = acc;
+  }
+}
+
 // T = (I + A)^-1 of nh heads by doubling (after lean_a_epilogue and a `sync`): T diag(beta)
 // (fp16, lower block triangle) into each head's Tv tile, T itself to `sink`; the A tiles
 // hold T's diagonal blocks and the joins of 16 afterwards. bs_all: beta, [heads][C]. Ends
@@ -232,15 +258,8 @@ __device__ __forceinline__ void lean_inverse(const LeanTiles& tiles, const float
   // T_bb (fp16) over A_bb in the A tile, T_bb diag(beta) (fp16) into the Tv tile
   for (int task = wt; task < nh * C; task += kLeanThreads) {
     const int hi = task / C, b = (task % C) / 16, jj = task % 16;
-    const float* a = tiles.diag(hi, b);
     float tc[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      float acc = r == jj ? 1.f : 0.f;
-#pragma unroll
-      for (int s = 0; s < r; ++s) acc -= a[r * kLeanDiagLd + s] * tc[s];
-      tc[r] = acc;
-    }
+    lean_substitute(tc, tiles.diag(hi, b), kLeanDiagLd, jj);
     const float bj = bs_all[hi * C + 16 * b + jj];
     __half* tt = tiles.a(hi) + 16 * b * kLeanLd + 16 * b + jj;
     __half* tv = tiles.tv(hi) + 16 * b * kLeanLd + 16 * b + jj;
