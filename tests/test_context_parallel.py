@@ -1265,7 +1265,7 @@ TMA_CASES = FUSED_CASES + [
 
 def tma_envs(split: str, variant: str):
     """(the default kernel's switches, state_fwd_tma_kernel's) for test_tma_forward."""
-    base = {"FLASHGDN_FWD_BW": "128",
+    base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_TMA": "0",
             **({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"} if split == "seg2" else {})}
     tma = {**base, "FLASHGDN_COLS_TMA": {"ssy": "3", "wy": "4", "wyp": "5"}.get(variant, "1"),
            **({"FLASHGDN_COLS_STAGES": "3"} if variant == "3" else {})}
@@ -1303,6 +1303,33 @@ def test_tma_forward(case: Case, split: str, variant: str):
     if variant == "wy":
         assert any("wy_gates_kernel" in n for n in names), sorted(names)
         assert not any("wy_lean_kernel" in n for n in names), sorted(names)
+
+
+@pytest.mark.parametrize("case", [
+    # the planner's split plan at 16 value heads: the fused TMA kernel by default
+    Case("default_h16_cp", [16384], 4, 16, gate="mixed"),
+    # 24 value heads, three a q/k head, g == 0 heads, odd lengths; fp16 inputs
+    Case("default_h24", [3000, 900, 5], 8, 24, gate="zero_heads"),
+    Case("default_h16_fp16", [2000, 64], 16, 16, gate="very_negative", dtype=torch.float16),
+    # 8 value heads: the plain 128-column pass stays the default
+    Case("default_h8", [5000, 300], 2, 8, gate="mixed"),
+], ids=lambda c: c.name)
+def test_default_forward_kernel(case: Case):
+    """The default forward at 128 columns takes state_fwd_tma_kernel's kWy 1 (the WY
+    warpgroup forming P) at 16 or more value heads and the plain 128-column pass below
+    (launch.cu cols_tma_wy): the expected kernel ran, and its o and final state equal
+    FLASHGDN_COLS_TMA=0's (the plain pass) bit for bit, eagerly and from a CUDA graph, within
+    the float64 reference's tolerance."""
+    inp = make_inputs(case, "cuda", seed=89)
+    base = {"FLASHGDN_FWD_BW": "128"}
+    forward_bit_identical(inp, {**base, "FLASHGDN_COLS_TMA": "0"}, base,
+                          f"default kernel {case.name}")
+    with env_vars(base):
+        names = cuda_kernels_run(lambda: flashgdn.chunk_gated_delta_rule(**inp,
+                                                                         output_final_state=True))
+    fused = case.hv >= 16
+    assert any("state_fwd_tma_kernel" in n for n in names) == fused, sorted(names)
+    assert any("state_fwd_cols_kernel" in n for n in names) == (not fused), sorted(names)
 
 
 @pytest.mark.parametrize("case", [

@@ -153,9 +153,17 @@ bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
 // version 43): the fused forward on that kernel, state_fwd_tma_kernel<., 2, false, 2> (kWy),
 // whose fourth warpgroup forms T diag(beta) and P from the tiles it loads, wy_gates_kernel (G,
 // e^G, Lb) before it instead of wy_lean_kernel, where fused_in_pass allows (else as =1);
-// =5: kWy 1, P only (wy_lean_kernel without Q K^T before it). Returns kWy (0: neither).
-int cols_tma_wy() {
-  const int v = env_int("FLASHGDN_COLS_TMA");
+// measured correct and 2x slower (H100, version 44).
+// =5: kWy 1, P only (wy_lean_kernel without Q K^T before it); bit-identical to the default
+// kernel's outputs. The default (FLASHGDN_COLS_TMA unset) from version 44 at kTmaWyMinHeads or
+// more value heads: H100 2026-11-26, ms default -> kWy 1: 16/32 x 32768 0.888 -> 0.839, 16/48
+// 1.464 -> 1.286, 8/32 0.896 -> 0.834, 16/16 0.548 -> 0.549, 16/32 8192x4 0.710 -> 0.643; at 8
+// value heads slower (2/8 x 32768 0.302 -> 0.340). FLASHGDN_COLS_TMA=0 keeps the plain pass.
+// Returns kWy (0: neither).
+constexpr int64_t kTmaWyMinHeads = 16;
+int cols_tma_wy(const Problem& p) {
+  const int v = env_int_or("FLASHGDN_COLS_TMA", -1);
+  if (v < 0) return p.Hv >= kTmaWyMinHeads ? 1 : 0;
   return v == 4 ? 2 : v == 5 ? 1 : 0;
 }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
@@ -750,9 +758,9 @@ void launch_state_fwd(const SegmentPlan& plan, const Problem& p, const FwdParams
 // 2 with three stages.
 int fused_mode() { return std::clamp(env_int_or("FLASHGDN_FUSED", 0), 0, 4); }
 
-// The kWy of state_fwd_tma_kernel a fused pass takes: FLASHGDN_COLS_TMA=4|5 (cols_tma_wy) unless
-// FLASHGDN_FUSED, where set, asks for gdn_fwd_fused_kernel.
-int tma_wy_mode() { return fused_mode() == 0 ? cols_tma_wy() : 0; }
+// The kWy of state_fwd_tma_kernel a fused pass takes: cols_tma_wy (FLASHGDN_COLS_TMA=4|5 or the
+// default) unless FLASHGDN_FUSED, where set, asks for gdn_fwd_fused_kernel.
+int tma_wy_mode(const Problem& p) { return fused_mode() == 0 ? cols_tma_wy(p) : 0; }
 
 // FLASHGDN_CP_P0_MERGE=<m>: SegParams::p0_merge forced to m (0: the plan's or the device's).
 int forced_p0_merge() { return std::max(0, env_int_or("FLASHGDN_CP_P0_MERGE", 0)); }
@@ -855,7 +863,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   const bool tma = tma_pass(p, f, maps);
   // the fused TMA kernel (tma_wy_mode): its maps are the inputs (fused_in_pass checked TMA can
   // read them)
-  const int wy_mode = f.fused ? tma_wy_mode() : 0;
+  const int wy_mode = f.fused ? tma_wy_mode(p) : 0;
   if (wy_mode > 0) {
     const CUtensorMapDataType in16 = tma_in_type(p);
     if (!make_tma_map(maps.k, f.k, p.TT, p.Hqk, D, in16) ||
@@ -1106,7 +1114,7 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   if (p.max_chunks() == 0) return;
   // gdn_fwd_fused_kernel (FLASHGDN_FUSED=3) or state_fwd_tma_kernel's kWy (FLASHGDN_COLS_TMA=4)
   // forms T diag(beta) and P
-  if (f.fused && (tma_wy_mode() == 2 || fused_mode() == 3)) {
+  if (f.fused && (tma_wy_mode(p) == 2 || fused_mode() == 3)) {
     f.wy_heads = largest_divisor_up_to(static_cast<int>(p.Hv / p.Hqk), kWyMaxHeads);
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
     wy_gates_kernel<In><<<grid, kLeanThreads, 0, st>>>(f);
@@ -1402,14 +1410,14 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // warpgroup, no wgmma).
 // With FLASHGDN_COLS_TMA=4|5 the same, taken by state_fwd_tma_kernel's kWy, where TMA can read
 // k, q and v (tma_can_read); FLASHGDN_FUSED, where set, wins (tma_wy_mode).
-bool fused_in_pass(const SegmentPlan& plan, const FwdParams& f) {
+bool fused_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
   const bool tma_wy =
-      tma_wy_mode() > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
+      tma_wy_mode(p) > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
   return (fused_mode() > 0 || tma_wy) && f.Tv16 != nullptr && f.EG != nullptr &&
          f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
          !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
          !cols_three_stages() && !cols_owg() && !cols_wgmma() &&
-         (!cols_tma() || cols_tma_wy() > 0);
+         (!cols_tma() || cols_tma_wy(p) > 0);
 }
 
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
@@ -1419,7 +1427,7 @@ template <typename In>
 void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
-  f.fused = fused_in_pass(plan, f);
+  f.fused = fused_in_pass(p, plan, f);
   f.kq_bf16 = !f.fused && kq_in_pass(p, plan, f);
   if (f.fused) f.P16 = nullptr;  // P is formed in the pass (wy_lean_kernel: no Q K^T)
   if (f.kq_bf16 || f.fused) f.Kh_w = f.Qh_w = nullptr;  // wy_kernel: no copies
