@@ -31,7 +31,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
-            "FLASHGDN_COLS_TMA")
+            "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES")
 
 
 @contextmanager
@@ -1267,12 +1267,15 @@ def tma_envs(split: str, variant: str):
     """(the default kernel's switches, state_fwd_tma_kernel's) for test_tma_forward."""
     base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_TMA": "0",
             **({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"} if split == "seg2" else {})}
-    tma = {**base, "FLASHGDN_COLS_TMA": {"ssy": "3", "wy": "4", "wyp": "5"}.get(variant, "1"),
+    tma = {**base, "FLASHGDN_COLS_TMA": {"ssy": "3", "wy": "4", "wyp": "5", "wyp1": "5"}.get(
+               variant, "1"),
+           # kWy 1 in both phases, but for "wyp1" (phase 1 the plain pass: the default's way)
+           "FLASHGDN_TMA_WY_PHASES": "1" if variant == "wyp1" else "3",
            **({"FLASHGDN_COLS_STAGES": "3"} if variant == "3" else {})}
     return base, tma
 
 
-@pytest.mark.parametrize("variant", ["2", "3", "ssy", "wy", "wyp"])
+@pytest.mark.parametrize("variant", ["2", "3", "ssy", "wy", "wyp", "wyp1"])
 @pytest.mark.parametrize("split", ["auto", "seg2"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.name)
 def test_tma_forward(case: Case, split: str, variant: str):
@@ -1286,7 +1289,8 @@ def test_tma_forward(case: Case, split: str, variant: str):
     FLASHGDN_COLS_TMA=3, S^T Q^T from S^T staged in shared memory against e^G-scaled Q; "wy":
     FLASHGDN_COLS_TMA=4, the fused forward (P and T diag(beta) formed in the kernel, the
     latter by wy_inverse's doubling on wgmma; wy_gates_kernel before it instead of
-    wy_lean_kernel); "wyp": FLASHGDN_COLS_TMA=5, only P formed in the kernel.
+    wy_lean_kernel); "wyp": FLASHGDN_COLS_TMA=5, only P formed in the kernel; "wyp1": that
+    with phase 1 on the plain pass (FLASHGDN_TMA_WY_PHASES=1, the default's way).
     state_fwd_tma_kernel ran and state_fwd_cols_kernel did not."""
     inp = make_inputs(case, "cuda", seed=83)
     base, tma = tma_envs(split, variant)
@@ -1299,25 +1303,32 @@ def test_tma_forward(case: Case, split: str, variant: str):
         names = cuda_kernels_run(lambda: flashgdn.chunk_gated_delta_rule(**inp,
                                                                          output_final_state=True))
     assert any("state_fwd_tma_kernel" in n for n in names), sorted(names)
-    assert not any("state_fwd_cols_kernel" in n for n in names), sorted(names)
+    if variant != "wyp1" or split != "seg2":  # wyp1: phase 1 of a split on the plain pass
+        assert not any("state_fwd_cols_kernel" in n for n in names), sorted(names)
     if variant == "wy":
         assert any("wy_gates_kernel" in n for n in names), sorted(names)
         assert not any("wy_lean_kernel" in n for n in names), sorted(names)
 
 
-@pytest.mark.parametrize("case", [
-    # the planner's split plan at 16 value heads: the fused TMA kernel by default
-    Case("default_h16_cp", [16384], 4, 16, gate="mixed"),
-    # 24 value heads, three a q/k head, g == 0 heads, odd lengths; fp16 inputs
-    Case("default_h24", [3000, 900, 5], 8, 24, gate="zero_heads"),
-    Case("default_h16_fp16", [2000, 64], 16, 16, gate="very_negative", dtype=torch.float16),
+@pytest.mark.parametrize("case, wy", [
+    # 16 value heads, one sequence of 512 chunks: the saturated overlapped schedule, kWy 1
+    (Case("default_h16_sat", [32768], 16, 16, gate="mixed"), True),
+    # 16 value heads, 256 chunks: the overlapped schedule (not saturated), the plain pass
+    (Case("default_h16_overlap", [16384], 4, 16, gate="mixed"), False),
+    # 32 value heads, 128 chunks: overlapped too, kWy 1 at 32 heads
+    (Case("default_h32_overlap", [8192], 8, 32, gate="normal"), True),
+    # 24 value heads, three a q/k head, g == 0 heads, odd lengths (unsplit); fp16 inputs
+    (Case("default_h24", [3000, 900, 5], 8, 24, gate="zero_heads"), True),
+    (Case("default_h16_fp16", [2000, 64], 16, 16, gate="very_negative",
+          dtype=torch.float16), True),
     # 8 value heads: the plain 128-column pass stays the default
-    Case("default_h8", [5000, 300], 2, 8, gate="mixed"),
-], ids=lambda c: c.name)
-def test_default_forward_kernel(case: Case):
+    (Case("default_h8", [5000, 300], 2, 8, gate="mixed"), False),
+], ids=lambda c: c.name if isinstance(c, Case) else None)
+def test_default_forward_kernel(case: Case, wy: bool):
     """The default forward at 128 columns takes state_fwd_tma_kernel's kWy 1 (the WY
-    warpgroup forming P) at 16 or more value heads and the plain 128-column pass below
-    (launch.cu cols_tma_wy): the expected kernel ran, and its o and final state equal
+    warpgroup forming P) at 16 or more value heads, but for the overlapped schedule below 32
+    (launch.cu cols_tma_wy), phase 1 of a split plan the plain pass (tma_wy_phase); else the
+    plain 128-column pass: the expected kernels ran, and o and the final state equal
     FLASHGDN_COLS_TMA=0's (the plain pass) bit for bit, eagerly and from a CUDA graph, within
     the float64 reference's tolerance."""
     inp = make_inputs(case, "cuda", seed=89)
@@ -1327,9 +1338,10 @@ def test_default_forward_kernel(case: Case):
     with env_vars(base):
         names = cuda_kernels_run(lambda: flashgdn.chunk_gated_delta_rule(**inp,
                                                                          output_final_state=True))
-    fused = case.hv >= 16
-    assert any("state_fwd_tma_kernel" in n for n in names) == fused, sorted(names)
-    assert any("state_fwd_cols_kernel" in n for n in names) == (not fused), sorted(names)
+    assert any("state_fwd_tma_kernel" in n for n in names) == wy, sorted(names)
+    # the plain pass: everything without kWy, phase 1 of a split plan with it
+    split = len(case.lens) == 1 and case.lens[0] >= 8192
+    assert any("state_fwd_cols_kernel" in n for n in names) == (not wy or split), sorted(names)
 
 
 @pytest.mark.parametrize("case", [

@@ -84,6 +84,9 @@ struct FwdParams : SegParams {
   // the state pass is gdn_fwd_fused_kernel (launch.cu fused_in_pass): wy_gates_kernel before
   // it writes only G, EG and Lb (no Tv16, P16, Kh, Qh)
   bool fused;
+  // with fused: state_fwd_tma_kernel's kWy the pass takes (launch.cu cols_tma_wy: 1 P, 2 P and
+  // T diag(beta)), 0: gdn_fwd_fused_kernel (FLASHGDN_FUSED)
+  int tma_wy;
   __half* Tv16;      // [TT, Hv, C] fp16 T diag(beta): the W/U0-free pass's (else null)
   // Tv16 and P16 hold only their lower block triangle (the 16 x 16 blocks at or below the
   // diagonal: 10 of 16): wy_kernel does not store the zero blocks above it, and their

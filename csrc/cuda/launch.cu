@@ -155,16 +155,22 @@ bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
 // e^G, Lb) before it instead of wy_lean_kernel, where fused_in_pass allows (else as =1);
 // measured correct and 2x slower (H100, version 44).
 // =5: kWy 1, P only (wy_lean_kernel without Q K^T before it); bit-identical to the default
-// kernel's outputs. The default (FLASHGDN_COLS_TMA unset) from version 44 at kTmaWyMinHeads or
-// more value heads: H100 2026-11-26, ms default -> kWy 1: 16/32 x 32768 0.888 -> 0.839, 16/48
-// 1.464 -> 1.286, 8/32 0.896 -> 0.834, 16/16 0.548 -> 0.549, 16/32 8192x4 0.710 -> 0.643; at 8
-// value heads slower (2/8 x 32768 0.302 -> 0.340). FLASHGDN_COLS_TMA=0 keeps the plain pass.
+// kernel's outputs. FLASHGDN_COLS_TMA unset (the default from version 44): kWy 1 at
+// kTmaWyMinHeads or more value heads, unless the plan runs the overlapped schedule (not its
+// saturated form) below kTmaWyOverlapHeads: there the warm-started phase 0 beside the chain
+// measured slower with it (H100 2026-11-26, ms plain -> kWy 1: 4/16 x 8192 0.194 -> 0.232,
+// 16/16 x 8192 0.208 -> 0.239, 8/24 6144+2048 0.242 -> 0.253; at 32 heads faster: 32/32 x 8192
+// 0.331 -> 0.320). Elsewhere faster (16/48 x 32768 1.463 -> 1.259, 8/24 x 32768 0.728 ->
+// 0.631, 4/16 8192x4 0.482 -> 0.428, with phase 1 plain: tma_wy_phase); at 8 value heads slower
+// (2/8 x 32768 0.302 -> 0.340). FLASHGDN_COLS_TMA=0 keeps the plain pass.
 // Returns kWy (0: neither).
-constexpr int64_t kTmaWyMinHeads = 16;
-int cols_tma_wy(const Problem& p) {
+constexpr int64_t kTmaWyMinHeads = 16, kTmaWyOverlapHeads = 32;
+bool cp_overlap(const SegmentPlan& plan);
+int cols_tma_wy(const Problem& p, const SegmentPlan& plan) {
   const int v = env_int_or("FLASHGDN_COLS_TMA", -1);
-  if (v < 0) return p.Hv >= kTmaWyMinHeads ? 1 : 0;
-  return v == 4 ? 2 : v == 5 ? 1 : 0;
+  if (v >= 0) return v == 4 ? 2 : v == 5 ? 1 : 0;
+  const bool overlapped = plan.split && cp_overlap(plan) && !plan.saturated;
+  return p.Hv >= kTmaWyMinHeads && (p.Hv >= kTmaWyOverlapHeads || !overlapped) ? 1 : 0;
 }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
@@ -760,7 +766,17 @@ int fused_mode() { return std::clamp(env_int_or("FLASHGDN_FUSED", 0), 0, 4); }
 
 // The kWy of state_fwd_tma_kernel a fused pass takes: cols_tma_wy (FLASHGDN_COLS_TMA=4|5 or the
 // default) unless FLASHGDN_FUSED, where set, asks for gdn_fwd_fused_kernel.
-int tma_wy_mode(const Problem& p) { return fused_mode() == 0 ? cols_tma_wy(p) : 0; }
+int tma_wy_mode(const Problem& p, const SegmentPlan& plan) {
+  return fused_mode() == 0 ? cols_tma_wy(p, plan) : 0;
+}
+// Whether this phase takes kWy 1 (phase 0 always): phase 1 of a split plan (the summaries: no
+// outputs, no P) takes the plain ping-pong pass, bf16 k converted in place (kq_bf16: wy_kernel
+// wrote no copies). FLASHGDN_TMA_WY_PHASES=3: both phases kWy 1. H100 2026-11-26, ms both ->
+// phase 0 only: 8/24 x 32768 0.686 -> 0.631, 16/48 12288+4096 0.745 -> 0.680, 4/16 8192x4
+// 0.464 -> 0.428, 16/16 x 32768 0.550 -> 0.525; 4/16 6144+2048 0.206 -> 0.212.
+bool tma_wy_phase(int phase) {
+  return phase == 0 || ((env_int_or("FLASHGDN_TMA_WY_PHASES", 1) >> phase) & 1) != 0;
+}
 
 // FLASHGDN_CP_P0_MERGE=<m>: SegParams::p0_merge forced to m (0: the plan's or the device's).
 int forced_p0_merge() { return std::max(0, env_int_or("FLASHGDN_CP_P0_MERGE", 0)); }
@@ -863,7 +879,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   const bool tma = tma_pass(p, f, maps);
   // the fused TMA kernel (tma_wy_mode): its maps are the inputs (fused_in_pass checked TMA can
   // read them)
-  const int wy_mode = f.fused ? tma_wy_mode(p) : 0;
+  int wy_mode = f.fused ? f.tma_wy : 0;
+  const bool wy_plain = wy_mode == 1 && !tma_wy_phase(f.phase);  // this phase: the plain pass
+  if (wy_plain) wy_mode = 0;
   if (wy_mode > 0) {
     const CUtensorMapDataType in16 = tma_in_type(p);
     if (!make_tma_map(maps.k, f.k, p.TT, p.Hqk, D, in16) ||
@@ -881,6 +899,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     // phase 0 in merged segments: the sequential schedule (or the device's, under the
     // overlapped launches), the host's factor or the device's (SegParams::p0_merge_dev)
     FwdParams fm = fz;
+    if (wy_plain) fm.kq_bf16 = p.qkv_dtype == FLASHGDN_DTYPE_BF16;
     const bool merge_ok =
         f.phase == 0 && !f.corr && (f.starts == 0 || (f.starts == 2 && f.schedule_dev));
     const int forced = forced_p0_merge();
@@ -907,7 +926,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     } else if (wy_mode == 1) {  // P only: three stages (no inverse's tiles)
       tgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false),
           kTmaWyThreads);
-    } else if (f.fused) {  // (part of) the WY part inside the pass (fused_in_pass)
+    } else if (f.fused && !wy_plain) {  // (part of) the WY part in the pass (fused_in_pass)
       const int mode = fused_mode();
       auto fgo = [&](auto kernel, size_t bytes) {
         launch_kernel_threads(kernel, grid, kFusedThreads, bytes, st, dep, what, fm);
@@ -1114,7 +1133,7 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   if (p.max_chunks() == 0) return;
   // gdn_fwd_fused_kernel (FLASHGDN_FUSED=3) or state_fwd_tma_kernel's kWy (FLASHGDN_COLS_TMA=4)
   // forms T diag(beta) and P
-  if (f.fused && (tma_wy_mode(p) == 2 || fused_mode() == 3)) {
+  if (f.fused && (f.tma_wy == 2 || fused_mode() == 3)) {
     f.wy_heads = largest_divisor_up_to(static_cast<int>(p.Hv / p.Hqk), kWyMaxHeads);
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / f.wy_heads)));
     wy_gates_kernel<In><<<grid, kLeanThreads, 0, st>>>(f);
@@ -1412,12 +1431,12 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // k, q and v (tma_can_read); FLASHGDN_FUSED, where set, wins (tma_wy_mode).
 bool fused_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
   const bool tma_wy =
-      tma_wy_mode(p) > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
+      tma_wy_mode(p, plan) > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
   return (fused_mode() > 0 || tma_wy) && f.Tv16 != nullptr && f.EG != nullptr &&
          f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
          !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
          !cols_three_stages() && !cols_owg() && !cols_wgmma() &&
-         (!cols_tma() || cols_tma_wy(p) > 0);
+         (!cols_tma() || cols_tma_wy(p, plan) > 0);
 }
 
 // The planner kernel, wy_kernel and the state pass (with its context-parallel phases)
@@ -1428,6 +1447,7 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
                     cudaStream_t st) {
   const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
   f.fused = fused_in_pass(p, plan, f);
+  f.tma_wy = f.fused ? tma_wy_mode(p, plan) : 0;
   f.kq_bf16 = !f.fused && kq_in_pass(p, plan, f);
   if (f.fused) f.P16 = nullptr;  // P is formed in the pass (wy_lean_kernel: no Q K^T)
   if (f.kq_bf16 || f.fused) f.Kh_w = f.Qh_w = nullptr;  // wy_kernel: no copies
