@@ -157,12 +157,14 @@ bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
 // =5: kWy 1, P only (wy_lean_kernel without Q K^T before it); bit-identical to the default
 // kernel's outputs. FLASHGDN_COLS_TMA unset (the default from version 44): kWy 1 at
 // kTmaWyMinHeads or more value heads, unless the plan runs the overlapped schedule (not its
-// saturated form) below kTmaWyOverlapHeads: there the warm-started phase 0 beside the chain
-// measured slower with it (H100 2026-11-26, ms plain -> kWy 1: 4/16 x 8192 0.194 -> 0.232,
-// 16/16 x 8192 0.208 -> 0.239, 8/24 6144+2048 0.242 -> 0.253; at 32 heads faster: 32/32 x 8192
-// 0.331 -> 0.320). Elsewhere faster (16/48 x 32768 1.463 -> 1.259, 8/24 x 32768 0.728 ->
-// 0.631, 4/16 8192x4 0.482 -> 0.428, with phase 1 plain: tma_wy_phase); at 8 value heads slower
-// (2/8 x 32768 0.302 -> 0.340). FLASHGDN_COLS_TMA=0 keeps the plain pass.
+// saturated form) below kTmaWyOverlapHeads or in two segments: there the warm-started phase 0
+// beside the chain measured slower with it (H100 2026-11-26, ms plain -> kWy 1: 4/16 x 8192
+// 0.194 -> 0.232, 16/16 x 8192 0.208 -> 0.239, 8/24 6144+2048 0.242 -> 0.253, two segments:
+// 16/48 x 4096 0.247 -> 0.263, 8/32 x 4096 0.203 -> 0.212; at 32 heads in three segments
+// faster: 32/32 x 8192 0.331 -> 0.309, 8/32 x 8192 0.304 -> 0.281). Elsewhere faster (16/48
+// x 32768 1.456 -> 1.228, 8/24 x 32768 0.727 -> 0.618, 4/16 8192x4 0.490 -> 0.435, with phase 1
+// plain: tma_wy_phase); at 8 value heads slower (2/8 x 32768 0.302 -> 0.340).
+// FLASHGDN_COLS_TMA=0 keeps the plain pass.
 // Returns kWy (0: neither).
 constexpr int64_t kTmaWyMinHeads = 16, kTmaWyOverlapHeads = 32;
 bool cp_overlap(const SegmentPlan& plan);
@@ -170,7 +172,8 @@ int cols_tma_wy(const Problem& p, const SegmentPlan& plan) {
   const int v = env_int_or("FLASHGDN_COLS_TMA", -1);
   if (v >= 0) return v == 4 ? 2 : v == 5 ? 1 : 0;
   const bool overlapped = plan.split && cp_overlap(plan) && !plan.saturated;
-  return p.Hv >= kTmaWyMinHeads && (p.Hv >= kTmaWyOverlapHeads || !overlapped) ? 1 : 0;
+  const bool overlap_ok = p.Hv >= kTmaWyOverlapHeads && plan.max_segments >= 3;
+  return p.Hv >= kTmaWyMinHeads && (!overlapped || overlap_ok) ? 1 : 0;
 }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
