@@ -149,6 +149,19 @@ bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") >= 1; }
 // folded into the Q tile (kSsY, two stages; docs/perf-notes.md versions 41-42, plan item 1's
 // first step; 7-13% slower than =1 on H100).
 bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
+// The overlapped schedule of a split sequential pass (the forward's, the backward's
+// recomputation and its reverse pass): the phase-0 blocks of segments that do not start
+// exact (h0 / dht, warm-ups: most of the decaying heads' work) run on the caller's stream
+// while the exact heads' chain (phase 1, the combine, the phase-0 blocks of exact segments)
+// runs on a high-priority stream beside it, forked and joined by events (graph-capturable).
+// Otherwise the chain's last launch waits for every phase-0 block; with 48 blocks at 2/8 x
+// 8192 most SMs idle through phase 1 and the combine. The plan's choice (the planner takes
+// it for forward splits whose blocks fit in one wave beside each other, planner.h);
+// FLASHGDN_CP_OVERLAP=1 forces it for every split pass, =0 never.
+bool cp_overlap(const SegmentPlan& plan) {
+  const int v = env_int_or("FLASHGDN_CP_OVERLAP", -1);
+  return v < 0 ? plan.overlap || plan.device_overlap : v == 1;
+}
 // FLASHGDN_COLS_TMA=4 (opt-in, experimental, 2026-11-26; docs/perf-notes.md plan item 1 and
 // version 43): the fused forward on that kernel, state_fwd_tma_kernel<., 2, false, 2> (kWy),
 // whose fourth warpgroup forms T diag(beta) and P from the tiles it loads, wy_gates_kernel (G,
@@ -167,7 +180,6 @@ bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
 // FLASHGDN_COLS_TMA=0 keeps the plain pass.
 // Returns kWy (0: neither).
 constexpr int64_t kTmaWyMinHeads = 16, kTmaWyOverlapHeads = 32;
-bool cp_overlap(const SegmentPlan& plan);
 int cols_tma_wy(const Problem& p, const SegmentPlan& plan) {
   const int v = env_int_or("FLASHGDN_COLS_TMA", -1);
   if (v >= 0) return v == 4 ? 2 : v == 5 ? 1 : 0;
@@ -1222,20 +1234,6 @@ bool launches(const SegmentPlan& plan, int bw) {
   if (bw == D && !plan.cols) return false;  // 128: state_fwd_cols_kernel (SegmentPlan::cols)
   return plan.device_col_block ? (plan.device_col_blocks & col_block_bit(bw)) != 0
                                : plan.col_block == bw;
-}
-
-// The overlapped schedule of a split sequential pass (the forward's, the backward's
-// recomputation and its reverse pass): the phase-0 blocks of segments that do not start
-// exact (h0 / dht, warm-ups: most of the decaying heads' work) run on the caller's stream
-// while the exact heads' chain (phase 1, the combine, the phase-0 blocks of exact segments)
-// runs on a high-priority stream beside it, forked and joined by events (graph-capturable).
-// Otherwise the chain's last launch waits for every phase-0 block; with 48 blocks at 2/8 x
-// 8192 most SMs idle through phase 1 and the combine. The plan's choice (the planner takes
-// it for forward splits whose blocks fit in one wave beside each other, planner.h);
-// FLASHGDN_CP_OVERLAP=1 forces it for every split pass, =0 never.
-bool cp_overlap(const SegmentPlan& plan) {
-  const int v = env_int_or("FLASHGDN_CP_OVERLAP", -1);
-  return v < 0 ? plan.overlap || plan.device_overlap : v == 1;
 }
 
 // Whether the device picks the schedule (SegmentPlan::device_overlap; FLASHGDN_CP_OVERLAP

@@ -1,7 +1,9 @@
 // state_fwd_tma_kernel: the forward's 128-column pass (phases 0 and 1 of the plain forward)
 // with its tiles loaded by TMA and every product on warpgroup tensor cores, in the shape of
-// FlashInfer's Hopper forward (opt-in FLASHGDN_COLS_TMA=1; docs/perf-notes.md version 41;
-// the shape measured first as bench/probe_tma_chain.cu).
+// FlashInfer's Hopper forward (docs/perf-notes.md version 41; the shape measured first as
+// bench/probe_tma_chain.cu). kWy 1 (the fused forward's WY warpgroup forming P) is the default
+// phase-0 pass at 16 or more value heads (launch.cu cols_tma_wy, version 44); kWy 0, the plain
+// pass, is opt-in (FLASHGDN_COLS_TMA=1), kWy 2 too (=4).
 //
 // grid as state_fwd_cols_kernel's (1 [x 2 in phase 1], H_v, segments or slots:
 // for_each_segment_block), 384 threads (kWy 512, ~170 KB), ~150 KB smem (kStages = 3, FLASHGDN_COLS_STAGES=3:
