@@ -403,8 +403,20 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   using Sm = StateFwdTmaSmem;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* base = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  // 1024-byte aligned (the swizzled tiles) by an offset from smem_raw, not by rounding the
+  // address as an integer: a pointer derived from smem_raw keeps its shared state space, so
+  // the roles' accesses through base compile to LDS / STS rather than generic LD / ST (kWy 1:
+  // the state warpgroups' 86 generic loads and 39 spill accesses gone, the WY warpgroup's
+  // stores STS). kWy 2 keeps the rounded generic address: with LDS / STS ptxas serializes
+  // every wgmma of that instantiation (C7512) at each register split tried.
+  unsigned char* base;
+  if constexpr (kWy == 2) {
+    base = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  } else {
+    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+    base = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
+  }
   uint64_t* full = reinterpret_cast<uint64_t*>(base + Sm::bars(kStages));
   uint64_t* empty = full + kStages;
   uint64_t* landed = full + 2 * kStages;
