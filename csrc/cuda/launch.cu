@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -894,7 +893,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   const bool tma = tma_pass(p, f, maps);
   // the fused TMA kernel (tma_wy_mode): its maps are the inputs (fused_in_pass checked TMA can
   // read them)
-  int wy_mode = f.fused ? f.tma_wy : 0;
+  int wy_mode = f.tma_wy;
   const bool wy_plain = wy_mode == 1 && !tma_wy_phase(f.phase);  // this phase: the plain pass
   if (wy_plain) wy_mode = 0;
   if (wy_mode > 0) {
@@ -902,7 +901,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     if (!make_tma_map(maps.k, f.k, p.TT, p.Hqk, D, in16) ||
         !make_tma_map(maps.q, f.q, p.TT, p.Hqk, D, in16) ||
         !make_tma_map(maps.v, f.v, p.TT, p.Hv, D, in16))
-      throw Error("flashgdn: FLASHGDN_COLS_TMA=4|5: no tensor map for k, q or v");
+      throw Error("flashgdn: the fused TMA forward (kWy): no tensor map for k, q or v");
   }
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
@@ -1429,10 +1428,10 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
 // With FLASHGDN_COLS_TMA=4|5 the same, taken by state_fwd_tma_kernel's kWy, where TMA can read
-// k, q and v (tma_can_read); FLASHGDN_FUSED, where set, wins (tma_wy_mode).
-bool fused_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
+// k, q and v (tma_can_read); FLASHGDN_FUSED, where set, wins (wy_mode: tma_wy_mode's).
+bool fused_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f, int wy_mode) {
   const bool tma_wy =
-      tma_wy_mode(p, plan) > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
+      wy_mode > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
   return (fused_mode() > 0 || tma_wy) && f.Tv16 != nullptr && f.EG != nullptr &&
          f.h == nullptr && f.Tmat == nullptr && f.T16 == nullptr && f.Pmat == nullptr &&
          !f.corr && !plan.device_col_block && launches(plan, D) && cols_ping() &&
@@ -1447,8 +1446,9 @@ template <typename In>
 void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers& b, FwdParams& f,
                     cudaStream_t st) {
   const DeviceSegChoice choice = state_pass_params(p, plan, b, f);
-  f.fused = fused_in_pass(p, plan, f);
-  f.tma_wy = f.fused ? tma_wy_mode(p, plan) : 0;
+  const int wy_mode = tma_wy_mode(p, plan);
+  f.fused = fused_in_pass(p, plan, f, wy_mode);
+  f.tma_wy = f.fused ? wy_mode : 0;
   f.kq_bf16 = !f.fused && kq_in_pass(p, plan, f);
   if (f.fused) f.P16 = nullptr;  // P is formed in the pass (wy_lean_kernel: no Q K^T)
   if (f.kq_bf16 || f.fused) f.Kh_w = f.Qh_w = nullptr;  // wy_kernel: no copies
