@@ -1110,10 +1110,12 @@ def test_kq_bf16_tiles(case: Case, env: dict):
 def test_kq_copies_kept_at_four_value_heads():
     """Four value heads a q/k head (4/16): the conversions would cost more than the copies
     save (launch.cu kq_in_pass), so the 128-column pass still reads wy_kernel's fp16 copies:
-    with their space poisoned and unwritten (FLASHGDN_DEBUG=256) the output is not finite."""
+    with their space poisoned and unwritten (FLASHGDN_DEBUG=256) the output is not finite.
+    The plain pass pinned (FLASHGDN_COLS_TMA=0): the default at 16 value heads forms P in
+    state_fwd_tma_kernel and reads bf16 k and q by TMA, no copies (test_default_forward_kernel)."""
     case = Case("kq_four", [1000, 2100], 4, 16, gate="mixed")
     inp = make_inputs(case, "cuda", seed=61)
-    with env_vars({"FLASHGDN_FWD_BW": "128", "FLASHGDN_DEBUG": "256"}):
+    with env_vars({"FLASHGDN_FWD_BW": "128", "FLASHGDN_DEBUG": "256", "FLASHGDN_COLS_TMA": "0"}):
         o, _ = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     assert not torch.isfinite(o).all()
