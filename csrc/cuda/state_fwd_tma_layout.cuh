@@ -31,11 +31,13 @@ static_assert(128 * kTmaProducerRegs + 256 * kTmaStateRegs <= kTmaThreads * 168,
               "the roles' registers fit the block's pool");
 // kWy (FLASHGDN_COLS_TMA=4|5): a fourth warpgroup forms P (and T diag(beta)); 512 threads, a
 // pool of 128 registers a thread. setmaxnreg of the state / producer / WY roles, read off the
-// SASS per role (docs/perf-notes.md version 43): kWy 1 208 / 24 / 72 (the WY's product loop
-// spilled at 64); kWy 2 200 / 24 / 88 (at 208 / 24 / 72 ptxas serialized every wgmma of the
+// SASS per role (docs/perf-notes.md versions 43, 45): kWy 1 200 / 40 / 72 (the WY's product
+// loop spilled at 64; the producer's spills at 24 about halved at 40, ptxas total 840 -> 388
+// bytes; H100 A/B 2026-11-26: 32/32 x 32768 0.882 -> 0.846 ms, 16/32 8192x4 0.578 -> 0.566,
+// none slower); kWy 2 200 / 24 / 88 (at 208 / 24 / 72 ptxas serialized every wgmma of the
 // kernel, C7512, for the WY role's registers).
 constexpr int kTmaWyThreads = 512;
-constexpr int kTmaWyRegs[2][3] = {{208, 24, 72}, {200, 24, 88}};  // [kWy - 1][role]
+constexpr int kTmaWyRegs[2][3] = {{200, 40, 72}, {200, 24, 88}};  // [kWy - 1][role]
 constexpr int tma_wy_regs(int kWy, int role) { return kTmaWyRegs[kWy == 2 ? 1 : 0][role]; }
 static_assert(256 * kTmaWyRegs[0][0] + 128 * (kTmaWyRegs[0][1] + kTmaWyRegs[0][2]) <= 65536 &&
                   256 * kTmaWyRegs[1][0] + 128 * (kTmaWyRegs[1][1] + kTmaWyRegs[1][2]) <= 65536,
