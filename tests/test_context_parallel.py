@@ -31,14 +31,15 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
-            "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES")
+            "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY")
 
 
 @contextmanager
 def env_vars(settings: dict):
     """The planner's switches set to `settings` (the others unset) for the scope."""
-    old = {k: os.environ.get(k) for k in ENV_KEYS}
-    for k in ENV_KEYS:
+    keys = set(ENV_KEYS) | set(settings)  # a switch missing from ENV_KEYS must not leak
+    old = {k: os.environ.get(k) for k in keys}
+    for k in keys:
         os.environ.pop(k, None)
     os.environ.update(settings)
     try:
@@ -1344,6 +1345,35 @@ def test_default_forward_kernel(case: Case, wy: bool):
     # the plain pass: everything without kWy, phase 1 of a split plan with it
     split = len(case.lens) == 1 and case.lens[0] >= 8192
     assert any("state_fwd_cols_kernel" in n for n in names) == (not wy or split), sorted(names)
+
+
+@pytest.mark.parametrize("case", [
+    # one value head a q/k head, 16 heads: fp16 inputs, very negative gates, odd lengths
+    Case("konly_h16_fp16", [2000, 64, 7], 16, 16, gate="very_negative", dtype=torch.float16),
+    # 32 heads, g == 0 heads, an initial state, int64 cu_seqlens
+    Case("konly_h32", [3000, 900, 5], 32, 32, gate="zero_heads", h0=True, cu_dtype=torch.int64),
+    # a split plan (phase 1 on the plain pass, phase 0 on kWy 1)
+    Case("konly_h16_split", [32768], 16, 16, gate="mixed"),
+], ids=lambda c: c.name)
+def test_wy_lean_k_only(case: Case):
+    """Where the fused forward forms P (kWy 1) and a q/k head has one value head, wy_lean_kernel
+    runs without q's tile (kQ = false: 19 KB, eight blocks an SM; launch.cu wy_lean_k_only):
+    that kernel ran, and o and the final state equal FLASHGDN_WY_LEAN_KONLY=0's (the kernel
+    with q's tile, the same arithmetic) bit for bit, eagerly and from a CUDA graph, within the
+    float64 reference's tolerance."""
+    inp = make_inputs(case, "cuda", seed=97)
+    base = {"FLASHGDN_FWD_BW": "128"}
+    forward_bit_identical(inp, {**base, "FLASHGDN_WY_LEAN_KONLY": "0"}, base,
+                          f"wy_lean k only {case.name}")
+    for env, k_only in ((base, True), ({**base, "FLASHGDN_WY_LEAN_KONLY": "0"}, False)):
+        with env_vars(env):
+            names = cuda_kernels_run(
+                lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
+        assert any("state_fwd_tma_kernel" in n for n in names), sorted(names)
+        lean = [n for n in names if "wy_lean_kernel" in n]
+        # the demangled name, e.g. void flashgdn::cuda::wy_lean_kernel<__half, 1, false, false>(...)
+        assert lean and all((",1,false,false>" in n.replace(" ", "")) == k_only
+                            for n in lean), sorted(names)
 
 
 @pytest.mark.parametrize("case", [

@@ -1126,6 +1126,15 @@ int wy_lean_heads(const Problem& p, const FwdParams& f) {
   return largest_divisor_up_to(group, cap);
 }
 
+// wy_lean_kernel without q's tile (kQ = false): one value head a block (H_v == H_qk) and
+// nothing of q asked (no P16: the fused forward's kWy forms P; no fp16 copies; no kT), so
+// its block is K's tile under one head's tiles, 19 KB, eight blocks an SM instead of five.
+// FLASHGDN_WY_LEAN_KONLY=0 keeps the kernel with q's tile (the same bits; measurements).
+bool wy_lean_k_only(const FwdParams& f, int heads) {
+  return heads == 1 && f.P16 == nullptr && f.Kh_w == nullptr && f.Qh_w == nullptr &&
+         !wy_lean_wants_t(f) && env_int_or("FLASHGDN_WY_LEAN_KONLY", 1) != 0;
+}
+
 template <typename In>
 void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   static std::once_flag once;
@@ -1136,6 +1145,7 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_batched_kernel<In, 2>, wy_batched_smem(2));
     set_smem(wy_batched_kernel<In, kWyMaxHeads>, wy_batched_smem(kWyMaxHeads));
     set_smem(wy_lean_kernel<In, 1>, wy_lean_smem(1));
+    set_smem(wy_lean_kernel<In, 1, false, false>, wy_lean_smem(1, false));
     set_smem(wy_lean_kernel<In, 2>, wy_lean_smem(2));
     set_smem(wy_lean_kernel<In, 3>, wy_lean_smem(3));
     set_smem(wy_lean_kernel<In, kWyMaxHeads>, wy_lean_smem(kWyMaxHeads));
@@ -1159,7 +1169,9 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
     auto go = [&](auto with_t) {
       constexpr bool kT = decltype(with_t)::value;
-      if (nl == 1)
+      if (nl == 1 && !kT && wy_lean_k_only(f, nl))
+        wy_lean_kernel<In, 1, false, false><<<grid, kLeanThreads, wy_lean_smem(1, false), st>>>(f);
+      else if (nl == 1)
         wy_lean_kernel<In, 1, kT><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);
       else if (nl == 2)
         wy_lean_kernel<In, 2, kT><<<grid, kLeanThreads, wy_lean_smem(2), st>>>(f);

@@ -1,5 +1,6 @@
 // wy_lean_kernel<In, kH>  grid (max_chunks * H_v / wy_heads), 128 threads (one warpgroup),
-//   kH >= wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM).
+//   kH >= wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
+//   kQ = false, one head: 19 KB, 8 blocks an SM).
 //   The default forward pass's WY part (wy_batched_kernel's outputs, not its bits) in the
 //   shape an auxiliary warpgroup of a fused forward kernel can run (docs/perf-notes.md plan
 //   item 1): one warpgroup, block-wide barriers only between its phases, few instructions:
@@ -43,15 +44,23 @@ constexpr int kLeanLd = 72;         // fp16 [64][72] tiles: 144-byte rows, ldmat
 constexpr size_t kLeanTile = sizeof(__half) * C * kLeanLd;
 constexpr size_t kLeanHead = 2 * kLeanTile;
 constexpr int kLeanDiagLd = kLeanLd / 2;  // floats
-constexpr size_t wy_lean_tiles(int kH) {
-  return sizeof(uint16_t) * 2 * C * LDH > kH * kLeanHead ? sizeof(uint16_t) * 2 * C * LDH
-                                                         : kH * kLeanHead;
+// kQ: q's tile too (P or the fp16 copies asked); without it (the fused forward's kWy 1, which
+// forms P itself) only K's tile lies under the heads' tiles
+constexpr size_t wy_lean_tiles(int kH, bool kQ = true) {
+  return sizeof(uint16_t) * (kQ ? 2 : 1) * C * LDH > kH * kLeanHead
+             ? sizeof(uint16_t) * (kQ ? 2 : 1) * C * LDH
+             : kH * kLeanHead;
 }
 // the tail: beta and G of kH heads, |k|^2
-constexpr size_t wy_lean_smem(int kH) { return wy_lean_tiles(kH) + sizeof(float) * (2 * kH + 1) * C; }
+constexpr size_t wy_lean_smem(int kH, bool kQ = true) {
+  return wy_lean_tiles(kH, kQ) + sizeof(float) * (2 * kH + 1) * C;
+}
 
-// blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, three (56 KB) 4, four (75 KB) 3
-constexpr int wy_lean_occupancy(int kH) { return kH <= 2 ? 5 : kH == 3 ? 4 : 3; }
+// blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, three (56 KB) 4, four (75 KB) 3;
+// one head without q's tile (19 KB) 8 (64 registers: ptxas spills 32 bytes)
+constexpr int wy_lean_occupancy(int kH, bool kQ = true) {
+  return !kQ && kH == 1 ? 8 : kH <= 2 ? 5 : kH == 3 ? 4 : 3;
+}
 
 // The warpgroup's chunk work, as device functions a kernel composes (wy_lean_kernel below; a
 // fused forward kernel's auxiliary warpgroup, docs/perf-notes.md plan item 1). They run on
@@ -339,8 +348,12 @@ __device__ __forceinline__ void lean_inverse(const LeanTiles& tiles, const float
 // backward's recomputation and the kept forward ask, whole rows with zero blocks above the
 // diagonal as wy_batched_kernel writes them: T from the fp32 values where they are formed
 // (the substitution's columns, the joins' accumulators), fp16 T16 staged as 16-byte rows.
-template <typename In, int kH, bool kT = false>
-__global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_kernel(FwdParams p) {
+// kQ = false (launch.cu wy_lean_k_only): no P, no copies asked, so no q read; K's tile alone
+// under the heads' tiles, a smaller block and more of them an SM (wy_lean_occupancy).
+template <typename In, int kH, bool kT = false, bool kQ = true>
+__global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH, kQ))
+    wy_lean_kernel(FwdParams p) {
+  static_assert(kQ || !kT, "kT asks for fp32 P: q's tile");
   if (p.seqs.failed()) return;
   const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
   const WyBlock wb = wy_block(p, nh);
@@ -356,7 +369,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
   const LeanTiles tiles{reinterpret_cast<__half*>(smem_raw),
                         reinterpret_cast<__half*>(smem_raw) + C * kLeanLd,
                         static_cast<int>(kLeanHead / sizeof(__half))};
-  float* bs_all = reinterpret_cast<float*>(smem_raw + wy_lean_tiles(kH));  // [heads][C]
+  float* bs_all = reinterpret_cast<float*>(smem_raw + wy_lean_tiles(kH, kQ));  // [heads][C]
   float* Gs_all = bs_all + kH * C;                                       // [heads][C]
   float* kn = Gs_all + kH * C;                                           // [C] |k_r|^2
   auto sync = [] { __syncthreads(); };
@@ -365,7 +378,8 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
   cp_async_tile_by<C, D, LDH, kLeanThreads>(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D,
                                             L, tid);
   // no P asked (the fused forward forms it: FLASHGDN_FUSED=1, 2): no q, no Q K^T
-  const bool with_p = p.P16 != nullptr || (kT && p.Pmat != nullptr) || p.Qh_w != nullptr;
+  const bool with_p =
+      kQ && (p.P16 != nullptr || (kT && p.Pmat != nullptr) || p.Qh_w != nullptr);
   if (with_p)
     cp_async_tile_by<C, D, LDH, kLeanThreads>(Qs, static_cast<const In*>(p.q) + qk_off,
                                               p.Hqk * D, L, tid);
@@ -373,7 +387,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH)) wy_lean_k
   lean_gates(p, ck.tok0, L, h0, nh, Gs_all, bs_all, warp);
   cp_async_wait<0>();
   sync();
-  wy_fp16_copies<In, kLeanThreads>(p, Ks, Qs, h0, qk_off, L);
+  if constexpr (kQ) wy_fp16_copies<In, kLeanThreads>(p, Ks, Qs, h0, qk_off, L);
 
   // Q K^T, then K K^T (32 accumulators a thread at a time): row block rb = w for Q K^T and
   // 3 - w for K K^T, so that every warp takes five 16 x 16 blocks of products and epilogue.
