@@ -1126,9 +1126,10 @@ int wy_lean_heads(const Problem& p, const FwdParams& f) {
   return largest_divisor_up_to(group, cap);
 }
 
-// wy_lean_kernel without q's tile (kQ = false): one value head a block (H_v == H_qk) and
-// nothing of q asked (no P16: the fused forward's kWy forms P; no fp16 copies; no kT), so
-// its block is K's tile under one head's tiles, 19 KB, eight blocks an SM instead of five.
+// wy_lean_kernel without q's tile (kQ = false): one value head a block (H_v == H_qk, or any
+// ratio under FLASHGDN_WY_LEAN=1) and nothing of q asked (no P16: the fused forward's kWy
+// forms P; no fp16 copies; no kT), so its block is K's tile under one head's tiles, 19 KB,
+// eight blocks an SM instead of five.
 // FLASHGDN_WY_LEAN_KONLY=0 keeps the kernel with q's tile (the same bits; measurements).
 bool wy_lean_k_only(const FwdParams& f, int heads) {
   return heads == 1 && f.P16 == nullptr && f.Kh_w == nullptr && f.Qh_w == nullptr &&
