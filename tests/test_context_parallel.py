@@ -506,9 +506,9 @@ def forward_pair(inp: dict, first_env: dict, second_env: dict, label: str):
 
 def no_less_accurate(inp: dict, base_env: dict, new_env: dict, label: str):
     """forward_pair under base_env and new_env (eager, and new_env from a CUDA graph equal to
-    its eager call): the new switches' o and final state within the
-    float64 reference's tolerance and no less accurate than base_env's (errors at most 10%
-    above, + 1e-4); (o, final state) of base_env, then of new_env."""
+    its eager call): the new switches' o and final state within the float64 reference's
+    tolerance and no less accurate than base_env's (errors at most 10% above, + 1e-4);
+    (o, final state) of base_env, then of new_env."""
     o0, h0, o1, h1 = forward_pair(inp, base_env, new_env, label)
     ro, rh = reference(inp)
     e0o, e0h, e1o, e1h = rel_err(o0, ro), rel_err(h0, rh), rel_err(o1, ro), rel_err(h1, rh)

@@ -1170,7 +1170,7 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
     auto go = [&](auto with_t) {
       constexpr bool kT = decltype(with_t)::value;
-      if (nl == 1 && !kT && wy_lean_k_only(f, nl))
+      if (wy_lean_k_only(f, nl))  // one head, no T asked (so never with kT)
         wy_lean_kernel<In, 1, false, false><<<grid, kLeanThreads, wy_lean_smem(1, false), st>>>(f);
       else if (nl == 1)
         wy_lean_kernel<In, 1, kT><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);
@@ -1440,8 +1440,9 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // the planner's 128 columns only (not the device's column choice), no records, no T or fp32
 // P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
-// With FLASHGDN_COLS_TMA=4|5 the same, taken by state_fwd_tma_kernel's kWy, where TMA can read
-// k, q and v (tma_can_read); FLASHGDN_FUSED, where set, wins (wy_mode: tma_wy_mode's).
+// With state_fwd_tma_kernel's kWy (cols_tma_wy: the default at 16+ value heads by plan, or
+// FLASHGDN_COLS_TMA=4|5) the same, where TMA can read k, q and v (tma_can_read);
+// FLASHGDN_FUSED, where set, wins (wy_mode: tma_wy_mode's).
 bool fused_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f, int wy_mode) {
   const bool tma_wy =
       wy_mode > 0 && tma_can_read(f.k) && tma_can_read(f.q) && tma_can_read(f.v);
