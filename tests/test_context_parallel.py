@@ -1354,13 +1354,20 @@ def test_default_forward_kernel(case: Case, wy: bool):
     Case("konly_h32", [3000, 900, 5], 32, 32, gate="zero_heads", h0=True, cu_dtype=torch.int64),
     # a split plan (phase 1 on the plain pass, phase 0 on kWy 1)
     Case("konly_h16_split", [32768], 16, 16, gate="mixed"),
+    # two value heads a block (|k|^2 in the A tile's padding, six blocks an SM): 8/16 fp16,
+    # very negative gates, odd lengths; 16/32 with g == 0 heads, an initial state, int64
+    # cu_seqlens; 4/16 (four value heads a q/k head, two a block) in a split plan
+    Case("konly2_h16_fp16", [2000, 64, 7], 8, 16, gate="very_negative", dtype=torch.float16),
+    Case("konly2_h32", [3000, 900, 5], 16, 32, gate="zero_heads", h0=True,
+         cu_dtype=torch.int64),
+    Case("konly2_g4_split", [32768], 4, 16, gate="mixed"),
 ], ids=lambda c: c.name)
 def test_wy_lean_k_only(case: Case):
-    """Where the fused forward forms P (kWy 1) and a q/k head has one value head, wy_lean_kernel
-    runs without q's tile (kQ = false: 19 KB, eight blocks an SM; launch.cu wy_lean_k_only):
-    that kernel ran, and o and the final state equal FLASHGDN_WY_LEAN_KONLY=0's (the kernel
-    with q's tile, the same arithmetic) bit for bit, eagerly and from a CUDA graph, within the
-    float64 reference's tolerance."""
+    """Where the fused forward forms P (kWy 1), wy_lean_kernel runs without q's tile (kQ =
+    false; launch.cu wy_lean_k_only): at one value head a block 19 KB, eight blocks an SM; at
+    two, |k|^2 kept in the A tile's padding, six. That kernel ran, and o and the final state
+    equal FLASHGDN_WY_LEAN_KONLY=0's (the kernel with q's tile, the same arithmetic) bit for
+    bit, eagerly and from a CUDA graph, within the float64 reference's tolerance."""
     inp = make_inputs(case, "cuda", seed=97)
     base = {"FLASHGDN_FWD_BW": "128"}
     forward_bit_identical(inp, {**base, "FLASHGDN_WY_LEAN_KONLY": "0"}, base,
@@ -1371,8 +1378,9 @@ def test_wy_lean_k_only(case: Case):
                 lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
         assert any("state_fwd_tma_kernel" in n for n in names), sorted(names)
         lean = [n for n in names if "wy_lean_kernel" in n]
-        # the demangled name, e.g. void flashgdn::cuda::wy_lean_kernel<__half, 1, false, false>(...)
-        assert lean and all((",1,false,false>" in n.replace(" ", "")) == k_only
+        # the demangled name, e.g. void flashgdn::cuda::wy_lean_kernel<__half, 2, false, false>(...)
+        heads = 1 if case.hqk == case.hv else 2
+        assert lean and all((f",{heads},false,false>" in n.replace(" ", "")) == k_only
                             for n in lean), sorted(names)
 
 

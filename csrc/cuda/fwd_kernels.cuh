@@ -371,13 +371,14 @@ __device__ __forceinline__ void wy_store_tv16(const FwdParams& p, const float* b
 // The chunk's warm-up bound Lb[lb_idx] = G_last + sum_r log max(1, |1 - beta_r |k_r|^2|) of
 // one value head (kernel header), by one whole warp.
 __device__ __forceinline__ void wy_store_lb(const FwdParams& p, const float* bs, const float* Gs,
-                                            const float* kn, int L, int64_t lb_idx) {
+                                            const float* kn, int L, int64_t lb_idx,
+                                            int kn_ld = 1) {
   const int lane = lane_id();
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = lane + 32 * i;
-    if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r])));
+    if (r < L) acc += __logf(fmaxf(1.f, fabsf(1.f - bs[r] * kn[r * kn_ld])));
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);

@@ -1126,14 +1126,15 @@ int wy_lean_heads(const Problem& p, const FwdParams& f) {
   return largest_divisor_up_to(group, cap);
 }
 
-// wy_lean_kernel without q's tile (kQ = false): one value head a block (H_v == H_qk, or any
-// ratio under FLASHGDN_WY_LEAN=1) and nothing of q asked (no P16: the fused forward's kWy
-// forms P; no fp16 copies; no kT), so its block is K's tile under one head's tiles, 19 KB,
-// eight blocks an SM instead of five.
-// FLASHGDN_WY_LEAN_KONLY=0 keeps the kernel with q's tile (the same bits; measurements).
+// wy_lean_kernel without q's tile (kQ = false) where nothing of q is asked (no P16: the fused
+// forward's kWy forms P; no fp16 copies; no kT): at one value head a block (H_v == H_qk, or
+// any ratio under FLASHGDN_WY_LEAN=1) K's tile under one head's tiles, 19 KB, eight blocks an
+// SM instead of five; at two, |k|^2 in the tiles' padding, 37,888 bytes, six instead of five.
+// FLASHGDN_WY_LEAN_KONLY=<n>: up to n heads a block (default 2; 0 keeps the kernel with q's
+// tile everywhere; the same bits either way).
 bool wy_lean_k_only(const FwdParams& f, int heads) {
-  return heads == 1 && f.P16 == nullptr && f.Kh_w == nullptr && f.Qh_w == nullptr &&
-         !wy_lean_wants_t(f) && env_int_or("FLASHGDN_WY_LEAN_KONLY", 1) != 0;
+  return heads <= std::min(2, env_int_or("FLASHGDN_WY_LEAN_KONLY", 2)) && f.P16 == nullptr &&
+         f.Kh_w == nullptr && f.Qh_w == nullptr && !wy_lean_wants_t(f);
 }
 
 template <typename In>
@@ -1148,6 +1149,7 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     set_smem(wy_lean_kernel<In, 1>, wy_lean_smem(1));
     set_smem(wy_lean_kernel<In, 1, false, false>, wy_lean_smem(1, false));
     set_smem(wy_lean_kernel<In, 2>, wy_lean_smem(2));
+    set_smem(wy_lean_kernel<In, 2, false, false>, wy_lean_smem(2, false));
     set_smem(wy_lean_kernel<In, 3>, wy_lean_smem(3));
     set_smem(wy_lean_kernel<In, kWyMaxHeads>, wy_lean_smem(kWyMaxHeads));
     set_smem(wy_lean_kernel<In, 1, true>, wy_lean_smem(1));
@@ -1170,8 +1172,10 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
     auto go = [&](auto with_t) {
       constexpr bool kT = decltype(with_t)::value;
-      if (wy_lean_k_only(f, nl))  // one head, no T asked (so never with kT)
+      if (wy_lean_k_only(f, nl) && nl == 1)  // no T asked (so never with kT)
         wy_lean_kernel<In, 1, false, false><<<grid, kLeanThreads, wy_lean_smem(1, false), st>>>(f);
+      else if (wy_lean_k_only(f, nl))  // two heads
+        wy_lean_kernel<In, 2, false, false><<<grid, kLeanThreads, wy_lean_smem(2, false), st>>>(f);
       else if (nl == 1)
         wy_lean_kernel<In, 1, kT><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);
       else if (nl == 2)

@@ -1,6 +1,6 @@
 // wy_lean_kernel<In, kH>  grid (max_chunks * H_v / wy_heads), 128 threads (one warpgroup),
 //   kH >= wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
-//   kQ = false, one head: 19 KB, 8 blocks an SM).
+//   kQ = false, no q read: one head 19 KB, 8 blocks an SM; two heads 37,888 bytes, 6).
 //   The default forward pass's WY part (wy_batched_kernel's outputs, not its bits) in the
 //   shape an auxiliary warpgroup of a fused forward kernel can run (docs/perf-notes.md plan
 //   item 1): one warpgroup, block-wide barriers only between its phases, few instructions:
@@ -51,15 +51,19 @@ constexpr size_t wy_lean_tiles(int kH, bool kQ = true) {
              ? sizeof(uint16_t) * (kQ ? 2 : 1) * C * LDH
              : kH * kLeanHead;
 }
-// the tail: beta and G of kH heads, |k|^2
+// the tail: beta and G of kH heads, |k|^2 (!kQ: |k|^2 in head 0's A tile's padding columns
+// 64 .. 71, which nothing else reads or writes: wy_lean_kn_ld)
 constexpr size_t wy_lean_smem(int kH, bool kQ = true) {
-  return wy_lean_tiles(kH, kQ) + sizeof(float) * (2 * kH + 1) * C;
+  return wy_lean_tiles(kH, kQ) + sizeof(float) * (2 * kH + (kQ ? 1 : 0)) * C;
 }
+// |k_r|^2's place: kn[r * kn_ld]
+constexpr int wy_lean_kn_ld(bool kQ) { return kQ ? 1 : kLeanLd / 2; }
 
 // blocks an SM: one head (36 KB) 5, two heads (38 KB) 5, three (56 KB) 4, four (75 KB) 3;
-// one head without q's tile (19 KB) 8 (64 registers: ptxas spills 4 bytes)
+// without q's tile: one head (19 KB) 8 (64 registers: ptxas spills 4 bytes), two heads
+// (37,888 bytes: with the 1 KB the SM reserves a block, six fill its 228 KB exactly) 6
 constexpr int wy_lean_occupancy(int kH, bool kQ = true) {
-  return !kQ && kH == 1 ? 8 : kH <= 2 ? 5 : kH == 3 ? 4 : 3;
+  return !kQ && kH == 1 ? 8 : !kQ && kH == 2 ? 6 : kH <= 2 ? 5 : kH == 3 ? 4 : 3;
 }
 
 // The warpgroup's chunk work, as device functions a kernel composes (wy_lean_kernel below; a
@@ -196,10 +200,11 @@ __device__ __forceinline__ void lean_p_epilogue(const float (&qk)[8][4], const f
 
 // A = diag(beta) (Dec . K K^T) strictly below the diagonal of head hi from K K^T's
 // accumulators (row block rb): fp16 blocks into its A tile (stmatrix), the diagonal block
-// also as fp32 (tiles.diag); |k_r|^2 into kn where with_kn.
+// also as fp32 (tiles.diag); |k_r|^2 into kn[r kn_ld] where
+// with_kn.
 __device__ __forceinline__ void lean_a_epilogue(const float (&kk)[8][4], const LeanTiles& tiles,
                                                 int hi, const float* Gs, const float* bs, int rb,
-                                                float* kn, bool with_kn) {
+                                                float* kn, bool with_kn, int kn_ld = 1) {
   const int m0 = 16 * rb, ra = m0 + (lane_id() >> 2), t = lane_id() & 3;
   const float gr[2] = {Gs[ra] * kLeanL2e, Gs[ra + 8] * kLeanL2e}, br[2] = {bs[ra], bs[ra + 8]};
 #pragma unroll
@@ -221,8 +226,8 @@ __device__ __forceinline__ void lean_a_epilogue(const float (&kk)[8][4], const L
           *reinterpret_cast<float2*>(tiles.diag(hi, rb) + (r - m0) * kLeanDiagLd + s - m0) =
               make_float2(av[hf][2 * i], av[hf][2 * i + 1]);
           if (with_kn) {
-            if (s == r) kn[r] = k0;
-            if (s + 1 == r) kn[r] = k1;
+            if (s == r) kn[r * kn_ld] = k0;
+            if (s + 1 == r) kn[r * kn_ld] = k1;
           }
         }
       }
@@ -371,7 +376,9 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH, kQ))
                         static_cast<int>(kLeanHead / sizeof(__half))};
   float* bs_all = reinterpret_cast<float*>(smem_raw + wy_lean_tiles(kH, kQ));  // [heads][C]
   float* Gs_all = bs_all + kH * C;                                       // [heads][C]
-  float* kn = Gs_all + kH * C;                                           // [C] |k_r|^2
+  // |k_r|^2: kn[r * kn_ld] (!kQ: the padding of head 0's A tile, written after every read of K)
+  constexpr int kn_ld = wy_lean_kn_ld(kQ);
+  float* kn = kQ ? Gs_all + kH * C : reinterpret_cast<float*>(tiles.a0 + C);
   auto sync = [] { __syncthreads(); };
 
   const int64_t qk_off = (ck.tok0 * p.Hqk + hq) * D, row_off0 = ck.tok0 * p.Hv + h0;
@@ -412,7 +419,8 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH, kQ))
     lean_lower_product(kk, Ks, Ks, 3 - warp);
     sync();  // every read of K, Q done: the heads' tiles go over them
     for (int hi = 0; hi < nh; ++hi)
-      lean_a_epilogue(kk, tiles, hi, Gs_all + hi * C, bs_all + hi * C, 3 - warp, kn, hi == 0);
+      lean_a_epilogue(kk, tiles, hi, Gs_all + hi * C, bs_all + hi * C, 3 - warp, kn, hi == 0,
+                      kn_ld);
   }
   // blocks of P16 and Tv16 above the diagonal: zero with whole tiles (!tri16), NaN under
   // FLASHGDN_DEBUG=16 (no reader may take them), else not written
@@ -502,7 +510,8 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH, kQ))
   for (int hi = 0; hi < nh; ++hi) {
     const float* bs = bs_all + hi * C;
     const float* Gs = Gs_all + hi * C;
-    if (p.Lb != nullptr && warp == hi % 4) wy_store_lb(p, bs, Gs, kn, L, chunk * p.Hv + h0 + hi);
+    if (p.Lb != nullptr && warp == hi % 4)
+      wy_store_lb(p, bs, Gs, kn, L, chunk * p.Hv + h0 + hi, kn_ld);
     wy_store_gates(p, Gs, row_off0 + hi, L, tid, kLeanThreads);
   }
 }
