@@ -15,7 +15,7 @@
 // cost a segment, ForwardCost::combine_us: FLASHGDN_COMBINE_US), --no-overlap
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
 // (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
-// --off, --on (FLASHGDN_CP).
+// --no-corr (FLASHGDN_CP_CORR=0: no exact outputs by correction), --off, --on (FLASHGDN_CP).
 //
 // --tokens a,b,... (packed sequences of those token counts, in place of --chunks / --n /
 // --varlen; the hint on the longest as cu_seqlens_cpu gives it, --no-hint drops it) also
@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   ForwardCost c;
   c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
   c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
+  c.corr = true;  // plan_cost's default (FLASHGDN_CP_CORR unset, the fp16 pass)
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
     const bool has_value = i + 1 < argc;
@@ -69,6 +70,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--sat")) force_saturated(c);
     else if (!std::strcmp(a, "--no-sat")) c.overlap_saturated = false;
     else if (!std::strcmp(a, "--no-merge")) c.p0_merge = false;
+    else if (!std::strcmp(a, "--no-corr")) c.corr = false;
     else if (!std::strcmp(a, "--off")) q.mode = CpMode::Off;
     else if (!std::strcmp(a, "--on")) q.mode = CpMode::On;
     else {
