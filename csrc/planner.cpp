@@ -229,23 +229,25 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       continue;
     }
     for (int64_t seg = kMinSegChunks; seg < longest_est; seg = next_seg_candidate(seg))
-      if (seg_candidate_for(bw, seg, longest_est, cost.overlap)) consider(seg);
+      if (seg_candidate_for(bw, seg, longest_est, cost.overlap, cost.short_seg_longest))
+        consider(seg);
     // lengths the host knows (fixed length, one packed sequence), 128 columns (one block per
     // SM), plans that may run overlapped (seg_candidate_for's `fine`): also the length of
     // every segment count, the shortest that cuts the sequence into n segments, so that a
     // plan's blocks can fill their wave exactly (H100, 4/16 heads x 16384 tokens, 256
     // chunks, overlapped: 6 segments of 43 chunks 0.342 ms, of 52 0.361; 48, the candidate
-    // above, makes 6 as well, the longest 48); for sequences of kMinOverlapLongest+ chunks
-    // below kMinSegChunks too, down to kMinOverlapSegChunks, on the overlapped schedule only
+    // above, makes 6 as well, the longest 48); for sequences of short_seg_longest+ chunks
+    // (kMinOverlapLongest) below kMinSegChunks too, down to short_seg_min
+    // (kMinOverlapSegChunks), on the overlapped schedule only
     // (its warm-ups run beside the exact heads' chain, which shorter segments shorten)
     if (bw == 128 && q.fixed_chunks > 0 && cost.overlap) {
       const int64_t shortest =
-          longest_est >= kMinOverlapLongest ? kMinOverlapSegChunks : kMinSegChunks;
+          longest_est >= cost.short_seg_longest ? cost.short_seg_min : kMinSegChunks;
       for (int64_t n = 2; ceil_div(longest_est, n) >= shortest; ++n) {
         const int64_t seg = ceil_div(longest_est, n);
         if (seg < kMinSegChunks)
           consider(seg, /*overlapped_only=*/true);
-        else if (seg_candidate_for(bw, seg, longest_est, /*fine=*/true))
+        else if (seg_candidate_for(bw, seg, longest_est, /*fine=*/true, cost.short_seg_longest))
           consider(seg);
       }
     }

@@ -103,6 +103,19 @@ struct SegmentQuery {
   int64_t longest_hint = -1;
 };
 
+// Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a
+// small part of a segment's work. (Measured at 2/8 x 8192, column block 128: segments of
+// 24 chunks 0.286 ms, 32 0.321, 16 0.311.)
+constexpr int64_t kMinSegChunks = 24;
+// ... and on the overlapped schedule, for sequences of at least kMinOverlapLongest chunks
+// (H200, 2026-11-26, 2/8 heads: 8192 tokens in segments of 18 or 20 chunks 0.140 ms, of 24
+// 0.152; 16384 tokens in 20 chunks 0.195, 24 0.197; segments of 16 no longer fit the
+// overlapped schedule's wave there, 0.234)
+constexpr int64_t kMinOverlapSegChunks = 18;
+constexpr int64_t kMinOverlapLongest = 128;
+// ... and with exact outputs by correction (SegmentPlan::corr; candidates 12, 16, 24, ...)
+constexpr int64_t kMinCorrSegChunks = 12;
+
 // The cost model's constants, measured on H100 (docs/perf-notes.md, 2026-11-23).
 struct ForwardCost {
   double step_us_bw16 = 3.3;     // one chunk step of a phase-0 block, 16 columns
@@ -197,6 +210,13 @@ struct ForwardCost {
   bool p0_merge = true;
   double p0_merge_gain = 0.03;
   double corr_us = 6.0;
+  // 128-column segments under 32 chunks: candidates only for sequences of at least
+  // short_seg_longest chunks (seg_candidate_for), the overlapped schedule's lengths down to
+  // short_seg_min there (kMinOverlapSegChunks' measurements). Shorter sequences take 32+
+  // (16/16 heads x 4096 tokens: two segments of 32 or none; docs/perf-notes.md version 46).
+  // FLASHGDN_CP_SHORT_LONGEST / FLASHGDN_CP_SHORT_MIN set them (forward; measurements).
+  int64_t short_seg_longest = kMinOverlapLongest;
+  int64_t short_seg_min = kMinOverlapSegChunks;
 };
 
 #ifdef __CUDACC__
@@ -495,19 +515,6 @@ inline double estimate_corr_us(const ForwardCost& c, const LoadStats& s, double 
   return crit0 > chain ? crit0 : chain;
 }
 
-// Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a
-// small part of a segment's work. (Measured at 2/8 x 8192, column block 128: segments of
-// 24 chunks 0.286 ms, 32 0.321, 16 0.311.)
-constexpr int64_t kMinSegChunks = 24;
-// ... and on the overlapped schedule, for sequences of at least kMinOverlapLongest chunks
-// (H200, 2026-11-26, 2/8 heads: 8192 tokens in segments of 18 or 20 chunks 0.140 ms, of 24
-// 0.152; 16384 tokens in 20 chunks 0.195, 24 0.197; segments of 16 no longer fit the
-// overlapped schedule's wave there, 0.234)
-constexpr int64_t kMinOverlapSegChunks = 18;
-constexpr int64_t kMinOverlapLongest = 128;
-// ... and with exact outputs by correction (SegmentPlan::corr; candidates 12, 16, 24, ...)
-constexpr int64_t kMinCorrSegChunks = 12;
-
 // The segment lengths Auto mode tries, from kMinSegChunks up: m 2^e for m = 4, 5, 6, 7, i.e.
 // 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, ... (four a factor of two, so that plans of
 // one block per SM can fill their wave: 2/8 heads x 32768 tokens, H100, 2026-11-25, the
@@ -534,12 +541,14 @@ inline FLASHGDN_HD int64_t next_seg_candidate(int64_t seg) {
 // `fine`: the plan may take the overlapped schedule (the forward's), every length of
 // next_seg_candidate; else (the backward's passes, FLASHGDN_CP_OVERLAP=0) only m = 4, 6,
 // the lengths 24, 32, 48, 64, 96, ... their plans were measured at.
+// short_longest: ForwardCost::short_seg_longest.
 inline FLASHGDN_HD bool seg_candidate_for(int bw, int64_t seg, int64_t longest,
-                                          bool fine = false) {
+                                          bool fine = false,
+                                          int64_t short_longest = kMinOverlapLongest) {
   if (bw != 128) return (seg & (seg - 1)) == 0;
   const int64_t m = seg >> seg_scale_log2(seg);
   if (!fine && m != 4 && m != 6) return false;
-  return seg >= 32 || longest >= 128;
+  return seg >= 32 || longest >= short_longest;
 }
 
 // The device's choice of plan for packed sequences (SegmentPlan::device_choice /
@@ -604,7 +613,7 @@ inline FLASHGDN_HD SplitEstimate device_candidate(const DeviceChoiceParams& c, i
     e.sequential = estimate_state_pass_us(sequential, st, c.heads, c.sms, bw, 0.0);
     return e;
   }
-  if (!seg_candidate_for(bw, seg[k], longest, c.cost.overlap) ||
+  if (!seg_candidate_for(bw, seg[k], longest, c.cost.overlap, c.cost.short_seg_longest) ||
       (c.split_col_blocks != 0 && (c.split_col_blocks & col_block_bit(bw)) == 0))
     return e;
   st.segs = st.seg_blocks = static_cast<double>(segs[k]);

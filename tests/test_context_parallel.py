@@ -31,7 +31,8 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
-            "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY")
+            "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY",
+            "FLASHGDN_CP_SHORT_LONGEST", "FLASHGDN_CP_SHORT_MIN")
 
 
 @contextmanager
@@ -1382,6 +1383,31 @@ def test_wy_lean_k_only(case: Case):
         heads = 1 if case.hqk == case.hv else 2
         assert lean and all((f",{heads},false,false>" in n.replace(" ", "")) == k_only
                             for n in lean), sorted(names)
+
+
+@pytest.mark.parametrize("case", [
+    # 16 heads x 64 chunks: unsplit by default, four or five 128-column segments with the
+    # switches; mixed gates (g == 0 heads: the exact chain), an initial state
+    Case("short_h16", [4096], 16, 16, gate="mixed"),
+    # 96 chunks at 4/16 heads (three segments of 32 by default, six of 16 with the switches),
+    # fp16 inputs, very negative gates
+    Case("short_h16_96_fp16", [6144], 4, 16, gate="very_negative", dtype=torch.float16),
+], ids=lambda c: c.name)
+def test_short_segments_switch(case: Case):
+    """FLASHGDN_CP_SHORT_LONGEST=64 with FLASHGDN_CP_SHORT_MIN=12 (ForwardCost::short_seg_longest
+    / short_seg_min: 128-column segments under 32 chunks for sequences of 64+ chunks): the plan
+    splits (the chain's kernels ran; at 64 chunks only with the switches, the default there is
+    unsplit), and o and the final state are within the float64 reference's tolerance and no
+    less accurate than the default's, eagerly and from a CUDA graph."""
+    inp = make_inputs(case, "cuda", seed=101)
+    short = {"FLASHGDN_CP_SHORT_LONGEST": "64", "FLASHGDN_CP_SHORT_MIN": "12"}
+    no_less_accurate(inp, {}, short, f"short segments {case.name}")
+    chain = ("seg_walk_kernel", "seg_combine_kernel", "seg_scan_kernel")
+    for env, split in (({}, case.lens[0] > 4096), (short, True)):
+        with env_vars(env):
+            names = cuda_kernels_run(
+                lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
+        assert any(c in n for n in names for c in chain) == split, (env, sorted(names))
 
 
 @pytest.mark.parametrize("case", [

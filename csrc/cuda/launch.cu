@@ -610,6 +610,15 @@ ForwardCost plan_cost(bool backward) {
   }
   c.corr = !backward && fwd_pass() == FwdPass::F16 && env_int_or("FLASHGDN_CP_CORR", -1) != 0 &&
            !cols_wgmma();
+  // FLASHGDN_CP_SHORT_LONGEST=<chunks> / FLASHGDN_CP_SHORT_MIN=<chunks>: from which sequence
+  // length 128-column segments under 32 chunks are tried, and how short (ForwardCost; the
+  // forward; measurements)
+  if (!backward) {
+    const int longest = env_int_or("FLASHGDN_CP_SHORT_LONGEST", 0);
+    const int shortest = env_int_or("FLASHGDN_CP_SHORT_MIN", 0);
+    if (longest > 0) c.short_seg_longest = longest;
+    if (shortest > 0) c.short_seg_min = shortest;
+  }
   return c;
 }
 

@@ -15,7 +15,9 @@
 // cost a segment, ForwardCost::combine_us: FLASHGDN_COMBINE_US), --no-overlap
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
 // (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
-// --no-corr (FLASHGDN_CP_CORR=0: no exact outputs by correction), --off, --on (FLASHGDN_CP).
+// --no-corr (FLASHGDN_CP_CORR=0: no exact outputs by correction), --short-longest n,
+// --short-min n (FLASHGDN_CP_SHORT_LONGEST / _MIN: ForwardCost::short_seg_longest / _min),
+// --off, --on (FLASHGDN_CP).
 //
 // --tokens a,b,... (packed sequences of those token counts, in place of --chunks / --n /
 // --varlen; the hint on the longest as cu_seqlens_cpu gives it, --no-hint drops it) also
@@ -55,6 +57,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--nsub") && has_value) c.nsub = static_cast<int>(value());
     else if (!std::strcmp(a, "--step128") && has_value) c.step_us_bw128 = std::atof(argv[++i]);
     else if (!std::strcmp(a, "--combine") && has_value) c.combine_us = std::atof(argv[++i]);
+    else if (!std::strcmp(a, "--short-longest") && has_value) c.short_seg_longest = value();
+    else if (!std::strcmp(a, "--short-min") && has_value) c.short_seg_min = value();
     else if (!std::strcmp(a, "--varlen")) varlen = true;
     else if (!std::strcmp(a, "--no-hint")) hint = false;
     else if (!std::strcmp(a, "--tokens") && has_value) {

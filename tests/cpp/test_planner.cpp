@@ -754,6 +754,35 @@ TEST(Planner, OverlapTriesShorterSegments) {
   if (p.split) EXPECT_GE(p.seg_chunks, kMinSegChunks);
 }
 
+TEST(Planner, ShortSegmentsFromAnotherLength) {
+  // ForwardCost::short_seg_longest / short_seg_min (FLASHGDN_CP_SHORT_LONGEST / _MIN): from
+  // which sequence length 128-column segments under 32 chunks are tried, and down to which.
+  // 16 heads x 64 chunks: by default never under kMinSegChunks (here: 16 columns unsplit);
+  // from 64 chunks down to 16, the overlapped split in four segments of 16 (the model's
+  // 86 us against 134 unsplit; docs/perf-notes.md version 46 measures it).
+  auto q = query(1, 64, 16);
+  q.allow_cols = true;
+  flashgdn::ForwardCost c = fp16_cost();
+  c.corr = true;  // as launch.cu plan_cost (the forward's fp16 pass)
+  auto p = plan_segments(q, c);
+  EXPECT_TRUE(!p.split || p.seg_chunks >= kMinSegChunks) << p.seg_chunks;
+  c.short_seg_longest = 64;
+  c.short_seg_min = 16;
+  p = plan_segments(q, c);
+  EXPECT_TRUE(p.split && p.overlap);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_EQ(p.seg_chunks, 16);
+  EXPECT_EQ(p.max_segments, 4);
+  // sequences under short_seg_longest stay at kMinSegChunks+, whatever short_seg_min says
+  q = query(1, 63, 16);
+  q.allow_cols = true;
+  p = plan_segments(q, c);
+  EXPECT_TRUE(!p.split || p.seg_chunks >= kMinSegChunks) << p.seg_chunks;
+  // 128-column candidates under 32 follow short_seg_longest
+  EXPECT_FALSE(flashgdn::seg_candidate_for(128, 24, 64));
+  EXPECT_TRUE(flashgdn::seg_candidate_for(128, 24, 64, false, 64));
+}
+
 TEST(Planner, AutoWithForcedSegmentLength) {
   // FLASHGDN_CP_SEG with FLASHGDN_CP=auto (SegmentQuery::forced_seg_chunks in Auto mode):
   // that length alone, on whichever schedule the model prefers for it (a measurement knob)
