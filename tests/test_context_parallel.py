@@ -1397,11 +1397,11 @@ def test_short_segments_switch(case: Case):
     """FLASHGDN_CP_SHORT_LONGEST=64 with FLASHGDN_CP_SHORT_MIN=12 (ForwardCost::short_seg_longest
     / short_seg_min: 128-column segments under 32 chunks for sequences of 64+ chunks): the plan
     splits (the chain's kernels ran; at 64 chunks only with the switches, the default there is
-    unsplit), and o and the final state are within the float64 reference's tolerance and no
-    less accurate than the default's, eagerly and from a CUDA graph."""
+    unsplit), and its o and final state, eagerly and from a CUDA graph, are a split's against
+    the float64 reference and the unsplit pass (check_split: g == 0 heads as exact)."""
     inp = make_inputs(case, "cuda", seed=101)
     short = {"FLASHGDN_CP_SHORT_LONGEST": "64", "FLASHGDN_CP_SHORT_MIN": "12"}
-    no_less_accurate(inp, {}, short, f"short segments {case.name}")
+    check_split_env(f"short segments {case.name}", case, inp, short, {"FLASHGDN_CP": "off"})
     chain = ("seg_walk_kernel", "seg_combine_kernel", "seg_scan_kernel")
     for env, split in (({}, case.lens[0] > 4096), (short, True)):
         with env_vars(env):
