@@ -200,8 +200,7 @@ __device__ __forceinline__ void lean_p_epilogue(const float (&qk)[8][4], const f
 
 // A = diag(beta) (Dec . K K^T) strictly below the diagonal of head hi from K K^T's
 // accumulators (row block rb): fp16 blocks into its A tile (stmatrix), the diagonal block
-// also as fp32 (tiles.diag); |k_r|^2 into kn[r kn_ld] where
-// with_kn.
+// also as fp32 (tiles.diag); |k_r|^2 into kn[r * kn_ld] where with_kn.
 __device__ __forceinline__ void lean_a_epilogue(const float (&kk)[8][4], const LeanTiles& tiles,
                                                 int hi, const float* Gs, const float* bs, int rb,
                                                 float* kn, bool with_kn, int kn_ld = 1) {
