@@ -1179,11 +1179,12 @@ void launch_wy(const Problem& p, FwdParams f, cudaStream_t st) {
   if (const int nl = wy_lean_heads(p, f); nl > 0) {
     f.wy_heads = nl;
     const dim3 grid(static_cast<unsigned>(p.max_chunks() * (p.Hv / nl)));
+    const bool k_only = wy_lean_k_only(f, nl);  // no T asked (so never with kT), 1 or 2 heads
     auto go = [&](auto with_t) {
       constexpr bool kT = decltype(with_t)::value;
-      if (wy_lean_k_only(f, nl) && nl == 1)  // no T asked (so never with kT)
+      if (k_only && nl == 1)
         wy_lean_kernel<In, 1, false, false><<<grid, kLeanThreads, wy_lean_smem(1, false), st>>>(f);
-      else if (wy_lean_k_only(f, nl))  // two heads
+      else if (k_only)
         wy_lean_kernel<In, 2, false, false><<<grid, kLeanThreads, wy_lean_smem(2, false), st>>>(f);
       else if (nl == 1)
         wy_lean_kernel<In, 1, kT><<<grid, kLeanThreads, wy_lean_smem(1), st>>>(f);

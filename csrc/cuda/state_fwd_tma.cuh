@@ -6,8 +6,8 @@
 // pass, is opt-in (FLASHGDN_COLS_TMA=1), kWy 2 too (=4).
 //
 // grid as state_fwd_cols_kernel's (1 [x 2 in phase 1], H_v, segments or slots:
-// for_each_segment_block), 384 threads (kWy 512, ~170 KB), ~150 KB smem (kStages = 3, FLASHGDN_COLS_STAGES=3:
-// ~215 KB), one block an SM. Stages: the chunk's tiles, a ring of kStages.
+// for_each_segment_block), 384 threads (kWy 512, ~170 KB), ~150 KB smem (kStages = 3,
+// FLASHGDN_COLS_STAGES=3: ~215 KB), one block an SM. Stages: the chunk's tiles, a ring of kStages.
 // * Warpgroup 2 (72 registers) produces: for each chunk of the block's segments, once the
 //   stage is free (empty[s]), one thread issues TMA loads (completing on landed[s]) of K and Q
 //   ([64 tokens][128] as two 64 x 64 boxes: the inputs, bf16 or fp16, or wy's fp16 copies) and
@@ -312,8 +312,8 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
       wgmma_ss_n64(y, sw128_desc(St + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
-                       sw128_desc(st + Sm::kOffQ + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
-                       kk > 0);
+                   sw128_desc(st + Sm::kOffQ + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
+                   kk > 0);
   }
   if constexpr (kOut) {
 #pragma unroll

@@ -1,5 +1,5 @@
 // wy_lean_kernel<In, kH>  grid (max_chunks * H_v / wy_heads), 128 threads (one warpgroup),
-//   kH >= wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
+//   kH == wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
 //   kQ = false, no q read: one head 19 KB, 8 blocks an SM; two heads 37,888 bytes, 6).
 //   The default forward pass's WY part (wy_batched_kernel's outputs, not its bits) in the
 //   shape an auxiliary warpgroup of a fused forward kernel can run (docs/perf-notes.md plan
@@ -47,9 +47,8 @@ constexpr int kLeanDiagLd = kLeanLd / 2;  // floats
 // kQ: q's tile too (P or the fp16 copies asked); without it (the fused forward's kWy 1, which
 // forms P itself) only K's tile lies under the heads' tiles
 constexpr size_t wy_lean_tiles(int kH, bool kQ = true) {
-  return sizeof(uint16_t) * (kQ ? 2 : 1) * C * LDH > kH * kLeanHead
-             ? sizeof(uint16_t) * (kQ ? 2 : 1) * C * LDH
-             : kH * kLeanHead;
+  const size_t inputs = sizeof(uint16_t) * (kQ ? 2 : 1) * C * LDH;
+  return inputs > kH * kLeanHead ? inputs : kH * kLeanHead;
 }
 // the tail: beta and G of kH heads, |k|^2 (!kQ: |k|^2 in head 0's A tile's padding columns
 // 64 .. 71, which nothing else reads or writes: wy_lean_kn_ld)
