@@ -1,5 +1,5 @@
 // wy_lean_kernel<In, kH>  grid (max_chunks * H_v / wy_heads), 128 threads (one warpgroup),
-//   kH == wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
+//   kH >= wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
 //   kQ = false, no q read: one head 19 KB, 8 blocks an SM; two heads 37,888 bytes, 6).
 //   The default forward pass's WY part (wy_batched_kernel's outputs, not its bits) in the
 //   shape an auxiliary warpgroup of a fused forward kernel can run (docs/perf-notes.md plan
@@ -358,9 +358,7 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH, kQ))
     wy_lean_kernel(FwdParams p) {
   static_assert(kQ || !kT, "kT asks for fp32 P: q's tile");
   if (p.seqs.failed()) return;
-  // p.wy_heads == kH (launch_wy picks the instantiation by the heads a block), so the head
-  // loops below have trip counts the compiler knows
-  constexpr int nh = kH;
+  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
   const WyBlock wb = wy_block(p, nh);
   const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
   const ChunkRef ck = wb.ck;
