@@ -358,7 +358,9 @@ __global__ void __launch_bounds__(kLeanThreads, wy_lean_occupancy(kH, kQ))
     wy_lean_kernel(FwdParams p) {
   static_assert(kQ || !kT, "kT asks for fp32 P: q's tile");
   if (p.seqs.failed()) return;
-  const int nh = p.wy_heads;  // divides H_v / H_qk, at most kH
+  // p.wy_heads == kH (launch_wy picks the instantiation by the heads a block), so the head
+  // loops below have trip counts the compiler knows
+  constexpr int nh = kH;
   const WyBlock wb = wy_block(p, nh);
   const int64_t chunk = wb.chunk, h0 = wb.h0, hq = wb.hq;
   const ChunkRef ck = wb.ck;
