@@ -113,6 +113,12 @@ constexpr int64_t kMinSegChunks = 24;
 // overlapped schedule's wave there, 0.234)
 constexpr int64_t kMinOverlapSegChunks = 18;
 constexpr int64_t kMinOverlapLongest = 128;
+// ... the forward's from 64 chunks (ForwardCost::short_seg_longest; H100, 2026-11-26, one
+// sequence, CUDA graphs, ms, from 128 -> from 64: 16/16 x 4096 0.194 -> 0.165 (at 16 chunks;
+// 22 by the model), 4/16 x 4096 0.171 -> 0.144, 8/24 x 4096 0.186 -> 0.165, 4/16 x 6144
+// 0.187 -> 0.163, 2/8 x 7168 0.161 -> 0.132, 16/48 x 7168 0.393 -> 0.349; no row of 2/8 ..
+// 16/64 x 3072 .. 16384 slower; the backward's passes keep kMinOverlapLongest, unmeasured)
+constexpr int64_t kMinShortSegLongest = 64;
 // ... and with exact outputs by correction (SegmentPlan::corr; candidates 12, 16, 24, ...)
 constexpr int64_t kMinCorrSegChunks = 12;
 
@@ -213,9 +219,10 @@ struct ForwardCost {
   // 128-column segments under 32 chunks: candidates only for sequences of at least
   // short_seg_longest chunks (seg_candidate_for), the overlapped schedule's lengths down to
   // short_seg_min there (kMinOverlapSegChunks' measurements). Shorter sequences take 32+
-  // (16/16 heads x 4096 tokens: two segments of 32 or none; docs/perf-notes.md version 46).
-  // FLASHGDN_CP_SHORT_LONGEST / FLASHGDN_CP_SHORT_MIN set them (forward; measurements).
-  int64_t short_seg_longest = kMinOverlapLongest;
+  // (kMinShortSegLongest's measurements; docs/perf-notes.md version 47). The backward's
+  // plan_cost sets kMinOverlapLongest. FLASHGDN_CP_SHORT_LONGEST / FLASHGDN_CP_SHORT_MIN
+  // set them (forward; measurements).
+  int64_t short_seg_longest = kMinShortSegLongest;
   int64_t short_seg_min = kMinOverlapSegChunks;
 };
 

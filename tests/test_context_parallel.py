@@ -1321,8 +1321,9 @@ def test_tma_forward(case: Case, split: str, variant: str):
     (Case("default_h16_overlap", [16384], 4, 16, gate="mixed"), False),
     # 32 value heads, 128 chunks: overlapped too, kWy 1 at 32 heads
     (Case("default_h32_overlap", [8192], 8, 32, gate="normal"), True),
-    # 24 value heads, three a q/k head, g == 0 heads, odd lengths (unsplit); fp16 inputs
-    (Case("default_h24", [3000, 900, 5], 8, 24, gate="zero_heads"), True),
+    # 24 value heads, three a q/k head, g == 0 heads, odd lengths (unsplit: 59 chunks in all,
+    # under kMinShortSegLongest, so no 128-column split is a candidate); fp16 inputs
+    (Case("default_h24", [2500, 900, 5], 8, 24, gate="zero_heads"), True),
     (Case("default_h16_fp16", [2000, 64], 16, 16, gate="very_negative",
           dtype=torch.float16), True),
     # 8 value heads: the plain 128-column pass stays the default
@@ -1386,24 +1387,27 @@ def test_wy_lean_k_only(case: Case):
 
 
 @pytest.mark.parametrize("case", [
-    # 16 heads x 64 chunks: unsplit by default, four or five 128-column segments with the
-    # switches; mixed gates (g == 0 heads: the exact chain), an initial state
+    # 16 heads x 64 chunks: three 128-column segments of 22 by default, unsplit from 128
+    # (the rule before kMinShortSegLongest), five of 13 with the switches; mixed gates
+    # (g == 0 heads: the exact chain), an initial state
     Case("short_h16", [4096], 16, 16, gate="mixed"),
-    # 96 chunks at 4/16 heads (three segments of 32 by default, six of 16 with the switches),
-    # fp16 inputs, very negative gates
+    # 96 chunks at 4/16 heads (five segments of 20 by default, three of 32 from 128, six
+    # of 16 with the switches), fp16 inputs, very negative gates
     Case("short_h16_96_fp16", [6144], 4, 16, gate="very_negative", dtype=torch.float16),
 ], ids=lambda c: c.name)
 def test_short_segments_switch(case: Case):
     """FLASHGDN_CP_SHORT_LONGEST=64 with FLASHGDN_CP_SHORT_MIN=12 (ForwardCost::short_seg_longest
-    / short_seg_min: 128-column segments under 32 chunks for sequences of 64+ chunks): the plan
-    splits (the chain's kernels ran; at 64 chunks only with the switches, the default there is
-    unsplit), and its o and final state, eagerly and from a CUDA graph, are a split's against
-    the float64 reference and the unsplit pass (check_split: g == 0 heads as exact)."""
+    / short_seg_min: 128-column segments down to 12 chunks for sequences of 64+ chunks): the
+    plan splits (the chain's kernels ran; by default as well, kMinShortSegLongest; with
+    FLASHGDN_CP_SHORT_LONGEST=128, the rule before it, not at 64 chunks), and its o and final
+    state, eagerly and from a CUDA graph, are a split's against the float64 reference and the
+    unsplit pass (check_split: g == 0 heads as exact)."""
     inp = make_inputs(case, "cuda", seed=101)
     short = {"FLASHGDN_CP_SHORT_LONGEST": "64", "FLASHGDN_CP_SHORT_MIN": "12"}
     check_split_env(f"short segments {case.name}", case, inp, short, {"FLASHGDN_CP": "off"})
     chain = ("seg_walk_kernel", "seg_combine_kernel", "seg_scan_kernel")
-    for env, split in (({}, case.lens[0] > 4096), (short, True)):
+    old = {"FLASHGDN_CP_SHORT_LONGEST": "128"}
+    for env, split in (({}, True), (short, True), (old, case.lens[0] > 4096)):
         with env_vars(env):
             names = cuda_kernels_run(
                 lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))

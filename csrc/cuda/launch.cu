@@ -613,7 +613,9 @@ ForwardCost plan_cost(bool backward) {
   // FLASHGDN_CP_SHORT_LONGEST=<chunks> / FLASHGDN_CP_SHORT_MIN=<chunks>: from which sequence
   // length 128-column segments under 32 chunks are tried, and how short (ForwardCost; the
   // forward; measurements)
-  if (!backward) {
+  if (backward) {
+    c.short_seg_longest = kMinOverlapLongest;  // its plans as measured (kMinShortSegLongest)
+  } else {
     const int longest = env_int_or("FLASHGDN_CP_SHORT_LONGEST", 0);
     const int shortest = env_int_or("FLASHGDN_CP_SHORT_MIN", 0);
     if (longest > 0) c.short_seg_longest = longest;

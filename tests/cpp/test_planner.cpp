@@ -538,7 +538,10 @@ TEST(Planner, ExactOutputsByCorrectionForShortTpSequences) {
   flashgdn::ForwardCost fp16 = fp16_cost();
   auto q = query(1, 64, 8);
   q.allow_cols = true;
-  EXPECT_FALSE(plan_segments(q, fp16).split);  // without corr: unsplit
+  // without corr: unsplit, or (kMinShortSegLongest) the overlapped 128-column split
+  const auto no_corr = plan_segments(q, fp16);
+  EXPECT_FALSE(no_corr.corr);
+  EXPECT_TRUE(!no_corr.split || (no_corr.col_block == 128 && no_corr.overlap));
   fp16.corr = true;
   auto p = plan_segments(q, fp16);
   EXPECT_TRUE(p.split);
@@ -747,8 +750,15 @@ TEST(Planner, OverlapTriesShorterSegments) {
     p = plan_segments(q, sequential);
     if (p.split) EXPECT_GE(p.seg_chunks, kMinSegChunks) << chunks;
   }
-  // shorter sequences keep kMinSegChunks (not measured below 128 chunks)
-  q = query(1, 96, 8);
+  // from kMinShortSegLongest (64) chunks as well (H100, 2026-11-26, 2/8 x 7168 tokens: 0.161
+  // -> 0.132 ms); shorter sequences keep kMinSegChunks
+  q = query(1, 112, 8);
+  q.allow_cols = true;
+  p = plan_segments(q);
+  EXPECT_TRUE(p.split && p.overlap);
+  EXPECT_LT(p.seg_chunks, kMinSegChunks);
+  EXPECT_GE(p.seg_chunks, flashgdn::kMinOverlapSegChunks);
+  q = query(1, 63, 8);
   q.allow_cols = true;
   p = plan_segments(q);
   if (p.split) EXPECT_GE(p.seg_chunks, kMinSegChunks);
@@ -757,14 +767,21 @@ TEST(Planner, OverlapTriesShorterSegments) {
 TEST(Planner, ShortSegmentsFromAnotherLength) {
   // ForwardCost::short_seg_longest / short_seg_min (FLASHGDN_CP_SHORT_LONGEST / _MIN): from
   // which sequence length 128-column segments under 32 chunks are tried, and down to which.
-  // 16 heads x 64 chunks: by default never under kMinSegChunks (here: 16 columns unsplit);
-  // from 64 chunks down to 16, the overlapped split in four segments of 16 (the model's
-  // 86 us against 134 unsplit; docs/perf-notes.md version 46 measures it).
+  // 16 heads x 64 chunks: from kMinOverlapLongest (128, the default until 2026-11-26) never
+  // under kMinSegChunks (here: 16 columns unsplit, H100 0.194 ms); by default
+  // (kMinShortSegLongest, 64) three overlapped segments of 22 (0.165 ms on 4/16 heads: 0.144);
+  // down to 16, four segments of 16.
   auto q = query(1, 64, 16);
   q.allow_cols = true;
   flashgdn::ForwardCost c = fp16_cost();
   c.corr = true;  // as launch.cu plan_cost (the forward's fp16 pass)
+  EXPECT_EQ(c.short_seg_longest, flashgdn::kMinShortSegLongest);
   auto p = plan_segments(q, c);
+  EXPECT_TRUE(p.split && p.overlap);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_EQ(p.seg_chunks, 22);
+  c.short_seg_longest = flashgdn::kMinOverlapLongest;
+  p = plan_segments(q, c);
   EXPECT_TRUE(!p.split || p.seg_chunks >= kMinSegChunks) << p.seg_chunks;
   c.short_seg_longest = 64;
   c.short_seg_min = 16;
@@ -779,8 +796,9 @@ TEST(Planner, ShortSegmentsFromAnotherLength) {
   p = plan_segments(q, c);
   EXPECT_TRUE(!p.split || p.seg_chunks >= kMinSegChunks) << p.seg_chunks;
   // 128-column candidates under 32 follow short_seg_longest
-  EXPECT_FALSE(flashgdn::seg_candidate_for(128, 24, 64));
+  EXPECT_FALSE(flashgdn::seg_candidate_for(128, 24, 64));  // kMinOverlapLongest
   EXPECT_TRUE(flashgdn::seg_candidate_for(128, 24, 64, false, 64));
+  EXPECT_FALSE(flashgdn::seg_candidate_for(128, 24, 63, false, 64));
 }
 
 TEST(Planner, AutoWithForcedSegmentLength) {
@@ -803,8 +821,19 @@ TEST(Planner, FourThousandTokensAtManyHeadsSplitAtTheFasterStep) {
   // 4096-token sequence at 24 or 32 value heads splits in two 32-chunk segments at 128
   // columns, overlapped, where 4.0 us kept it unsplit at 32 columns. H200, 2026-11-26: 8/32
   // 0.209 -> 0.185 ms, 16/32 0.218 -> 0.196, 8/24 0.202 -> 0.177, 32/32 0.236 -> 0.215.
+  // (Segments under 32 from 128 chunks, as then: kMinOverlapLongest; since
+  // kMinShortSegLongest three of 22, below.)
   flashgdn::ForwardCost fp16 = fp16_cost();
   EXPECT_DOUBLE_EQ(fp16.step_us_bw128, 3.6);
+  for (int64_t hv : {24, 32}) {
+    auto q = query(1, 64, hv);
+    q.allow_cols = true;
+    const auto now = plan_segments(q, fp16);
+    EXPECT_TRUE(now.split && now.overlap) << hv;
+    EXPECT_EQ(now.col_block, 128) << hv;
+    EXPECT_EQ(now.seg_chunks, 22) << hv;
+  }
+  fp16.short_seg_longest = flashgdn::kMinOverlapLongest;
   for (int64_t hv : {24, 32}) {
     auto q = query(1, 64, hv);
     q.allow_cols = true;
@@ -906,13 +935,15 @@ DeviceChoice device_choice_for(int64_t Hv, const std::vector<int64_t>& chunks,
 
 TEST(Planner, HostChoiceTriesExactSegmentCounts) {
   // 32 heads, 1024 + 7168 tokens (16 + 112 chunks), a sequential split: the device's lengths
-  // (24, 32, 48, 64, ...) cut the long sequence into 3 segments of 48 (5 of 32 would take a
-  // second wave); the host's choice (exact_counts) takes 38, also 3 segments (H100,
-  // 2026-11-26: 0.422 -> 0.365 ms)
+  // (24, 32, 48, 64, ...) cut the long sequence into 5 segments of 24 (phase 0 merged in
+  // pairs; 48 before kMinShortSegLongest made 24 a candidate below 128 chunks: H100,
+  // 2026-11-26, 32/32 0.377 -> 0.323 ms, 16/32 0.367 -> 0.316); the host's choice
+  // (exact_counts) takes 38, 3 segments (H100, 2026-11-26: 0.422 -> 0.365 ms; 0.316 in the
+  // later run)
   auto dev = device_choice_for(32, {16, 112});
   auto host = device_choice_for(32, {16, 112}, /*exact_counts=*/true);
   EXPECT_FALSE(dev.plan.device_overlap);
-  EXPECT_EQ(dev.out[0], 48);
+  EXPECT_EQ(dev.out[0], 24);
   EXPECT_EQ(host.out[0], 38);
   EXPECT_EQ(host.out[1], 128);
   EXPECT_EQ(host.out[2], 0);
