@@ -293,7 +293,8 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   const double bound = std::min(best_unsplit.est_us, best_split.est_us / (1.0 - cost.min_gain));
   const bool split_wins =
       best_split.split && best_split.est_us < (1.0 - cost.min_gain) * best_unsplit.est_us;
-  if (split_wins) {
+  const bool anyway = q.device_choice_anyway && best_split.split && q.fixed_chunks < 0 && q.N > 1;
+  if (split_wins || anyway) {
     if (q.fixed_chunks < 0 && q.N > 1) {
       // varlen: the estimate took the total as the longest sequence; size the grids for the
       // shortest segments and let the device choose from the actual lengths

@@ -101,6 +101,12 @@ struct SegmentQuery {
   // chunk); grid sizes and whether phase 1 runs never depend on it, so every plan stays
   // valid whatever the lengths are.
   int64_t longest_hint = -1;
+  // packed sequences (varlen, N > 1): the device-choice plan (SegmentPlan::device_choice)
+  // wherever a split is a candidate, also where the worst-case estimates (one sequence of
+  // every chunk) keep them unsplit. For the caller who knows the lengths (launch.cu
+  // host_split_plan: the host copy of cu_seqlens), who keeps that plan only where its choice at
+  // the actual lengths is a split.
+  bool device_choice_anyway = false;
 };
 
 // Shortest segment Auto mode creates: the warm-up (up to 16 chunks) must stay a

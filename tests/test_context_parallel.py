@@ -32,7 +32,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
             "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY",
-            "FLASHGDN_CP_SHORT_LONGEST", "FLASHGDN_CP_SHORT_MIN")
+            "FLASHGDN_CP_SHORT_LONGEST", "FLASHGDN_CP_SHORT_MIN", "FLASHGDN_HOST_SPLIT")
 
 
 @contextmanager
@@ -328,6 +328,32 @@ def test_host_schedule_opt_in():
                     {"FLASHGDN_CP": "auto", "FLASHGDN_HOST_SCHEDULE": "1"}, {"FLASHGDN_CP": "off"})
 
 
+@pytest.mark.parametrize("case", [
+    # 16/16 heads, 2 x 4096 tokens: unsplit by the worst-case estimates, 24-chunk segments
+    # overlapped at these lengths (flashgdn_plan --hv 16 --tokens 4096,4096); mixed gates
+    # (g == 0 heads: the exact chain), an initial state
+    Case("host_split_h16", [4096, 4096], 16, 16, gate="mixed", h0=True),
+    # 8/24 heads, 4096 + 4000 tokens (an odd length), fp16, very negative gates: 32-chunk segments
+    Case("host_split_h24", [4096, 4000], 8, 24, gate="very_negative", dtype=torch.float16),
+], ids=lambda c: c.name)
+def test_host_split_plan(case: Case):
+    """launch.cu host_split_plan: packed sequences that the planner's worst-case estimates keep
+    unsplit take the device-choice plan where the choice at the lengths of cu_seqlens_cpu is a
+    split. It splits (the chain's kernels ran; with FLASHGDN_HOST_SPLIT=0 they do not, as
+    before), and its o and final state, eagerly and from a CUDA graph, are a split's against
+    the float64 reference and the unsplit pass (check_split: g == 0 heads as exact)."""
+    inp = {**make_inputs(case, "cuda", seed=103)}
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    check_split_env(f"host split {case.name}", case, inp, {"FLASHGDN_CP": "auto"},
+                    {"FLASHGDN_CP": "off"})
+    chain = ("seg_walk_kernel", "seg_combine_kernel", "seg_scan_kernel")
+    for env, split in (({}, True), ({"FLASHGDN_HOST_SPLIT": "0"}, False)):
+        with env_vars(env):
+            names = cuda_kernels_run(
+                lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
+        assert any(c in n for n in names for c in chain) == split, (env, sorted(names))
+
+
 def state_kernels(names: set) -> set:
     """The forward state passes' kernels among the names cuda_kernels_run found."""
     return {n for n in names if "state_fwd_f16_kernel" in n or "state_fwd_cols_kernel" in n}
@@ -458,20 +484,26 @@ def test_cp_auto_takes_correction_on_short_tp_sequence():
     by correction) takes the correction plan, segments of 24 chunks at 32 columns on the
     overlapped schedule (csrc/planner.h estimate_corr_us): bit-identical to that plan
     forced, different from the unsplit pass, as exact on g == 0 heads; with
-    FLASHGDN_CP_CORR=0 the planner keeps the unsplit pass (bit-identical to CP off)."""
+    FLASHGDN_CP_CORR=0 and 128-column segments under 32 chunks only from 128-chunk sequences
+    (FLASHGDN_CP_SHORT_LONGEST=128) the planner keeps the unsplit pass (bit-identical to CP
+    off); with FLASHGDN_CP_CORR=0 alone it splits at 128 columns (kMinShortSegLongest)."""
     case = Case("auto_corr", [4096], 2, 8, gate="mixed")
     inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=14)
     with env_vars({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "24", "FLASHGDN_FWD_BW": "32",
                    "FLASHGDN_CP_CORR": "1", "FLASHGDN_CP_OVERLAP": "1"}):
         o_f, ht_f = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({"FLASHGDN_CP_CORR": "0"}):
+    with env_vars({"FLASHGDN_CP_CORR": "0", "FLASHGDN_CP_SHORT_LONGEST": "128"}):
         o_0, ht_0 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_CP_CORR": "0"}):
+        o_s, ht_s = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     torch.cuda.synchronize()
     assert torch.equal(o, o_f) and torch.equal(ht, ht_f), "auto mode did not take the plan"
     assert not torch.equal(ht, h_ref), "auto mode did not split (state bit-equal to unsplit)"
     assert torch.equal(o_0, o_ref) and torch.equal(ht_0, h_ref)
+    assert not torch.equal(ht_s, h_ref), "CORR=0 did not split at 128 columns"
     ro, rh = reference(inp)
     check_split("auto corr 2/8 x 4096", case, o, ht, o_ref, h_ref, ro, rh)
+    check_split("auto corr=0 2/8 x 4096", case, o_s, ht_s, o_ref, h_ref, ro, rh)
 
 
 def forward_from_graph(inp: dict, replays: int):

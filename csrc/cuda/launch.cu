@@ -676,6 +676,33 @@ void host_plan_choice(const Problem& p, SegmentPlan& plan) {
   }
 }
 
+// Packed sequences whose lengths the host knows (host_choice) and which the planner's
+// worst-case estimates (one sequence of every chunk) keep unsplit: the device-choice plan
+// (SegmentQuery::device_choice_anyway) where the choice host_plan_choice then makes at the
+// actual lengths is a split; else `plan` as it is. FLASHGDN_HOST_SPLIT=0: not tried.
+// H100, 2026-11-26 (forward, CUDA graphs): 16/16 heads 2 x 4096 tokens stayed unsplit at
+// 32 columns (0.253 ms) where segments of 20 at 128 columns, forced, took 0.198.
+SegmentPlan host_split_plan(const Problem& p, const SegmentQuery& q, const SegmentPlan& plan) {
+  if (q.mode != CpMode::Auto || q.forced_seg_chunks != 0 || q.fixed_chunks >= 0 || q.N <= 1 ||
+      plan.split || plan.device_choice || !host_choice(p) ||
+      env_int_or("FLASHGDN_HOST_SPLIT", 1) == 0)
+    return plan;
+  SegmentQuery anyway = q;
+  anyway.device_choice_anyway = true;
+  const ForwardCost cost = plan_cost(false);
+  const SegmentPlan d = plan_segments(anyway, cost);
+  if (!d.device_choice) return plan;
+  const DeviceChoiceParams c =
+      device_choice_params(d, cost, true, device_schedule(d),
+                           cp_subsegments(d, fwd_pass(), false), p.Hv, sm_count(p.device_id));
+  int64_t out[4];
+  // as host_plan_choice will make it (host_exact)
+  device_choice_on_host(c, p.host_chunks.data(), p.N, d.seg_chunks, out,
+                        env_int_or("FLASHGDN_HOST_SEGS", 1) != 0);
+  const int64_t longest = *std::max_element(p.host_chunks.begin(), p.host_chunks.end());
+  return out[0] <= longest ? d : plan;
+}
+
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
 // recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
@@ -687,6 +714,7 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
   SegmentPlan plan = plan_segments(q, plan_cost(backward));
+  if (!backward) plan = host_split_plan(p, q, plan);
   // FLASHGDN_HOST_SCHEDULE=1 (opt-in; H200 2026-11-26: 2/8 8192 x 4 0.313 -> 0.300 ms, no
   // other row measured faster, docs/benchmarks.md session 36): where the host makes the device's
   // choice and it is a sequential split, the overlapped launches made for that choice

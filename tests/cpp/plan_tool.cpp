@@ -22,7 +22,8 @@
 // --tokens a,b,... (packed sequences of those token counts, in place of --chunks / --n /
 // --varlen; the hint on the longest as cu_seqlens_cpu gives it, --no-hint drops it) also
 // prints the device's choice for those lengths (device_choice_on_host: plan_kernel's steps
-// on the host), e.g. flashgdn_plan --hv 16 --tokens 28672,4096
+// on the host), e.g. flashgdn_plan --hv 16 --tokens 28672,4096; with the hint, also
+// launch.cu host_split_plan's (--no-host-split: FLASHGDN_HOST_SPLIT=0)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
   q.N = 1;
   q.allow_cols = true;
   int64_t chunks = 0;
-  bool varlen = false, hint = true;
+  bool varlen = false, hint = true, host_split = true;
   std::vector<int64_t> seq_chunks;  // --tokens: each sequence's chunks
   ForwardCost c;
   c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
@@ -61,6 +62,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--short-min") && has_value) c.short_seg_min = value();
     else if (!std::strcmp(a, "--varlen")) varlen = true;
     else if (!std::strcmp(a, "--no-hint")) hint = false;
+    else if (!std::strcmp(a, "--no-host-split")) host_split = false;
     else if (!std::strcmp(a, "--tokens") && has_value) {
       for (const char* t = argv[++i]; *t != '\0';) {
         char* end = nullptr;
@@ -96,7 +98,23 @@ int main(int argc, char** argv) {
   }
   q.total_chunks = varlen ? chunks : q.N * chunks;
   q.fixed_chunks = varlen && q.N > 1 ? -1 : chunks;
-  const SegmentPlan p = plan_segments(q, c);
+  SegmentPlan p = plan_segments(q, c);
+  // --tokens with the host copy (not --no-hint): launch.cu host_split_plan, the device-choice
+  // plan where the worst-case estimates keep the sequences unsplit and the choice at these
+  // lengths splits (--no-host-split: not tried, FLASHGDN_HOST_SPLIT=0)
+  if (!seq_chunks.empty() && hint && host_split && q.mode == CpMode::Auto &&
+      q.forced_seg_chunks == 0 && q.N > 1 && !p.split && !p.device_choice) {
+    SegmentQuery anyway = q;
+    anyway.device_choice_anyway = true;
+    const SegmentPlan d = plan_segments(anyway, c);
+    if (d.device_choice) {
+      const DeviceChoiceParams dp = device_choice_params(d, c, true, d.device_overlap,
+                                                         d.nsub > 1 ? d.nsub : 0, q.Hv, q.sms);
+      int64_t out[4];
+      device_choice_on_host(dp, seq_chunks.data(), q.N, d.seg_chunks, out, true);
+      if (out[0] <= *std::max_element(seq_chunks.begin(), seq_chunks.end())) p = d;
+    }
+  }
   std::printf("H_v %lld, %lld x %lld chunks%s: col_block %d, %s, seg %lld (max segments %lld)",
               static_cast<long long>(q.Hv), static_cast<long long>(q.N),
               static_cast<long long>(varlen ? chunks / q.N : chunks), varlen ? " (packed)" : "",
