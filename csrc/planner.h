@@ -120,8 +120,8 @@ constexpr int64_t kMinSegChunks = 24;
 constexpr int64_t kMinOverlapSegChunks = 18;
 constexpr int64_t kMinOverlapLongest = 128;
 // ... the forward's from 64 chunks (ForwardCost::short_seg_longest; H100, 2026-11-26, one
-// sequence, CUDA graphs, ms, from 128 -> from 64: 16/16 x 4096 0.194 -> 0.165 (at 16 chunks;
-// 22 by the model), 4/16 x 4096 0.171 -> 0.144, 8/24 x 4096 0.186 -> 0.165, 4/16 x 6144
+// sequence, CUDA graphs, ms, from 128 -> from 64: 16/16 x 4096 0.194 -> 0.156 (three segments
+// of 22), 4/16 x 4096 0.171 -> 0.144, 8/24 x 4096 0.186 -> 0.165, 4/16 x 6144
 // 0.187 -> 0.163, 2/8 x 7168 0.161 -> 0.132, 16/48 x 7168 0.393 -> 0.349; no row of 2/8 ..
 // 16/64 x 3072 .. 16384 slower; the backward's passes keep kMinOverlapLongest, unmeasured)
 constexpr int64_t kMinShortSegLongest = 64;
