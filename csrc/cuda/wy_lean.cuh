@@ -1,5 +1,5 @@
 // wy_lean_kernel<In, kH>  grid (max_chunks * H_v / wy_heads), 128 threads (one warpgroup),
-//   kH >= wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
+//   kH == wy_heads value heads of one q/k head a block (38 KB smem at two heads, 5 blocks an SM;
 //   kQ = false, no q read: one head 19 KB, 8 blocks an SM; two heads 37,888 bytes, 6).
 //   The default forward pass's WY part (wy_batched_kernel's outputs, not its bits) in the
 //   shape an auxiliary warpgroup of a fused forward kernel can run (docs/perf-notes.md plan
