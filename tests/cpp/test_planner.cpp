@@ -915,13 +915,14 @@ struct DeviceChoice {
   int64_t out[4];
 };
 DeviceChoice device_choice_for(int64_t Hv, const std::vector<int64_t>& chunks,
-                               bool exact_counts = false) {
+                               bool exact_counts = false, bool anyway = false) {
   int64_t total = 0, longest = 0;
   for (const int64_t n : chunks) total += n, longest = std::max(longest, n);
   auto q = query(static_cast<int64_t>(chunks.size()), 1, Hv, /*varlen=*/true);
   q.total_chunks = total + q.N;
   q.longest_hint = longest;
   q.allow_cols = true;
+  q.device_choice_anyway = anyway;
   DeviceChoice d;
   d.plan = flashgdn::plan_segments(q, fp16_cost());
   const auto params = flashgdn::device_choice_params(
@@ -953,6 +954,30 @@ TEST(Planner, HostChoiceTriesExactSegmentCounts) {
   host = device_choice_for(8, {256, 256}, /*exact_counts=*/true);
   EXPECT_TRUE(dev.plan.device_overlap);
   EXPECT_EQ(host.out[0], dev.out[0]);
+}
+
+TEST(Planner, DeviceChoiceAnywayForKnownLengths) {
+  // launch.cu host_split_plan: 16 heads, 2 x 4096 tokens (64 + 64 chunks). The worst-case
+  // estimates (one sequence of 128 chunks) keep the batch unsplit at 32 columns; planned as
+  // the device's choice anyway, the choice at these lengths is 24-chunk segments on the
+  // overlapped schedule (H100, 2026-11-26: 0.251 -> 0.206 ms). At 32 heads the choice stays
+  // unsplit, so host_split_plan keeps the plain plan (no measured gain there).
+  auto plain = device_choice_for(16, {64, 64});
+  EXPECT_FALSE(plain.plan.split);
+  EXPECT_FALSE(plain.plan.device_choice);
+  auto d = device_choice_for(16, {64, 64}, /*exact_counts=*/true, /*anyway=*/true);
+  EXPECT_TRUE(d.plan.device_choice);
+  EXPECT_TRUE(d.plan.device_overlap);
+  EXPECT_EQ(d.out[0], 24);
+  EXPECT_EQ(d.out[1], 128);
+  EXPECT_EQ(d.out[2], 1);
+  d = device_choice_for(32, {64, 64}, true, true);
+  EXPECT_GT(d.out[0], 64);  // unsplit: longer than any sequence
+  // a fixed length or a single sequence ignores the flag
+  auto q = query(1, 64, 16);
+  q.allow_cols = true;
+  q.device_choice_anyway = true;
+  EXPECT_FALSE(flashgdn::plan_segments(q, fp16_cost()).device_choice);
 }
 
 TEST(Planner, DeviceChoiceOfMeasuredPackedRows) {
