@@ -614,7 +614,7 @@ ForwardCost plan_cost(bool backward) {
   // length 128-column segments under 32 chunks are tried, and how short (ForwardCost; the
   // forward; measurements)
   if (backward) {
-    c.short_seg_longest = kMinOverlapLongest;  // its plans as measured (kMinShortSegLongest)
+    c.short_seg_longest = kMinOverlapLongest;  // its plans as measured before kMinShortSegLongest
   } else {
     const int longest = env_int_or("FLASHGDN_CP_SHORT_LONGEST", 0);
     const int shortest = env_int_or("FLASHGDN_CP_SHORT_MIN", 0);
@@ -653,16 +653,25 @@ bool host_choice(const Problem& p) {
 //   the device's candidates only, its choice exactly): 1024 + 7168 tokens at 8/32, 16/32,
 //   32/32 heads 0.393 -> 0.335, 0.399 -> 0.344, 0.422 -> 0.365.
 // state_pass_params presets the same choice for plan_kernel.
+// The forward's device choice for `plan` made on the host from the caller's copy, with the
+// parameters plan_kernel gets; exact: SegmentPlan::host_exact (host_exact_counts).
+void forward_choice_on_host(const Problem& p, const SegmentPlan& plan, bool exact,
+                            int64_t out[4]) {
+  const DeviceChoiceParams c =
+      device_choice_params(plan, plan_cost(false), true, device_schedule(plan),
+                           cp_subsegments(plan, fwd_pass(), false), p.Hv, sm_count(p.device_id));
+  device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out, exact);
+}
+bool host_exact_counts(const SegmentPlan& plan) {
+  return plan.device_choice && env_int_or("FLASHGDN_HOST_SEGS", 1) != 0;
+}
 void host_plan_choice(const Problem& p, SegmentPlan& plan) {
   const int host_cols = env_int_or("FLASHGDN_HOST_COLS", 1);
   if (!(plan.device_col_block || plan.device_choice) || !host_choice(p) || host_cols == 0)
     return;
-  const DeviceChoiceParams c =
-      device_choice_params(plan, plan_cost(false), true, device_schedule(plan),
-                           cp_subsegments(plan, fwd_pass(), false), p.Hv, sm_count(p.device_id));
-  plan.host_exact = plan.device_choice && env_int_or("FLASHGDN_HOST_SEGS", 1) != 0;
+  plan.host_exact = host_exact_counts(plan);
   int64_t out[4];
-  device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out, plan.host_exact);
+  forward_choice_on_host(p, plan, plan.host_exact, out);
   const int bw = static_cast<int>(out[1]);
   if (plan.device_col_block && (bw != D || plan.cols) && (bw == D || !plan.device_overlap)) {
     plan.col_block = bw;
@@ -689,16 +698,10 @@ SegmentPlan host_split_plan(const Problem& p, const SegmentQuery& q, const Segme
     return plan;
   SegmentQuery anyway = q;
   anyway.device_choice_anyway = true;
-  const ForwardCost cost = plan_cost(false);
-  const SegmentPlan d = plan_segments(anyway, cost);
+  const SegmentPlan d = plan_segments(anyway, plan_cost(false));
   if (!d.device_choice) return plan;
-  const DeviceChoiceParams c =
-      device_choice_params(d, cost, true, device_schedule(d),
-                           cp_subsegments(d, fwd_pass(), false), p.Hv, sm_count(p.device_id));
   int64_t out[4];
-  // as host_plan_choice will make it (host_exact)
-  device_choice_on_host(c, p.host_chunks.data(), p.N, d.seg_chunks, out,
-                        env_int_or("FLASHGDN_HOST_SEGS", 1) != 0);
+  forward_choice_on_host(p, d, host_exact_counts(d), out);  // as host_plan_choice makes it
   const int64_t longest = *std::max_element(p.host_chunks.begin(), p.host_chunks.end());
   return out[0] <= longest ? d : plan;
 }
