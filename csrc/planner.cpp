@@ -307,7 +307,12 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       // without sub-segments, unless the caller's hint on the longest sequence rules it out
       // (the overlapped launches cost the device's sequential choice ~1%: H200, 4/16 heads,
       // 16384 + 16384 0.500 -> 0.506 ms, 8192 x 4 0.500 -> 0.507)
-      const SegmentPlan one = plan_as_one_sequence(q, given);
+      // (that sequence's plan without ForwardCost::unfused_wy_us: the launches are made as
+      // before the term, whose sequences of unfused_wy_longest chunks the device may not see;
+      // its choice at the actual lengths counts the term)
+      ForwardCost launches = given;
+      launches.unfused_wy_us = 0.0;
+      const SegmentPlan one = plan_as_one_sequence(q, launches);
       const bool sat_ruled_out = one.saturated && q.longest_hint > 0 &&
                                  static_cast<double>(q.longest_hint) < given.sat_min_longest;
       d.device_overlap = given.overlap && d.col_block == 128 && overlap_may_fit(q, given) &&
@@ -396,6 +401,8 @@ DeviceChoiceParams device_choice_params(const SegmentPlan& plan, ForwardCost cos
   c.cost.nsub = nsub > 1 ? nsub : 1;  // the sub-segments the workspace holds
   // its phase-0 merge (chosen[3]) for the forward alone; the recomputation's plan as before
   c.cost.p0_merge = forward;
+  // its saturated choice runs the WY part outside the pass (ForwardCost::saturated_unfused)
+  c.cost.saturated_unfused = true;
   c.split_col_blocks = device_schedule ? col_block_bit(128) : 0;
   c.heads = static_cast<double>(Hv);
   c.sms = sms;

@@ -127,6 +127,12 @@ constexpr int64_t kMinOverlapLongest = 128;
 constexpr int64_t kMinShortSegLongest = 64;
 // ... and with exact outputs by correction (SegmentPlan::corr; candidates 12, 16, 24, ...)
 constexpr int64_t kMinCorrSegChunks = 12;
+// The value heads from which the forward's 128-column pass forms the WY part in its own
+// warpgroup (state_fwd_tma_kernel's kWy, launch.cu cols_tma_wy), and from which it does so
+// on the one-wave overlapped schedule too (there only in three or more segments): between the
+// two the overlapped schedule runs wy_lean_kernel before a plain pass instead
+// (ForwardCost::unfused_wy_us).
+constexpr int64_t kTmaWyMinHeads = 16, kTmaWyOverlapHeads = 32;
 
 // The cost model's constants, measured on H100 (docs/perf-notes.md, 2026-11-23).
 struct ForwardCost {
@@ -230,7 +236,31 @@ struct ForwardCost {
   // set them (forward; measurements).
   int64_t short_seg_longest = kMinShortSegLongest;
   int64_t short_seg_min = kMinOverlapSegChunks;
+  // What the one-wave overlapped schedule pays at kTmaWyMinHeads .. kTmaWyOverlapHeads - 1
+  // value heads for its WY part outside the pass (wy_lean_kernel, then the plain pass) where
+  // the sequential and saturated ones form it inside (kWy): us per chunk and value head on
+  // one SM (so x total chunks x heads / SMs). Without it the overlapped plan won the model
+  // and lost the GPU at 16 heads from 192 chunks (H100, 2026-11-27, forward ms, overlapped ->
+  // sequential: 4/16 x 16384 0.304 -> 0.271, 16/16 x 16384 0.329 -> 0.287, 4/16 28672 + 4096
+  // 0.492 -> 0.426, 4096 + 28672 0.577 -> 0.424, 16/16 12288 + 4096 0.323 -> 0.286), while it
+  // kept winning at 128 chunks and less (4/16 x 8192 0.192 against 0.202, x 4096 0.142
+  // against 0.170 unsplit; 8/24 x 4096 0.165 against 0.202): the bounds that leaves are about
+  // 1.1 to 3.8 us (model gaps / chunk-heads x 132), hence 2.0. launch.cu plan_cost sets 0
+  // where kWy does not run (the backward, the tf32 passes, FLASHGDN_COLS_TMA or
+  // FLASHGDN_FUSED set); FLASHGDN_UNFUSED_WY_US sets it (measurements).
+  double unfused_wy_us = 2.0;
+  // ... from this longest sequence (chunks) on: below it the overlapped plan measured faster
+  // with its WY part outside (H100, 2026-11-27, 8/24 heads, 6144 + 2048 and 2048 + 6144 tokens
+  // 0.248 ms overlapped against 0.260 sequential, 4096 + 4096 0.251 against 0.262 unsplit),
+  // from it slower (8/24 x 8192 0.253 against 0.229 sequential)
+  double unfused_wy_longest = 128;
+  // The saturated schedule pays it too: the device's choices (device_choice_params), whose
+  // launches take kWy only where the host planned that schedule itself (cols_tma_wy). H100,
+  // 2026-11-27, forward ms, the device's saturated choice -> sequential: 4/16 28672 + 4096
+  // 0.492 -> 0.426, 16/16 0.539 -> 0.452, 4/16 4096 + 28672 0.577 -> 0.424.
+  bool saturated_unfused = false;
 };
+
 
 #ifdef __CUDACC__
 #define FLASHGDN_HD __host__ __device__
@@ -327,6 +357,15 @@ inline FLASHGDN_HD double step_us(const ForwardCost& c, int bw) {
 }
 inline FLASHGDN_HD double wave_step_us(const ForwardCost& c, int bw) {
   return bw == 16 ? c.step_us_bw16_wave : bw == 32 ? c.step_us_bw32_wave : 0.0;
+}
+
+// ForwardCost::unfused_wy_us's term for `heads` value heads, s.total chunks, nsm SMs (0
+// outside kTmaWyMinHeads .. kTmaWyOverlapHeads - 1 and below unfused_wy_longest).
+inline FLASHGDN_HD double unfused_wy_term(const ForwardCost& c, const LoadStats& s, double heads,
+                                          double nsm) {
+  if (heads < kTmaWyMinHeads || heads >= kTmaWyOverlapHeads || s.longest < c.unfused_wy_longest)
+    return 0.0;
+  return c.unfused_wy_us * s.total * heads / nsm;
 }
 
 // The terms of a split state pass's estimate shared by its schedules (estimate_state_pass_us,
@@ -439,6 +478,7 @@ inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const Load
     e.merge = best_p0_merge(c, s, r, heads);
     phase0 = phase0_merged_us(c, s, r, heads, e.merge);
     e.saturated = saturated_from_terms(c, s, r);
+    if (c.saturated_unfused && e.saturated < 1e300) e.saturated += unfused_wy_term(c, s, heads, r.nsm);
   }
   e.sequential = phase0 + (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
   // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
@@ -456,7 +496,8 @@ inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const Load
   if (r.warm_blocks + r.exact_blocks * ns > r.nsm && chain < crit0) chain = crit0;
   chain += ceil_pos(r.len / ns) * r.t;
   const double crit = crit0 > chain ? crit0 : chain;
-  const double ov = crit > r.work0 + r.work1 ? crit : r.work0 + r.work1;
+  double ov = crit > r.work0 + r.work1 ? crit : r.work0 + r.work1;
+  ov += unfused_wy_term(c, s, heads, r.nsm);  // its WY part outside the pass
   if (ov < e.sequential) e.overlapped = ov;
   return e;
 }

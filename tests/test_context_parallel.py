@@ -28,7 +28,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
-            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
+            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_UNFUSED_WY_US", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
             "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY",
@@ -272,15 +272,20 @@ def test_scan_levels_do_not_trust_the_hint(walk: str):
     assert rel_err(o_w, ro) < O_TOL and rel_err(ht_w, rh) < STATE_TOL
 
 
-@pytest.mark.parametrize("case", [
-    Case("host_choice_cols", [3000, 700, 1800], 2, 8, gate="mixed"),  # the column block only
-    Case("host_choice_ov", [12000, 3000, 9000], 2, 8, gate="mixed"),  # overlapped, 4 subs
-    Case("host_choice_sat", [24576, 1536], 4, 16, gate="mixed"),      # saturated
-], ids=lambda c: c.name)
-def test_host_choice_is_the_device_choice(case: Case):
+@pytest.mark.parametrize("case,base", [
+    (Case("host_choice_cols", [3000, 700, 1800], 2, 8, gate="mixed"), {}),  # the column block
+    (Case("host_choice_ov", [12000, 3000, 9000], 2, 8, gate="mixed"), {}),  # overlapped, 4 subs
+    # sequential in merged pairs; saturated without the unfused WY term (planner.h
+    # ForwardCost::unfused_wy_us), the only way the device's choice reaches it at 16 heads
+    (Case("host_choice_seq", [24576, 1536], 4, 16, gate="mixed"), {}),
+    (Case("host_choice_sat", [24576, 1536], 4, 16, gate="mixed"),
+     {"FLASHGDN_UNFUSED_WY_US": "0"}),
+], ids=lambda c: c.name if isinstance(c, Case) else ("unfused0" if c else "default"))
+def test_host_choice_is_the_device_choice(case: Case, base: dict):
     """With cu_seqlens_cpu the choice plan_kernel makes from cu_seqlens (segment length,
     column block, schedule, merge; flashgdn_plan --tokens shows it for these lengths: 32
-    columns unsplit, 32-chunk segments overlapped, 28-chunk segments saturated) is made on
+    columns unsplit, 32-chunk segments overlapped, 28-chunk segments sequential in merged
+    pairs, or saturated with --unfused-wy 0) is made on
     the host (device_choice_on_host) and
     plan_kernel only writes it: the same bits as the device's own choice
     (FLASHGDN_HOST_CHOICE=0; the two compute the same fp64 estimates), eagerly and from a
@@ -291,21 +296,24 @@ def test_host_choice_is_the_device_choice(case: Case):
     cu_cpu = inp["cu_seqlens"].cpu()
     with cp_env("off"):
         o_ref, h_ref = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
-    with env_vars({"FLASHGDN_HOST_CHOICE": "0"}):
+    with env_vars({**base, "FLASHGDN_HOST_CHOICE": "0"}):
         o_d, h_d = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
                                                    cu_seqlens_cpu=cu_cpu)
-    with env_vars({"FLASHGDN_HOST_SEGS": "0"}):  # the device's candidate lengths only
+    # the device's candidate lengths only, run in the launches made for the device's choice
+    # (FLASHGDN_HOST_SCHEDULE=0: a sequential choice is not re-planned without them)
+    with env_vars({**base, "FLASHGDN_HOST_SEGS": "0", "FLASHGDN_HOST_SCHEDULE": "0"}):
         o_h, h_h = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
                                                    cu_seqlens_cpu=cu_cpu)
         o_g, h_g = forward_from_graph({**inp, "cu_seqlens_cpu": cu_cpu}, replays=2)
-    # the host's own choice (the lengths of exact segment counts too: SegmentPlan::host_exact)
-    o_x, h_x = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
-                                               cu_seqlens_cpu=cu_cpu)
     total = sum(case.lens)
     wrong = torch.tensor([0] + [total * (i + 1) // len(case.lens) for i in range(len(case.lens))],
                          dtype=torch.int64)  # equal lengths
-    o_w, h_w = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
-                                               cu_seqlens_cpu=wrong)
+    with env_vars(base):
+        # the host's own choice (the lengths of exact segment counts too: host_exact)
+        o_x, h_x = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                                   cu_seqlens_cpu=cu_cpu)
+        o_w, h_w = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True,
+                                                   cu_seqlens_cpu=wrong)
     torch.cuda.synchronize()
     assert torch.equal(o_d, o_h) and torch.equal(h_d, h_h), "host and device choices differ"
     assert torch.equal(o_h, o_g) and torch.equal(h_h, h_g), "graph replay differs"
@@ -315,17 +323,20 @@ def test_host_choice_is_the_device_choice(case: Case):
     check_split(f"{case.name} wrong host copy", case, o_w, h_w, o_ref, h_ref, ro, rh)
 
 
-def test_host_schedule_opt_in():
-    """FLASHGDN_HOST_SCHEDULE=1: at 2/8 heads x 4 packed sequences of 8192 tokens the host
-    makes the device's choice from cu_seqlens_cpu, a sequential split (flashgdn_plan --hv 8
-    --tokens 8192,8192,8192,8192), so the overlapped launches made for it are dropped and
-    the choice is made again without them. Against CP off and the float64 reference, the
-    g == 0 heads as exact as unsplit, also from a CUDA graph."""
+@pytest.mark.parametrize("schedule", ["1", "0"], ids=["default", "off"])
+def test_host_schedule(schedule: str):
+    """The host schedule (the default; FLASHGDN_HOST_SCHEDULE=0 turns it off): at 2/8 heads x
+    4 packed sequences of 8192 tokens the host makes the device's choice from cu_seqlens_cpu,
+    a sequential split (flashgdn_plan --hv 8 --tokens 8192,8192,8192,8192), so the overlapped
+    launches made for it are dropped and the choice is made again without them; off, the
+    device runs its sequential choice in those launches. Either way against CP off and the
+    float64 reference, the g == 0 heads as exact as unsplit, also from a CUDA graph."""
     case = Case("host_schedule", [8192] * 4, 2, 8, gate="mixed")
     inp = {**make_inputs(case, "cuda", seed=59)}
     inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    check_split_env("host schedule", case, inp,
-                    {"FLASHGDN_CP": "auto", "FLASHGDN_HOST_SCHEDULE": "1"}, {"FLASHGDN_CP": "off"})
+    check_split_env(f"host schedule {schedule}", case, inp,
+                    {"FLASHGDN_CP": "auto", "FLASHGDN_HOST_SCHEDULE": schedule},
+                    {"FLASHGDN_CP": "off"})
 
 
 @pytest.mark.parametrize("case", [
@@ -352,6 +363,30 @@ def test_host_split_plan(case: Case):
             names = cuda_kernels_run(
                 lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
         assert any(c in n for n in names for c in chain) == split, (env, sorted(names))
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host_copy", "single"])
+def test_unfused_wy_term_takes_the_fused_pass(host: bool):
+    """planner.h ForwardCost::unfused_wy_us: at 16 value heads the sequential split forms the
+    WY part inside its pass (state_fwd_tma_kernel's kWy) and the one-wave overlapped or the
+    device's saturated schedule does not (wy_lean_kernel, then the plain pass). 4/16 heads,
+    24576 + 4096 packed tokens with cu_seqlens_cpu (the host's choice: sequential in merged
+    pairs; saturated without the term) or one 16384-token sequence (sequential segments of
+    32; overlapped segments of 43 without it): the default runs the fused pass, =0 the plain
+    one; both against the float64 reference and CP off (check_split), eagerly and from a
+    CUDA graph."""
+    lens = [24576, 4096] if host else [16384]
+    case = Case("unfused_wy", lens, 4, 16, varlen=host, gate="mixed")
+    inp = {**make_inputs(case, "cuda", seed=107)}
+    if host:
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    for env, fused in (({}, True), ({"FLASHGDN_UNFUSED_WY_US": "0"}, False)):
+        check_split_env(f"unfused wy {env}", case, inp, {"FLASHGDN_CP": "auto", **env},
+                        {"FLASHGDN_CP": "off"})
+        with env_vars(env):
+            names = cuda_kernels_run(
+                lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
+        assert any("state_fwd_tma_kernel" in n for n in names) == fused, (env, sorted(names))
 
 
 def state_kernels(names: set) -> set:

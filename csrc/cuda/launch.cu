@@ -178,7 +178,7 @@ bool cp_overlap(const SegmentPlan& plan) {
 // plain: tma_wy_phase); at 8 value heads slower (2/8 x 32768 0.302 -> 0.340).
 // FLASHGDN_COLS_TMA=0 keeps the plain pass.
 // Returns kWy (0: neither).
-constexpr int64_t kTmaWyMinHeads = 16, kTmaWyOverlapHeads = 32;
+// (kTmaWyMinHeads, kTmaWyOverlapHeads: planner.h, whose cost model counts the difference)
 int cols_tma_wy(const Problem& p, const SegmentPlan& plan) {
   const int v = env_int_or("FLASHGDN_COLS_TMA", -1);
   if (v >= 0) return v == 4 ? 2 : v == 5 ? 1 : 0;
@@ -583,6 +583,7 @@ bool bwd_cols(const Problem& p) {
 // FLASHGDN_CP_SAT=1 takes it wherever the model prefers it, =0 never);
 // FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of 16 and
 // 32 columns are the forward's fp16 pass's.
+int fused_mode();
 ForwardCost plan_cost(bool backward) {
   ForwardCost c;
   if (!backward && fwd_pass() == FwdPass::F16) {
@@ -610,6 +611,13 @@ ForwardCost plan_cost(bool backward) {
   }
   c.corr = !backward && fwd_pass() == FwdPass::F16 && env_int_or("FLASHGDN_CP_CORR", -1) != 0 &&
            !cols_wgmma();
+  // the overlapped schedule's WY part outside the pass: only where the others take kWy
+  // (cols_tma_wy's default; FLASHGDN_UNFUSED_WY_US=<us> sets it, for measurements)
+  if (backward || fwd_pass() != FwdPass::F16 || env_int_or("FLASHGDN_COLS_TMA", -1) >= 0 ||
+      fused_mode() > 0)
+    c.unfused_wy_us = 0.0;
+  if (const char* e = std::getenv("FLASHGDN_UNFUSED_WY_US"); e != nullptr && *e && !backward)
+    c.unfused_wy_us = std::max(0.0, std::atof(e));
   // FLASHGDN_CP_SHORT_LONGEST=<chunks> / FLASHGDN_CP_SHORT_MIN=<chunks>: from which sequence
   // length 128-column segments under 32 chunks are tried, and how short (ForwardCost; the
   // forward; measurements)
@@ -718,15 +726,16 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   q.forced_col_block = col_block_from_env();
   SegmentPlan plan = plan_segments(q, plan_cost(backward));
   if (!backward) plan = host_split_plan(p, q, plan);
-  // FLASHGDN_HOST_SCHEDULE=1 (opt-in; H200 2026-11-26: 2/8 8192 x 4 0.313 -> 0.300 ms, no
-  // other row measured faster, docs/benchmarks.md session 36): where the host makes the device's
-  // choice and it is a sequential split, the overlapped launches made for that choice
-  // (device_overlap: a second stream, empty blocks sized for sub-segments) are not made
-  // (they cost the sequential choice ~1-4%: H100, 2/8 heads 8192 x 4 0.377 -> 0.393 ms,
-  // H200 4/16 heads 8192 x 4 0.500 -> 0.507). The choice is then made again without them,
-  // which also lets 16- and 32-column splits in.
+  // Where the host makes the device's choice and it is a sequential split, the overlapped
+  // launches made for that choice (device_overlap: a second stream, phase-0 grids sized for
+  // sub-segments, whose blocks then return at once) are not made; the choice is then made
+  // again without them, which also lets 16- and 32-column splits in. The default since
+  // 2026-11-27 (H100, forward ms: 4/16 24576 + 8192 0.498 -> 0.424, 16/16 0.545 -> 0.452,
+  // 16/16 8192 + 24576 0.541 -> 0.448, 2/8 8192x4 0.310 -> 0.302; the issue-5 table's other
+  // 148 rows within noise, docs/benchmarks.md session 48); an opt-in before (H200 2026-11-26:
+  // 2/8 8192 x 4 0.313 -> 0.300 ms, no other row faster then). FLASHGDN_HOST_SCHEDULE=0: not.
   if (!backward && plan.device_overlap && device_schedule(plan) && host_choice(p) &&
-      env_int_or("FLASHGDN_HOST_SCHEDULE", 0) == 1) {
+      env_int_or("FLASHGDN_HOST_SCHEDULE", 1) == 1) {
     const DeviceChoiceParams c =
         device_choice_params(plan, plan_cost(false), true, true,
                              cp_subsegments(plan, fwd_pass(), false), p.Hv, sm_count(p.device_id));

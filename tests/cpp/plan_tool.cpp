@@ -12,7 +12,9 @@
 // the device then picks the segments), --hint longest chunks (cu_seqlens_cpu), --sms S,
 // --seg L (FLASHGDN_CP_SEG with auto), --bw 16|32|128 (FLASHGDN_FWD_BW), --step128 us (the
 // cost model's 128-column chunk step, ForwardCost::step_us_bw128), --combine us (the chain's
-// cost a segment, ForwardCost::combine_us: FLASHGDN_COMBINE_US), --no-overlap
+// cost a segment, ForwardCost::combine_us: FLASHGDN_COMBINE_US), --unfused-wy us (the
+// overlapped schedule's WY part outside the pass, ForwardCost::unfused_wy_us:
+// FLASHGDN_UNFUSED_WY_US), --no-overlap
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
 // (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
 // --no-corr (FLASHGDN_CP_CORR=0: no exact outputs by correction), --short-longest n,
@@ -58,6 +60,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--nsub") && has_value) c.nsub = static_cast<int>(value());
     else if (!std::strcmp(a, "--step128") && has_value) c.step_us_bw128 = std::atof(argv[++i]);
     else if (!std::strcmp(a, "--combine") && has_value) c.combine_us = std::atof(argv[++i]);
+    else if (!std::strcmp(a, "--unfused-wy") && has_value) c.unfused_wy_us = std::atof(argv[++i]);
     else if (!std::strcmp(a, "--short-longest") && has_value) c.short_seg_longest = value();
     else if (!std::strcmp(a, "--short-min") && has_value) c.short_seg_min = value();
     else if (!std::strcmp(a, "--varlen")) varlen = true;

@@ -195,12 +195,22 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
   }
   // 4/16 heads, 16384 tokens: 24 chunks would need 11 x 16 = 176 blocks, two waves of one
   // block per SM; sequential, 32 chunks fill one (measured 0.514 ms vs 0.598, 2026-11-23);
-  // the overlapped schedule takes 6 segments of 43 (96 blocks and 24 exact summaries in a
-  // wave; H100, 2026-11-25: 0.342 ms against 0.358 sequential in segments of 32)
+  // the overlapped schedule took 6 segments of 43 (96 blocks and 24 exact summaries in a
+  // wave; H100, 2026-11-25: 0.342 ms against 0.358 sequential in segments of 32). Since the
+  // sequential pass forms the WY part inside (kWy) and the overlapped one does not
+  // (ForwardCost::unfused_wy_us), sequential wins (H100, 2026-11-27: 0.271 against 0.304)
   q = query(1, 256, 16);
   q.allow_cols = true;
   EXPECT_EQ(plan_segments(q, sequential).seg_chunks, 32);
-  EXPECT_EQ(plan_segments(q).seg_chunks, 43);
+  EXPECT_EQ(plan_segments(q).seg_chunks, 32);
+  EXPECT_FALSE(plan_segments(q).overlap);
+  flashgdn::ForwardCost fused_everywhere;
+  fused_everywhere.unfused_wy_us = 0.0;
+  EXPECT_EQ(plan_segments(q, fused_everywhere).seg_chunks, 43);
+  EXPECT_TRUE(plan_segments(q, fused_everywhere).overlap);
+  // 128 chunks at 16 heads stay overlapped (4/16 x 8192: 0.192 against 0.202 sequential)
+  q = query(1, 128, 16);
+  q.allow_cols = true;
   EXPECT_TRUE(plan_segments(q).overlap);
   q = query(1, 32, 8);  // 2/8 heads, 2048 tokens: too short to split, 16 columns fill more SMs
   q.allow_cols = true;
@@ -834,6 +844,7 @@ TEST(Planner, FourThousandTokensAtManyHeadsSplitAtTheFasterStep) {
     EXPECT_EQ(now.seg_chunks, 22) << hv;
   }
   fp16.short_seg_longest = flashgdn::kMinOverlapLongest;
+  fp16.unfused_wy_us = 0.0;  // as then (24 heads: before ForwardCost::unfused_wy_us)
   for (int64_t hv : {24, 32}) {
     auto q = query(1, 64, hv);
     q.allow_cols = true;
@@ -981,15 +992,17 @@ TEST(Planner, DeviceChoiceAnywayForKnownLengths) {
 }
 
 TEST(Planner, DeviceChoiceOfMeasuredPackedRows) {
-  // 4/16 heads, 28672 + 4096 tokens: 16 segments of 32 on the saturated schedule (the
-  // overlapped launches without sub-segments; 0.514 -> 0.504 ms)
+  // 4/16 heads, 28672 + 4096 tokens: 16 segments of 32, the overlapped launches without
+  // sub-segments. The device's saturated choice (0.514 -> 0.504 ms, H200, 2026-11-26) runs
+  // its WY part outside the pass (ForwardCost::saturated_unfused), so the sequential split
+  // in merged pairs is the choice (H100, 2026-11-27: 0.492 -> 0.426 ms)
   auto d = device_choice_for(16, {448, 64});
   EXPECT_TRUE(d.plan.device_choice && d.plan.device_overlap);
   EXPECT_EQ(d.plan.nsub, 1);
   EXPECT_EQ(d.out[0], 32);
   EXPECT_EQ(d.out[1], 128);
-  EXPECT_EQ(d.out[2], 1);
-  EXPECT_EQ(d.out[3], 1);
+  EXPECT_EQ(d.out[2], 0);
+  EXPECT_EQ(d.out[3], 2);
   // 16384 + 16384: the longest (256 chunks) is under sat_min_longest, so no overlapped
   // launches; the sequential split in merged pairs (0.504 ms)
   d = device_choice_for(16, {256, 256});
@@ -1013,4 +1026,50 @@ TEST(Planner, DeviceChoiceOfMeasuredPackedRows) {
   // a short packed pair the host keeps unsplit at 16 columns: no device choice
   d = device_choice_for(8, {64, 64});
   EXPECT_FALSE(d.plan.device_choice);
+}
+
+TEST(Planner, UnfusedWyTermBetweenSixteenAndThirtyTwoHeads) {
+  // ForwardCost::unfused_wy_us: the one-wave overlapped schedule (and the device's saturated
+  // choice) pays for its WY part outside the pass only at 16 .. 31 value heads, where the
+  // sequential pass forms it inside (launch.cu cols_tma_wy)
+  flashgdn::ForwardCost c;
+  flashgdn::LoadStats s;
+  s.total = s.longest = 256;
+  EXPECT_DOUBLE_EQ(flashgdn::unfused_wy_term(c, s, 8, 132), 0.0);
+  EXPECT_DOUBLE_EQ(flashgdn::unfused_wy_term(c, s, 32, 132), 0.0);
+  EXPECT_NEAR(flashgdn::unfused_wy_term(c, s, 16, 132), 2.0 * 256 * 16 / 132, 1e-9);
+  s.longest = 96;  // under unfused_wy_longest (128): none
+  EXPECT_DOUBLE_EQ(flashgdn::unfused_wy_term(c, s, 16, 132), 0.0);
+  // 8/24 heads, 6144 + 2048 tokens with the host copy: the device's choice stays overlapped
+  // (0.248 ms against 0.260 sequential), one 8192-token sequence goes sequential (0.253 ->
+  // 0.229)
+  auto d = device_choice_for(24, {96, 32});
+  EXPECT_TRUE(d.plan.device_overlap);
+  EXPECT_EQ(d.out[2], 1);
+  auto one = query(1, 128, 24);
+  one.allow_cols = true;
+  EXPECT_FALSE(plan_segments(one).overlap);
+  EXPECT_TRUE(plan_segments(one).split);
+  // 2/8 heads x 16384 tokens keeps the overlapped plan (0.194 against 0.213 sequential)
+  auto q = query(1, 256, 8);
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).overlap);
+  // 16/16 x 4096 keeps its three overlapped segments of 22 (0.156 against 0.194)
+  q = query(1, 64, 16);
+  q.allow_cols = true;
+  auto p = plan_segments(q);
+  EXPECT_TRUE(p.split && p.overlap);
+  EXPECT_EQ(p.seg_chunks, 22);
+  // the device's saturated choice pays it, the host's own saturated plan (kWy) does not
+  flashgdn::ForwardCost dev = c;
+  dev.saturated_unfused = true;
+  s.longest = s.total = 512;
+  s.segs = s.seg_blocks = 16;
+  s.seqs = 1;
+  s.max_segs_per_seq = 16;
+  const auto host_e = flashgdn::estimate_split(c, s, 16, 132, 128, 32);
+  const auto dev_e = flashgdn::estimate_split(dev, s, 16, 132, 128, 32);
+  ASSERT_LT(host_e.saturated, 1e300);
+  EXPECT_NEAR(dev_e.saturated - host_e.saturated, 2.0 * 512 * 16 / 132, 1e-6);
+  EXPECT_DOUBLE_EQ(dev_e.sequential, host_e.sequential);
 }
