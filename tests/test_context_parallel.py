@@ -1384,8 +1384,10 @@ def test_tma_forward(case: Case, split: str, variant: str):
 @pytest.mark.parametrize("case, wy", [
     # 16 value heads, one sequence of 512 chunks: the saturated overlapped schedule, kWy 1
     (Case("default_h16_sat", [32768], 16, 16, gate="mixed"), True),
-    # 16 value heads, 256 chunks: the overlapped schedule (not saturated), the plain pass
-    (Case("default_h16_overlap", [16384], 4, 16, gate="mixed"), False),
+    # 16 value heads, 256 chunks: the sequential split (ForwardCost::unfused_wy_us), kWy 1
+    (Case("default_h16_seq", [16384], 4, 16, gate="mixed"), True),
+    # 16 value heads, 128 chunks: the overlapped schedule (not saturated), the plain pass
+    (Case("default_h16_overlap", [8192], 4, 16, gate="mixed"), False),
     # 32 value heads, 128 chunks: overlapped too, kWy 1 at 32 heads
     (Case("default_h32_overlap", [8192], 8, 32, gate="normal"), True),
     # 24 value heads, three a q/k head, g == 0 heads, odd lengths (unsplit: 59 chunks in all,
@@ -1402,9 +1404,10 @@ def test_default_forward_kernel(case: Case, wy: bool):
     (launch.cu cols_tma_wy), phase 1 of a split plan the plain pass (tma_wy_phase); else the
     plain 128-column pass: the expected kernels ran, and o and the final state equal
     FLASHGDN_COLS_TMA=0's (the plain pass) bit for bit, eagerly and from a CUDA graph, within
-    the float64 reference's tolerance."""
+    the float64 reference's tolerance. (FLASHGDN_UNFUSED_WY_US pinned to its default: with
+    FLASHGDN_COLS_TMA set the planner drops that term, which would change the plan.)"""
     inp = make_inputs(case, "cuda", seed=89)
-    base = {"FLASHGDN_FWD_BW": "128"}
+    base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_UNFUSED_WY_US": "2"}
     forward_bit_identical(inp, {**base, "FLASHGDN_COLS_TMA": "0"}, base,
                           f"default kernel {case.name}")
     with env_vars(base):
