@@ -28,7 +28,7 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
-            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_UNFUSED_WY_US", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
+            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_UNFUSED_WY_US", "FLASHGDN_FLAT_HEADS", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
             "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY",
@@ -387,6 +387,25 @@ def test_unfused_wy_term_takes_the_fused_pass(host: bool):
             names = cuda_kernels_run(
                 lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
         assert any("state_fwd_tma_kernel" in n for n in names) == fused, (env, sorted(names))
+
+
+@pytest.mark.parametrize("case", [
+    # 8/24 heads, no host copy: the device splits in 24-chunk segments, phase 0 merged in
+    # pairs, on looped slots (flashgdn_plan --hv 24 --tokens 6000,5000,3000 --no-hint)
+    Case("flat_h24_merge", [6000, 5000, 3000], 8, 24, gate="mixed"),
+    # 8/24, two sequences (segments unmerged), fp16 inputs, an initial state
+    Case("flat_h24", [9000, 7000], 8, 24, gate="zero_heads", dtype=torch.float16),
+    # 16/48: the device keeps it unsplit, so phase 0's slots walk one segment a sequence
+    Case("flat_h48_unsplit", [6000, 5000, 3000], 16, 48, gate="mixed"),
+], ids=lambda c: c.name)
+def test_flat_heads_walk(case: Case):
+    """SegParams::flat_heads: without the host copy of cu_seqlens the looped phase 0 of the
+    128-column forward launches one wave of slots over every head's segments (grid y = 1),
+    each slot walking (segment group, head) pairs, instead of a wave of slots a head. The same
+    segments with the same arithmetic: o and the final state equal FLASHGDN_FLAT_HEADS=0's
+    bit for bit, eagerly and from a CUDA graph, within the float64 reference's tolerance."""
+    inp = make_inputs(case, "cuda", seed=109)
+    forward_bit_identical(inp, {"FLASHGDN_FLAT_HEADS": "0"}, {}, f"flat heads {case.name}")
 
 
 def state_kernels(names: set) -> set:
