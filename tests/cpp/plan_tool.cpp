@@ -25,7 +25,13 @@
 // --varlen; the hint on the longest as cu_seqlens_cpu gives it, --no-hint drops it) also
 // prints the device's choice for those lengths (device_choice_on_host: plan_kernel's steps
 // on the host), e.g. flashgdn_plan --hv 16 --tokens 28672,4096; with the hint, also
-// launch.cu host_split_plan's (--no-host-split: FLASHGDN_HOST_SPLIT=0)
+// launch.cu host_split_plan's (--no-host-split: FLASHGDN_HOST_SPLIT=0) and, where the host's
+// choice is a sequential split in the overlapped launches, plan_forward's host schedule
+// (--no-host-schedule: FLASHGDN_HOST_SCHEDULE=0).
+//
+// --estimates also prints the plan's estimate with each schedule left out in turn (no
+// overlapped schedule, no saturated one, without ForwardCost::unfused_wy_us): what the
+// model puts each at, for calibrating it against bench_cp's switches.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -40,7 +46,7 @@ int main(int argc, char** argv) {
   q.N = 1;
   q.allow_cols = true;
   int64_t chunks = 0;
-  bool varlen = false, hint = true, host_split = true;
+  bool varlen = false, hint = true, host_split = true, host_schedule = true, estimates = false;
   std::vector<int64_t> seq_chunks;  // --tokens: each sequence's chunks
   ForwardCost c;
   c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
@@ -66,6 +72,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--varlen")) varlen = true;
     else if (!std::strcmp(a, "--no-hint")) hint = false;
     else if (!std::strcmp(a, "--no-host-split")) host_split = false;
+    else if (!std::strcmp(a, "--no-host-schedule")) host_schedule = false;
+    else if (!std::strcmp(a, "--estimates")) estimates = true;
     else if (!std::strcmp(a, "--tokens") && has_value) {
       for (const char* t = argv[++i]; *t != '\0';) {
         char* end = nullptr;
@@ -137,6 +145,42 @@ int main(int argc, char** argv) {
     std::printf(")");
   }
   std::printf(", estimate %.1f us\n", p.est_us);
+  if (estimates) {  // the plan with one schedule left out at a time (the same query)
+    auto show = [&](const char* what, ForwardCost v) {
+      const SegmentPlan e = plan_segments(q, v);
+      std::printf("  %-22s %s, col_block %d, seg %lld, %s, estimate %.1f us\n", what,
+                  e.split ? "split" : "unsplit", e.col_block,
+                  static_cast<long long>(e.seg_chunks),
+                  e.device_choice ? "the device's choice"
+                  : e.saturated   ? "saturated"
+                  : e.overlap     ? "overlapped"
+                                  : "sequential",
+                  e.est_us);
+    };
+    ForwardCost v = c;
+    v.overlap = false;
+    show("no overlapped schedule", v);
+    v = c;
+    v.overlap_saturated = false;
+    show("no saturated schedule", v);
+    v = c;
+    v.unfused_wy_us = 0.0;
+    show("unfused_wy_us 0", v);
+  }
+  // --tokens with the host copy: plan_forward's host schedule (launch.cu), where the host's
+  // making of the device's choice in the overlapped launches is a sequential split: the
+  // launches are dropped and the choice made again without them
+  if (!seq_chunks.empty() && hint && host_schedule && p.device_overlap) {
+    const DeviceChoiceParams d = device_choice_params(p, c, true, true,
+                                                      p.nsub > 1 ? p.nsub : 0, q.Hv, q.sms);
+    int64_t out[4];
+    device_choice_on_host(d, seq_chunks.data(), q.N, p.seg_chunks, out);
+    if (out[2] == 0) {
+      p.device_overlap = false;
+      p.nsub = 1;
+      std::printf("  the host schedule: a sequential choice, the overlapped launches dropped\n");
+    }
+  }
   if (!seq_chunks.empty() && (p.device_choice || p.device_col_block)) {
     // as launch.cu hands it to plan_kernel (the forward; the workspace's sub-segments)
     const DeviceChoiceParams d = device_choice_params(p, c, true, p.device_overlap,
