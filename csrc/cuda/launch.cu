@@ -736,11 +736,8 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
   // 2/8 8192 x 4 0.313 -> 0.300 ms, no other row faster then). FLASHGDN_HOST_SCHEDULE=0: not.
   if (!backward && plan.device_overlap && device_schedule(plan) && host_choice(p) &&
       env_int_or("FLASHGDN_HOST_SCHEDULE", 1) == 1) {
-    const DeviceChoiceParams c =
-        device_choice_params(plan, plan_cost(false), true, true,
-                             cp_subsegments(plan, fwd_pass(), false), p.Hv, sm_count(p.device_id));
     int64_t out[4];
-    device_choice_on_host(c, p.host_chunks.data(), p.N, plan.seg_chunks, out);
+    forward_choice_on_host(p, plan, /*exact=*/false, out);  // in the overlapped launches
     if (out[2] == 0) {  // a sequential split
       plan.device_overlap = false;
       plan.nsub = 1;
