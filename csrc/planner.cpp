@@ -307,11 +307,21 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
       // without sub-segments, unless the caller's hint on the longest sequence rules it out
       // (the overlapped launches cost the device's sequential choice ~1%: H200, 4/16 heads,
       // 16384 + 16384 0.500 -> 0.506 ms, 8192 x 4 0.500 -> 0.507)
-      // (that sequence's plan without ForwardCost::unfused_wy_us: the launches are made as
-      // before the term, whose sequences of unfused_wy_longest chunks the device may not see;
-      // its choice at the actual lengths counts the term)
+      // (that sequence's plan with ForwardCost::unfused_wy_us from twice unfused_wy_longest:
+      // the worst case's one sequence of every chunk is at least two in a packed batch, so
+      // its term from 128 chunks took the overlapped launches from 8/24 6144+2048, whose
+      // overlapped choice measured faster (0.248 against 0.260 ms); from 256 it keeps them
+      // there and drops them for 16 heads x 256 chunks, whose sequential choice then takes
+      // kWy: without the host copy (CP_OVERLAP=0, H100 2026-11-27) 4/16 12288+4096 0.325 ->
+      // 0.278, 2x8192 0.326 -> 0.279, 16/16 0.351 -> 0.295, 0.351 -> 0.296; the device's
+      // choice at the actual lengths counts the term as it is). Where the caller's hint puts
+      // the longest sequence under unfused_wy_longest the term cannot apply to that choice,
+      // so the launches are planned without it (16 heads, 6144 + 6144 + 4096 tokens: the
+      // overlapped choice in segments of 48 kept)
       ForwardCost launches = given;
-      launches.unfused_wy_us = 0.0;
+      launches.unfused_wy_longest = 2 * given.unfused_wy_longest;
+      if (q.longest_hint > 0 && static_cast<double>(q.longest_hint) < given.unfused_wy_longest)
+        launches.unfused_wy_us = 0.0;
       const SegmentPlan one = plan_as_one_sequence(q, launches);
       const bool sat_ruled_out = one.saturated && q.longest_hint > 0 &&
                                  static_cast<double>(q.longest_hint) < given.sat_min_longest;

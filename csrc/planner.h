@@ -259,8 +259,18 @@ struct ForwardCost {
   // 2026-11-27, forward ms, the device's saturated choice -> sequential: 4/16 28672 + 4096
   // 0.492 -> 0.426, 16/16 0.539 -> 0.452, 4/16 4096 + 28672 0.577 -> 0.424.
   bool saturated_unfused = false;
+  // Whether the 128-column forward pass forms the WY part inside (kWy) at kTmaWyMinHeads ..
+  // kTmaWyOverlapHeads - 1 value heads (launch.cu plan_cost clears it where it does not: the
+  // backward, the tf32 passes, FLASHGDN_COLS_TMA or FLASHGDN_FUSED set). There the saturated
+  // schedule is no candidate (sat_fused_wy false; FLASHGDN_CP_SAT=1 sets it): its own plan
+  // measured no faster than the sequential one (H100, 2026-11-27, 1x32768: 4/16 0.445 against
+  // 0.441, 16/16 0.475 against 0.468), and a packed batch whose worst case would be saturated
+  // got the overlapped launches, whose passes take the plain pass (without the host copy,
+  // CP_SAT=0: 4/16 28672+4096 0.508 -> 0.434 ms, 16384+16384 0.506 -> 0.425, 8192x4 0.505 ->
+  // 0.423; 16/16 0.559 -> 0.466).
+  bool fused_wy = true;
+  bool sat_fused_wy = false;
 };
-
 
 #ifdef __CUDACC__
 #define FLASHGDN_HD __host__ __device__
@@ -459,8 +469,10 @@ struct SplitEstimate {
 // The saturated schedule's estimate from a 128-column split's terms (see
 // estimate_saturated_overlap_us).
 inline FLASHGDN_HD double saturated_from_terms(const ForwardCost& c, const LoadStats& s,
-                                               const SplitTerms& r) {
+                                               const SplitTerms& r, double heads) {
   if (!c.overlap || !c.overlap_saturated || s.longest < c.sat_min_longest) return 1e300;
+  if (c.fused_wy && !c.sat_fused_wy && heads >= kTmaWyMinHeads && heads < kTmaWyOverlapHeads)
+    return 1e300;  // ForwardCost::fused_wy
   if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
   const double chain = r.crit1 + r.combine + r.len * r.t;
   const double bound = (r.work0 + r.work1) * c.sat_factor;
@@ -477,8 +489,9 @@ inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const Load
   if (bw == 128) {
     e.merge = best_p0_merge(c, s, r, heads);
     phase0 = phase0_merged_us(c, s, r, heads, e.merge);
-    e.saturated = saturated_from_terms(c, s, r);
-    if (c.saturated_unfused && e.saturated < 1e300) e.saturated += unfused_wy_term(c, s, heads, r.nsm);
+    e.saturated = saturated_from_terms(c, s, r, heads);
+    if (c.saturated_unfused && e.saturated < 1e300)
+      e.saturated += unfused_wy_term(c, s, heads, r.nsm);
   }
   e.sequential = phase0 + (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
   // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
@@ -537,13 +550,14 @@ inline FLASHGDN_HD double estimate_state_pass_us(const ForwardCost& c, const Loa
 inline FLASHGDN_HD double estimate_saturated_overlap_us(const ForwardCost& c, const LoadStats& s,
                                                         double heads, int sms, double seg) {
   if (seg <= 0) return 1e300;
-  return saturated_from_terms(c, s, split_terms(c, s, heads, sms, 128, seg));
+  return saturated_from_terms(c, s, split_terms(c, s, heads, sms, 128, seg), heads);
 }
 
 // FLASHGDN_CP_SAT=1: the saturated schedule wherever its estimate is at most 0.99 of the
 // sequential split's, at any length (the opt-in of sessions 30-34).
 inline void force_saturated(ForwardCost& c) {
   c.overlap_saturated = true;
+  c.sat_fused_wy = true;
   c.sat_margin = 0.99;
   c.sat_min_longest = 0;
 }

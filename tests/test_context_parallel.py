@@ -28,7 +28,8 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
-            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_UNFUSED_WY_US", "FLASHGDN_FLAT_HEADS", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
+            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_UNFUSED_WY_US", "FLASHGDN_UNFUSED_WY_LONGEST",
+            "FLASHGDN_FLAT_HEADS", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
             "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY",
@@ -276,10 +277,11 @@ def test_scan_levels_do_not_trust_the_hint(walk: str):
     (Case("host_choice_cols", [3000, 700, 1800], 2, 8, gate="mixed"), {}),  # the column block
     (Case("host_choice_ov", [12000, 3000, 9000], 2, 8, gate="mixed"), {}),  # overlapped, 4 subs
     # sequential in merged pairs; saturated without the unfused WY term (planner.h
-    # ForwardCost::unfused_wy_us), the only way the device's choice reaches it at 16 heads
+    # ForwardCost::unfused_wy_us) and with FLASHGDN_CP_SAT=1 (ForwardCost::fused_wy), the only
+    # way the device's choice reaches it at 16 heads
     (Case("host_choice_seq", [24576, 1536], 4, 16, gate="mixed"), {}),
     (Case("host_choice_sat", [24576, 1536], 4, 16, gate="mixed"),
-     {"FLASHGDN_UNFUSED_WY_US": "0"}),
+     {"FLASHGDN_UNFUSED_WY_US": "0", "FLASHGDN_CP_SAT": "1"}),
 ], ids=lambda c: c.name if isinstance(c, Case) else ("unfused0" if c else "default"))
 def test_host_choice_is_the_device_choice(case: Case, base: dict):
     """With cu_seqlens_cpu the choice plan_kernel makes from cu_seqlens (segment length,
@@ -365,22 +367,26 @@ def test_host_split_plan(case: Case):
         assert any(c in n for n in names for c in chain) == split, (env, sorted(names))
 
 
-@pytest.mark.parametrize("host", [True, False], ids=["host_copy", "single"])
-def test_unfused_wy_term_takes_the_fused_pass(host: bool):
+@pytest.mark.parametrize("host", [True, False, None], ids=["host_copy", "single", "device"])
+def test_unfused_wy_term_takes_the_fused_pass(host):
     """planner.h ForwardCost::unfused_wy_us: at 16 value heads the sequential split forms the
     WY part inside its pass (state_fwd_tma_kernel's kWy) and the one-wave overlapped or the
     device's saturated schedule does not (wy_lean_kernel, then the plain pass). 4/16 heads,
-    24576 + 4096 packed tokens with cu_seqlens_cpu (the host's choice: sequential in merged
-    pairs; saturated without the term) or one 16384-token sequence (sequential segments of
-    32; overlapped segments of 43 without it): the default runs the fused pass, =0 the plain
-    one; both against the float64 reference and CP off (check_split), eagerly and from a
-    CUDA graph."""
-    lens = [24576, 4096] if host else [16384]
-    case = Case("unfused_wy", lens, 4, 16, varlen=host, gate="mixed")
+    12288 + 4096 packed tokens with cu_seqlens_cpu (the host's choice: sequential segments of
+    32; overlapped segments of 40 without the term) or one 16384-token sequence (sequential
+    segments of 32; overlapped segments of 43 without it): the default runs the fused pass;
+    FLASHGDN_UNFUSED_WY_US=0 the plain one, as does FLASHGDN_UNFUSED_WY_LONGEST=512 (the term
+    from 512 chunks, longer than any sequence here); each against the float64 reference and
+    CP off (check_split), eagerly and from a CUDA graph. (device: 2 x 8192 packed tokens
+    without the host copy, whose worst case is planned sequential, so no overlapped launches
+    are made and the device's sequential choice takes the fused pass.)"""
+    lens = [12288, 4096] if host else [8192, 8192] if host is None else [16384]
+    case = Case("unfused_wy", lens, 4, 16, varlen=host is not False, gate="mixed")
     inp = {**make_inputs(case, "cuda", seed=107)}
     if host:
         inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    for env, fused in (({}, True), ({"FLASHGDN_UNFUSED_WY_US": "0"}, False)):
+    for env, fused in (({}, True), ({"FLASHGDN_UNFUSED_WY_US": "0"}, False),
+                       ({"FLASHGDN_UNFUSED_WY_LONGEST": "512"}, False)):
         check_split_env(f"unfused wy {env}", case, inp, {"FLASHGDN_CP": "auto", **env},
                         {"FLASHGDN_CP": "off"})
         with env_vars(env):
@@ -1401,8 +1407,9 @@ def test_tma_forward(case: Case, split: str, variant: str):
 
 
 @pytest.mark.parametrize("case, wy", [
-    # 16 value heads, one sequence of 512 chunks: the saturated overlapped schedule, kWy 1
-    (Case("default_h16_sat", [32768], 16, 16, gate="mixed"), True),
+    # 16 value heads, one sequence of 512 chunks: the sequential split (no saturated schedule
+    # where kWy runs: ForwardCost::fused_wy), kWy 1
+    (Case("default_h16_long", [32768], 16, 16, gate="mixed"), True),
     # 16 value heads, 256 chunks: the sequential split (ForwardCost::unfused_wy_us), kWy 1
     (Case("default_h16_seq", [16384], 4, 16, gate="mixed"), True),
     # 16 value heads, 128 chunks: the overlapped schedule (not saturated), the plain pass
@@ -1427,6 +1434,10 @@ def test_default_forward_kernel(case: Case, wy: bool):
     FLASHGDN_COLS_TMA set the planner drops that term, which would change the plan.)"""
     inp = make_inputs(case, "cuda", seed=89)
     base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_UNFUSED_WY_US": "2"}
+    if 16 <= case.hv < 32:
+        # FLASHGDN_COLS_TMA clears ForwardCost::fused_wy too, which brings the saturated
+        # schedule back as a candidate: CP_SAT=0 keeps both runs on the default's plan
+        base["FLASHGDN_CP_SAT"] = "0"
     forward_bit_identical(inp, {**base, "FLASHGDN_COLS_TMA": "0"}, base,
                           f"default kernel {case.name}")
     with env_vars(base):

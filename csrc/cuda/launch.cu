@@ -614,10 +614,16 @@ ForwardCost plan_cost(bool backward) {
   // the overlapped schedule's WY part outside the pass: only where the others take kWy
   // (cols_tma_wy's default; FLASHGDN_UNFUSED_WY_US=<us> sets it, for measurements)
   if (backward || fwd_pass() != FwdPass::F16 || env_int_or("FLASHGDN_COLS_TMA", -1) >= 0 ||
-      fused_mode() > 0)
+      fused_mode() > 0) {
     c.unfused_wy_us = 0.0;
+    c.fused_wy = false;
+  }
   if (const char* e = std::getenv("FLASHGDN_UNFUSED_WY_US"); e != nullptr && *e && !backward)
     c.unfused_wy_us = std::max(0.0, std::atof(e));
+  // FLASHGDN_UNFUSED_WY_LONGEST=<chunks>: from which longest sequence the term counts
+  // (ForwardCost::unfused_wy_longest; measurements)
+  if (const int l = env_int_or("FLASHGDN_UNFUSED_WY_LONGEST", 0); l > 0 && !backward)
+    c.unfused_wy_longest = l;
   // FLASHGDN_CP_SHORT_LONGEST=<chunks> / FLASHGDN_CP_SHORT_MIN=<chunks>: from which sequence
   // length 128-column segments under 32 chunks are tried, and how short (ForwardCost; the
   // forward; measurements)

@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--no-overlap")) c.overlap = false;
     else if (!std::strcmp(a, "--sat")) force_saturated(c);
     else if (!std::strcmp(a, "--no-sat")) c.overlap_saturated = false;
+    else if (!std::strcmp(a, "--plain-pass")) c.fused_wy = false;  // no kWy (FLASHGDN_COLS_TMA=0)
     else if (!std::strcmp(a, "--no-merge")) c.p0_merge = false;
     else if (!std::strcmp(a, "--no-corr")) c.corr = false;
     else if (!std::strcmp(a, "--off")) q.mode = CpMode::Off;

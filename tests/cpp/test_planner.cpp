@@ -671,11 +671,18 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   // H200 2026-11-26): 4/16 x 32768 saturated (model 0.93 of sequential), 8/32 x 32768 (0.97)
   // and 8/24 x 32768 (0.97, measured 12% slower) sequential, and 8/32 x 8192 (128 chunks,
   // measured 9% slower) sequential
+  // (at 16-31 value heads only where the pass forms the WY part outside: ForwardCost::fused_wy;
+  // with it, 4/16 x 32768 is sequential, H100 2026-11-27: 0.441 against 0.445 saturated)
+  flashgdn::ForwardCost plain_pass;
+  plain_pass.fused_wy = false;
   q = query(1, 512, 16);
   q.allow_cols = true;
-  EXPECT_TRUE(plan_segments(q).overlap);
-  EXPECT_TRUE(plan_segments(q).saturated);
-  EXPECT_EQ(plan_segments(q).nsub, 1);
+  EXPECT_TRUE(plan_segments(q, plain_pass).overlap);
+  EXPECT_TRUE(plan_segments(q, plain_pass).saturated);
+  EXPECT_EQ(plan_segments(q, plain_pass).nsub, 1);
+  EXPECT_TRUE(plan_segments(q).split);
+  EXPECT_FALSE(plan_segments(q).overlap);
+  EXPECT_TRUE(plan_segments(q, on).saturated);  // FLASHGDN_CP_SAT=1 (force_saturated)
   q = query(1, 512, 8);  // the one-wave overlapped plan is not the saturated one
   q.allow_cols = true;
   EXPECT_TRUE(plan_segments(q).overlap);
@@ -693,13 +700,17 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   // packed, 4/16 heads: one sequence of all the chunks would take it, so the device may
   // (the overlapped launches without sub-segments), unless the hint on the longest sequence
   // is below 384 chunks (8192 x 4: the device's sequential split, looped)
+  // (with the plain pass; with kWy at 16 heads no overlapped launches: the device's
+  // sequential choice then takes kWy, CP_SAT=0 without the host copy 4/16 16384+16384 0.506
+  // -> 0.425 ms)
   q = query(2, 256, 16, /*varlen=*/true);
   q.allow_cols = true;
-  auto d = plan_segments(q);
+  auto d = plan_segments(q, plain_pass);
   EXPECT_TRUE(d.device_choice && d.device_overlap);
   EXPECT_EQ(d.nsub, 1);
+  EXPECT_FALSE(plan_segments(q).device_overlap);
   q.longest_hint = 128;
-  d = plan_segments(q);
+  d = plan_segments(q, plain_pass);
   EXPECT_TRUE(d.device_choice);
   EXPECT_FALSE(d.device_overlap);
   // the estimate itself: no value where the blocks fit one wave, and never below the block-
@@ -996,8 +1007,11 @@ TEST(Planner, DeviceChoiceOfMeasuredPackedRows) {
   // sub-segments. The device's saturated choice (0.514 -> 0.504 ms, H200, 2026-11-26) runs
   // its WY part outside the pass (ForwardCost::saturated_unfused), so the sequential split
   // in merged pairs is the choice (H100, 2026-11-27: 0.492 -> 0.426 ms)
+  // With kWy at 16 heads (ForwardCost::fused_wy) no saturated schedule, so no overlapped
+  // launches for it either: the device's sequential choice in the plain launches.
   auto d = device_choice_for(16, {448, 64});
-  EXPECT_TRUE(d.plan.device_choice && d.plan.device_overlap);
+  EXPECT_TRUE(d.plan.device_choice);
+  EXPECT_FALSE(d.plan.device_overlap);
   EXPECT_EQ(d.plan.nsub, 1);
   EXPECT_EQ(d.out[0], 32);
   EXPECT_EQ(d.out[1], 128);
@@ -1061,6 +1075,8 @@ TEST(Planner, UnfusedWyTermBetweenSixteenAndThirtyTwoHeads) {
   EXPECT_TRUE(p.split && p.overlap);
   EXPECT_EQ(p.seg_chunks, 22);
   // the device's saturated choice pays it, the host's own saturated plan (kWy) does not
+  // (both with the saturated schedule a candidate at 16 heads: FLASHGDN_CP_SAT=1)
+  c.sat_fused_wy = true;
   flashgdn::ForwardCost dev = c;
   dev.saturated_unfused = true;
   s.longest = s.total = 512;
@@ -1072,4 +1088,32 @@ TEST(Planner, UnfusedWyTermBetweenSixteenAndThirtyTwoHeads) {
   ASSERT_LT(host_e.saturated, 1e300);
   EXPECT_NEAR(dev_e.saturated - host_e.saturated, 2.0 * 512 * 16 / 132, 1e-6);
   EXPECT_DOUBLE_EQ(dev_e.sequential, host_e.sequential);
+}
+
+TEST(Planner, FusedWyLaunchesForPackedBatches) {
+  // Packed batches without the host copy: the overlapped launches are made where one
+  // sequence of every chunk would take an overlapped plan, counting ForwardCost::unfused_wy_us
+  // from twice unfused_wy_longest there. 16 heads, 2 x 128 chunks: sequential, so the
+  // device's sequential choice takes kWy (CP_OVERLAP=0, H100 2026-11-27: 4/16 2x8192 0.326 ->
+  // 0.279 ms); 24 heads, 2 x 64 chunks keeps them (8/24 6144+2048: overlapped 0.248 against
+  // 0.260); 8 heads (no kWy) keeps them at 2 x 128
+  auto q = query(2, 128, 16, /*varlen=*/true);
+  q.allow_cols = true;
+  auto d = plan_segments(q);
+  EXPECT_TRUE(d.device_choice);
+  EXPECT_FALSE(d.device_overlap);
+  flashgdn::ForwardCost plain_pass;
+  plain_pass.fused_wy = false;
+  plain_pass.unfused_wy_us = 0.0;
+  EXPECT_TRUE(plan_segments(q, plain_pass).device_overlap);  // as before session 48
+  // with the caller's hint on the longest sequence under unfused_wy_longest the launches are
+  // planned without the term (the device's choice there cannot count it)
+  q.longest_hint = 96;
+  EXPECT_TRUE(plan_segments(q).device_overlap);
+  q = query(2, 64, 24, true);
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).device_overlap);
+  q = query(2, 128, 8, true);
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).device_overlap);
 }
