@@ -227,6 +227,13 @@ struct ForwardCost {
   // of phase 0's estimate.
   bool p0_merge = true;
   double p0_merge_gain = 0.03;
+  // Phase 0's critical path for one sequence list-scheduled (list_schedule_steps: the last,
+  // shorter block of each head fills the SMs a partial wave leaves) in place of whole waves;
+  // FLASHGDN_P0_LIST=1, off by default. H100, 2026-11-27, with the host copy, ms whole waves
+  // -> list: 16/48 x 32768 1.284 -> 1.227, x 16384 0.719 -> 0.668, but x 8192 0.392 -> 0.402,
+  // 8/24 x 16384 0.374 -> 0.380, 16/16 x 16384 0.301 -> 0.304 (plans of one or two segments
+  // fewer or more whose other terms, the summaries and the chain, the model counts too low).
+  bool p0_list = false;
   double corr_us = 6.0;
   // 128-column segments under 32 chunks: candidates only for sequences of at least
   // short_seg_longest chunks (seg_candidate_for), the overlapped schedule's lengths down to
@@ -426,12 +433,72 @@ inline FLASHGDN_HD SplitTerms split_terms(const ForwardCost& c, const LoadStats&
 // tokens in 16 segments of 32 chunks, 256 blocks in two waves (phase 0 280 us, forward
 // 0.519 ms) against 128 blocks of 64 chunks in one (269 us, 0.505 ms).
 constexpr int kMaxP0Merge = 4;
+
+// The makespan, in chunk steps, of one-block-an-SM blocks dispatched in order, each to the SM
+// that frees first: nf rounds of `heads` blocks of lf steps, then np rounds of lp (phase 0's
+// blocks come a segment, all heads, at a time; a sequence's last block is the short one, and
+// those are taken as one length, dispatched last). Equal lengths give whole waves,
+// ceil(blocks / nsm) * lf; a last wave of short blocks, or short blocks filling the SMs a
+// partial wave left free, cost less than a full wave (phase0_merged_us).
+inline FLASHGDN_HD double list_schedule_steps(double heads, double nsm, double nf, double lf,
+                                              double np, double lp) {
+  constexpr int kGroups = 8;
+  double t[kGroups], n[kGroups];  // groups of SMs free from t[i], n[i] of them, t ascending
+  int g = 0;
+  const double full = nf * heads;
+  const double w = static_cast<double>(static_cast<long long>(full / nsm));
+  const double rem = full - w * nsm;
+  t[g] = w * lf, n[g++] = nsm - rem;
+  if (rem > 0) t[g] = (w + 1) * lf, n[g++] = rem;
+  double left = np * heads;
+  for (int it = 0; left > 0; ++it) {
+    if (it >= 256 || g == kGroups) {  // many short waves: the rest spread over the SMs
+      return t[0] + ceil_pos(left / nsm) * lp > t[g - 1] ? t[0] + ceil_pos(left / nsm) * lp
+                                                         : t[g - 1];
+    }
+    const double k = n[0] < left ? n[0] : left;  // the earliest group takes k blocks
+    left -= k;
+    const double tk = t[0] + lp;
+    n[0] -= k;
+    if (n[0] <= 0) {  // drop the emptied group
+      for (int i = 1; i < g; ++i) t[i - 1] = t[i], n[i - 1] = n[i];
+      --g;
+    }
+    int i = 0;  // insert (tk, k) in time order, merged with an equal time
+    while (i < g && t[i] < tk) ++i;
+    if (i < g && t[i] == tk) {
+      n[i] += k;
+    } else {
+      for (int j = g; j > i; --j) t[j] = t[j - 1], n[j] = n[j - 1];
+      t[i] = tk, n[i] = k;
+      ++g;
+    }
+  }
+  return g > 0 ? t[g - 1] : 0.0;
+}
+
 inline FLASHGDN_HD double phase0_merged_us(const ForwardCost& c, const LoadStats& s,
                                            const SplitTerms& r, double heads, int m) {
   const double len = m * r.len < s.longest ? m * r.len : s.longest;
   const double blocks = heads * ceil_pos(r.blocks / heads / m);
-  const double waves = blocks > r.nsm ? ceil_pos(blocks / r.nsm) : 1.0;
-  const double crit = (len + c.warm_chunks) * r.t * waves;
+  double crit;
+  if (blocks <= r.nsm) {
+    crit = (len + c.warm_chunks) * r.t;
+  } else if (c.p0_list && s.total <= s.longest + 1.0) {
+    // one sequence (ForwardCost::p0_list): full blocks of len and the last, shorter one,
+    // list-scheduled (whole waves count that block's wave as a full one: 16/48 x 16384 in
+    // segments of 48, 240 blocks of 48 chunks and 48 of 17)
+    const double nf = static_cast<double>(static_cast<long long>(s.longest / len));
+    const double rest = s.longest - nf * len;
+    crit = list_schedule_steps(heads, r.nsm, nf, len + c.warm_chunks, rest > 0 ? 1.0 : 0.0,
+                               rest + c.warm_chunks) *
+           r.t;
+  } else {
+    // whole waves (packed sequences under p0_list too: where a sequence's last blocks lie is
+    // not known here, and the average remainder as one length measured wrong, H100
+    // 2026-11-27: 8/24 28672+4096 in merged pairs of 48, 0.665 -> 0.764 ms)
+    crit = (len + c.warm_chunks) * r.t * ceil_pos(blocks / r.nsm);
+  }
   const double work = (s.total + c.warm_chunks * s.segs / m) * heads * r.t / r.nsm;
   return crit > work ? crit : work;
 }

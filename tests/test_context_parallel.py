@@ -28,7 +28,8 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_BWD_COLS", "FLASHGDN_CP_SCAN", "FLASHGDN_CP_SAT", "FLASHGDN_COLS_PING",
             "FLASHGDN_WY_BATCHED", "FLASHGDN_COLS_STAGES", "FLASHGDN_CP_WALK",
             "FLASHGDN_CP_P0_MERGE", "FLASHGDN_CP_WALK_STAGES", "FLASHGDN_HOST_CHOICE",
-            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_UNFUSED_WY_US", "FLASHGDN_UNFUSED_WY_LONGEST",
+            "FLASHGDN_PLAN_ASIDE", "FLASHGDN_HOST_SCHEDULE", "FLASHGDN_UNFUSED_WY_US",
+            "FLASHGDN_UNFUSED_WY_LONGEST", "FLASHGDN_P0_LIST",
             "FLASHGDN_FLAT_HEADS", "FLASHGDN_TRI16", "FLASHGDN_DEBUG",
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
@@ -365,6 +366,18 @@ def test_host_split_plan(case: Case):
             names = cuda_kernels_run(
                 lambda: flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True))
         assert any(c in n for n in names for c in chain) == split, (env, sorted(names))
+
+
+def test_p0_list_plan():
+    """planner.h ForwardCost::p0_list (FLASHGDN_P0_LIST=1, off by default): phase 0 of one
+    sequence list-scheduled changes the plan of 8/24 heads x 8192 tokens (segments of 24, not
+    26: tests/cpp/plan_tool.cpp --p0-list), and that plan's o and final state stand against the
+    float64 reference and CP off, eagerly and from a CUDA graph (check_split_env)."""
+    case = Case("p0_list", [8192], 8, 24, varlen=True, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=113)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    check_split_env("p0 list 8/24 x 8192", case, inp,
+                    {"FLASHGDN_CP": "auto", "FLASHGDN_P0_LIST": "1"}, {"FLASHGDN_CP": "off"})
 
 
 @pytest.mark.parametrize("host", [True, False, None], ids=["host_copy", "single", "device"])

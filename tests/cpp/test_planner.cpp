@@ -1117,3 +1117,35 @@ TEST(Planner, FusedWyLaunchesForPackedBatches) {
   q.allow_cols = true;
   EXPECT_TRUE(plan_segments(q).device_overlap);
 }
+
+TEST(Planner, ListScheduledPhaseZero) {
+  using flashgdn::list_schedule_steps;
+  // equal blocks: whole waves (288 blocks of 10 steps on 132 SMs: three)
+  EXPECT_DOUBLE_EQ(list_schedule_steps(48, 132, 6, 10, 0, 0), 30.0);
+  EXPECT_DOUBLE_EQ(list_schedule_steps(24, 132, 5, 10, 0, 0), 10.0);  // 120 blocks: one
+  // 16/48 x 257 chunks in segments of 48 (+ 5 warm-up chunks): 240 blocks of 53 steps, then
+  // 48 of 22; 132 + 108 long ones, the 24 SMs left free take 24 short ones at 53 and again
+  // at 75, under the second wave's end (106); whole waves would count three (159)
+  EXPECT_DOUBLE_EQ(list_schedule_steps(48, 132, 5, 53, 1, 22), 106.0);
+  // 8/24 x 256 chunks in merged pairs of 48 (+5): 120 of 53, then 24 of 21: 12 beside the
+  // long ones, 12 after them on the same SMs (42), within the 53
+  EXPECT_DOUBLE_EQ(list_schedule_steps(24, 132, 5, 53, 1, 21), 53.0);
+  // 4 SMs, 2 long blocks (10) and 6 short (3): the two free SMs take the short ones two at a
+  // time at 0, 3 and 6 (done at 9), under the long ones' 10
+  EXPECT_DOUBLE_EQ(list_schedule_steps(2, 4, 1, 10, 3, 3), 10.0);
+  // more short blocks than fit beside: 4 SMs, 2 long (10), 14 short (3): two SMs run 0..9
+  // (6 blocks), then at 9 and 10 the four SMs share the other 8: 9-12, 9-12, 10-13, 10-13,
+  // 12-15, 12-15, 13-16, 13-16 -> 16
+  EXPECT_DOUBLE_EQ(list_schedule_steps(2, 4, 1, 10, 7, 3), 16.0);
+
+  // ForwardCost::p0_list (FLASHGDN_P0_LIST=1): 16/48 x 16384 takes segments of 48 (0.668 ms
+  // against 0.719 for the whole waves' 33 on the H100 with the host copy; 32 here, 2026-11-27); off by default
+  auto q = query(1, 256, 48);
+  q.allow_cols = true;
+  EXPECT_EQ(plan_segments(q).seg_chunks, 32);
+  flashgdn::ForwardCost c;
+  c.p0_list = true;
+  const auto p = plan_segments(q, c);
+  EXPECT_EQ(p.seg_chunks, 48);
+  EXPECT_EQ(p.p0_merge, 1);
+}
