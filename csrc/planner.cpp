@@ -400,6 +400,74 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
     merge[i] = e.merge;
   }
   device_pick(c, ncand, est, merge, seg, total, seg_chunks, out);
+  // the host's own choice for packed sequences: the merge from the blocks the split makes
+  if (exact_counts && n >= 2 && out[1] == 128 && out[2] == 0 && out[0] < longest &&
+      c.cost.p0_merge)
+    out[3] = exact_p0_merge(c.cost, chunks, n, out[0], c.heads, c.sms, static_cast<int>(out[3]));
+}
+
+double p0_exact_steps(const int64_t* chunks, int64_t n, int64_t seg, int m, double heads, int sms,
+                      double warm, double start) {
+  // the groups' lengths in launch order
+  std::vector<double> groups;
+  int in_group = 0;
+  int64_t run_seq = -1;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t segs = segments_of(chunks[s], seg);
+    for (int64_t j = 0; j < segs; ++j) {
+      const double len = static_cast<double>(std::min(seg, chunks[s] - j * seg));
+      if (in_group == 0) {
+        groups.push_back(start);
+        run_seq = -1;
+      }
+      // a new run (this sequence's first segment in the group) pays its warm-up unless it
+      // starts the sequence
+      if (run_seq != s && j > 0) groups.back() += warm;
+      run_seq = s;
+      groups.back() += len;
+      in_group = (in_group + 1) % m;
+      if (static_cast<int64_t>(groups.size()) > kMaxExactGroups) return -1.0;
+    }
+  }
+  // SMs as (free from, count) in time order; each group's `heads` blocks take the earliest
+  std::vector<std::pair<double, double>> free{{0.0, static_cast<double>(sms)}};
+  double end = 0.0;
+  for (const double len : groups) {
+    // the group's `heads` blocks one SM group at a time, the earliest first; the SMs they
+    // take rejoin the list at once (a later block of the group may follow on them)
+    for (double left = heads; left > 0;) {
+      const std::pair<double, double> first = free.front();
+      const double k = std::min(first.second, left);
+      left -= k;
+      if (first.second > k) free.front().second -= k;
+      else free.erase(free.begin());
+      const std::pair<double, double> t{first.first + len, k};
+      end = std::max(end, t.first);
+      auto at = std::lower_bound(free.begin(), free.end(), t, [](const auto& a, const auto& b) {
+        return a.first < b.first;
+      });
+      if (at != free.end() && at->first == t.first) at->second += t.second;
+      else free.insert(at, t);
+    }
+  }
+  return end;
+}
+
+int exact_p0_merge(const ForwardCost& cost, const int64_t* chunks, int64_t n, int64_t seg,
+                   double heads, int sms, int current) {
+  const int cur = std::clamp(current, 1, kMaxP0Merge);
+  const double base =
+      p0_exact_steps(chunks, n, seg, cur, heads, sms, cost.warm_chunks, cost.p0_block_start);
+  if (base < 0) return current;
+  int best = cur;
+  double best_steps = base * (1.0 - cost.p0_merge_gain);
+  for (int m = 1; m <= kMaxP0Merge; ++m) {
+    if (m == cur) continue;
+    const double steps =
+        p0_exact_steps(chunks, n, seg, m, heads, sms, cost.warm_chunks, cost.p0_block_start);
+    if (steps >= 0 && steps < best_steps) best = m, best_steps = steps;
+  }
+  return best;
 }
 
 DeviceChoiceParams device_choice_params(const SegmentPlan& plan, ForwardCost cost, bool forward,

@@ -234,6 +234,11 @@ struct ForwardCost {
   // 8/24 x 16384 0.374 -> 0.380, 16/16 x 16384 0.301 -> 0.304 (plans of one or two segments
   // fewer or more whose other terms, the summaries and the chain, the model counts too low).
   bool p0_list = false;
+  // A phase-0 block's start in chunk steps beside its chunks (its first stages' loads, the
+  // initial state, the first chunk's P): exact_p0_merge's block cost. 2-4 orders the merges
+  // of the 17 measured rows as the H100 did (2026-11-27); 0 picks merge 1 at 16/48 heads
+  // 1024 + 7168 (0.426 ms against merge 3's 0.410).
+  double p0_block_start = 3.0;
   double corr_us = 6.0;
   // 128-column segments under 32 chunks: candidates only for sequences of at least
   // short_seg_longest chunks (seg_candidate_for), the overlapped schedule's lengths down to
@@ -812,8 +817,29 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost = Forwa
 // exact_counts (the host's own choice from the caller's copy, launch.cu host_plan_choice):
 // also the lengths that cut the longest sequence into exactly m segments, which the device's
 // candidates (next_seg_candidate's steps) may miss.
+// exact_counts also re-picks a packed batch's phase-0 merge for a sequential 128-column split
+// from the blocks it makes (exact_p0_merge).
 void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, int64_t n,
                            int64_t seg_chunks, int64_t out[4], bool exact_counts = false);
+// Phase 0 of a sequential 128-column split of sequences of chunks[0 .. n) chunks in segments
+// of seg, merged by m (SegParams::p0_merge; context_parallel.cuh for_each_segment_block): its
+// makespan in chunk steps, the blocks dispatched in launch order (a group of m consecutive
+// segments, all heads, at a time; a group's runs of one sequence one after the other in its
+// block, each but a sequence's first with warm chunks of warm-up), each to the SM that frees
+// first, one block an SM, each block `start` steps more (ForwardCost::p0_block_start); < 0
+// where the groups number more than kMaxExactGroups.
+constexpr int64_t kMaxExactGroups = 512;
+double p0_exact_steps(const int64_t* chunks, int64_t n, int64_t seg, int m, double heads, int sms,
+                      double warm, double start = 0.0);
+// The merge (1 .. kMaxP0Merge) of the shortest p0_exact_steps, kept at `current` unless another
+// saves cost.p0_merge_gain of its steps. H100, 2026-11-27, host copy, 8/24 heads, forward ms by
+// merge 1 / 2 / 3 / 4 against the steps' order: 12288+4096 in segments of 24 0.388 / 0.364 /
+// 0.448 / 0.513 (58 / 53 / 77 / 101 steps), 16384+16384 at 24 0.727 / 0.680 / 0.827 / 0.655
+// (116 / 106 / 149 / 101), 24576+8192 at 48 0.645 / 0.622 (106 / 101), 28672+4096 at 50
+// 0.664 / 0.655 / 0.798 / 0.959 (110 / 105 / 155 / 205); the whole waves of phase0_merged_us
+// kept merge 1 for three of them and 2 for 16384+16384.
+int exact_p0_merge(const ForwardCost& cost, const int64_t* chunks, int64_t n, int64_t seg,
+                   double heads, int sms, int current);
 // What launch.cu hands plan_kernel for a plan the device completes (device_choice or
 // device_col_block): the cost model (cost: the pass's, forward = !backward), the schedule
 // the launches allow (the overlapped launches: SegmentPlan::device_overlap unless forced

@@ -368,6 +368,20 @@ def test_host_split_plan(case: Case):
         assert any(c in n for n in names for c in chain) == split, (env, sorted(names))
 
 
+@pytest.mark.parametrize("lens", [[12288, 4096], [16384, 16384]], ids=["merge2", "merge4"])
+def test_exact_p0_merge_host_choice(lens):
+    """planner.cpp exact_p0_merge: with the host copy, a packed batch's phase-0 merge comes
+    from its blocks list-scheduled (8/24 heads: 12288 + 4096 tokens in segments of 24 merged
+    in pairs, 16384 + 16384 in fours; tests/cpp/test_planner.cpp
+    ExactPhaseZeroMergeForPackedSequences). Those plans' o and final state against the
+    float64 reference and CP off, eagerly and from a CUDA graph (check_split_env)."""
+    case = Case("exact_merge", lens, 8, 24, varlen=True, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=127)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    check_split_env(f"exact merge 8/24 {lens}", case, inp, {"FLASHGDN_CP": "auto"},
+                    {"FLASHGDN_CP": "off"})
+
+
 def test_p0_list_plan():
     """planner.h ForwardCost::p0_list (FLASHGDN_P0_LIST=1, off by default): phase 0 of one
     sequence list-scheduled changes the plan of 8/24 heads x 8192 tokens (segments of 24, not

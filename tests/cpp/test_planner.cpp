@@ -1149,3 +1149,42 @@ TEST(Planner, ListScheduledPhaseZero) {
   EXPECT_EQ(p.seg_chunks, 48);
   EXPECT_EQ(p.p0_merge, 1);
 }
+
+TEST(Planner, ExactPhaseZeroMergeForPackedSequences) {
+  using flashgdn::p0_exact_steps;
+  // 8/24 heads, 12288 + 4096 tokens (192 + 64 chunks) in segments of 24 (+5 warm-up chunks
+  // but for a sequence's first): merged pairs make 24 blocks of 48, 72 of 53, 24 of 48 and 24
+  // of 21; 120 of them fill the first wave beside 12 short ones, whose SMs take the other 12
+  // at 21: 53 steps against merge 1's 58 (two waves of 29) and merge 3's 77
+  const int64_t a[] = {192, 64};
+  EXPECT_DOUBLE_EQ(p0_exact_steps(a, 2, 24, 1, 24, 132, 5), 58.0);
+  EXPECT_DOUBLE_EQ(p0_exact_steps(a, 2, 24, 2, 24, 132, 5), 53.0);
+  EXPECT_DOUBLE_EQ(p0_exact_steps(a, 2, 24, 3, 24, 132, 5), 77.0);
+  // more heads than SMs: a group's blocks in turns (200 heads, one 10-chunk segment: 2 turns)
+  const int64_t b[] = {10, 10};
+  EXPECT_DOUBLE_EQ(p0_exact_steps(b, 1, 24, 1, 200, 132, 5), 20.0);
+  // the host's choice (exact counts) takes the merge from these steps; the device's keeps
+  // phase0_merged_us's whole waves (H100, 2026-11-27, forward ms by merge 1 / 2: 8/24
+  // 12288+4096 0.388 / 0.364, 24576+8192 0.645 / 0.622; 16384+16384 by merge 2 / 4 0.680 /
+  // 0.655)
+  flashgdn::ForwardCost c;
+  EXPECT_EQ(flashgdn::exact_p0_merge(c, a, 2, 24, 24, 132, 1), 2);
+  const int64_t d[] = {256, 256};
+  EXPECT_EQ(flashgdn::exact_p0_merge(c, d, 2, 24, 24, 132, 2), 4);
+  const int64_t e[] = {192, 64};  // 16 heads in segments of 32: merge 1 (37 steps against 69)
+  EXPECT_EQ(flashgdn::exact_p0_merge(c, e, 2, 32, 16, 132, 1), 1);
+  // 16/48 heads, 1024 + 7168 tokens in segments of 24: merge 3 kept (96 blocks in one wave);
+  // without ForwardCost::p0_block_start merge 1's 288 blocks look shorter (66 steps against
+  // 69), and measured slower (0.426 ms against 0.410)
+  const int64_t f[] = {16, 112};
+  EXPECT_EQ(flashgdn::exact_p0_merge(c, f, 2, 24, 48, 132, 3), 3);
+  EXPECT_DOUBLE_EQ(p0_exact_steps(f, 2, 24, 1, 48, 132, 5), 66.0);
+  EXPECT_DOUBLE_EQ(p0_exact_steps(f, 2, 24, 3, 48, 132, 5), 69.0);
+  c.p0_block_start = 0.0;
+  EXPECT_EQ(flashgdn::exact_p0_merge(c, f, 2, 24, 48, 132, 3), 1);
+  auto host = device_choice_for(24, {192, 64}, /*exact_counts=*/true);
+  auto dev = device_choice_for(24, {192, 64});
+  EXPECT_EQ(host.out[0], 24);
+  EXPECT_EQ(host.out[3], 2);
+  EXPECT_EQ(dev.out[3], 1);
+}
