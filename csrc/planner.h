@@ -233,6 +233,9 @@ struct ForwardCost {
   // -> list: 16/48 x 32768 1.284 -> 1.227, x 16384 0.719 -> 0.668, but x 8192 0.392 -> 0.402,
   // 8/24 x 16384 0.374 -> 0.380, 16/16 x 16384 0.301 -> 0.304 (plans of one or two segments
   // fewer or more whose other terms, the summaries and the chain, the model counts too low).
+  // Each block also pays p0_block_start there (added after those runs: it keeps the whole
+  // waves' plans at 16, 32 and 64 heads and 8/24 x 8192, so of the plans measured above only
+  // 16/48 x 32768, x 16384 (gains), x 8192, 8/24 x 32768, x 16384 (losses) change).
   bool p0_list = false;
   // A phase-0 block's start in chunk steps beside its chunks (its first stages' loads, the
   // initial state, the first chunk's P): exact_p0_merge's block cost. 2-4 orders the merges
@@ -495,9 +498,8 @@ inline FLASHGDN_HD double phase0_merged_us(const ForwardCost& c, const LoadStats
     // segments of 48, 240 blocks of 48 chunks and 48 of 17)
     const double nf = static_cast<double>(static_cast<long long>(s.longest / len));
     const double rest = s.longest - nf * len;
-    crit = list_schedule_steps(heads, r.nsm, nf, len + c.warm_chunks, rest > 0 ? 1.0 : 0.0,
-                               rest + c.warm_chunks) *
-           r.t;
+    const double w = c.warm_chunks + c.p0_block_start;
+    crit = list_schedule_steps(heads, r.nsm, nf, len + w, rest > 0 ? 1.0 : 0.0, rest + w) * r.t;
   } else {
     // whole waves (packed sequences under p0_list too: where a sequence's last blocks lie is
     // not known here, and the average remainder as one length measured wrong, H100
