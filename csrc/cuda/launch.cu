@@ -584,6 +584,9 @@ bool bwd_cols(const Problem& p) {
 // FLASHGDN_CP_SUB=n sets its sub-segments. The one-wave steps of 16 and
 // 32 columns are the forward's fp16 pass's.
 int fused_mode();
+// Whether the 128-column forward's kernel follows the plan (tma_wy_mode's default, kWy by
+// cols_tma_wy's rule): neither FLASHGDN_COLS_TMA nor FLASHGDN_FUSED names one.
+bool tma_wy_by_plan() { return env_int_or("FLASHGDN_COLS_TMA", -1) < 0 && fused_mode() == 0; }
 ForwardCost plan_cost(bool backward) {
   ForwardCost c;
   if (!backward && fwd_pass() == FwdPass::F16) {
@@ -613,8 +616,7 @@ ForwardCost plan_cost(bool backward) {
            !cols_wgmma();
   // the overlapped schedule's WY part outside the pass: only where the others take kWy
   // (cols_tma_wy's default; FLASHGDN_UNFUSED_WY_US=<us> sets it, for measurements)
-  if (backward || fwd_pass() != FwdPass::F16 || env_int_or("FLASHGDN_COLS_TMA", -1) >= 0 ||
-      fused_mode() > 0) {
+  if (backward || fwd_pass() != FwdPass::F16 || !tma_wy_by_plan()) {
     c.unfused_wy_us = 0.0;
     c.fused_wy = false;
   }
