@@ -398,6 +398,20 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
     est[i][1] = e.overlapped;
     est[i][2] = e.saturated;
     merge[i] = e.merge;
+    // ForwardCost::exact_p0: a 128-column split's phase 0 from its blocks, at its best merge
+    const int k = i / 3 - 1;
+    if (exact_counts && c.cost.exact_p0 && n >= 2 && k >= 0 && device_bw(i) == 128 &&
+        e.sequential < 1e300) {
+      const int m = c.cost.p0_merge
+                        ? exact_p0_merge(c.cost, chunks, n, seg[k], c.heads, c.sms, e.merge)
+                        : 1;
+      const double steps = p0_exact_steps(chunks, n, seg[k], m, c.heads, c.sms,
+                                          c.cost.warm_chunks, c.cost.p0_block_start);
+      if (steps >= 0) {
+        est[i][0] = e.sequential - e.phase0 + steps * c.cost.step_us_bw128;
+        merge[i] = m;
+      }
+    }
   }
   device_pick(c, ncand, est, merge, seg, total, seg_chunks, out);
   // the host's own choice for packed sequences: the merge from the blocks the split makes

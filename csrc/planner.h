@@ -242,6 +242,11 @@ struct ForwardCost {
   // of the 17 measured rows as the H100 did (2026-11-27); 0 picks merge 1 at 16/48 heads
   // 1024 + 7168 (0.426 ms against merge 3's 0.410).
   double p0_block_start = 3.0;
+  // The host's own choice for packed sequences (device_choice_on_host's exact_counts) counts
+  // every 128-column split's phase 0 as its blocks list-schedule (p0_exact_steps, the best
+  // merge), not as whole waves; FLASHGDN_HOST_EXACT_P0=1, off by default (not yet measured:
+  // it changes segment lengths, where exact_p0_merge changes only the merge).
+  bool exact_p0 = false;
   double corr_us = 6.0;
   // 128-column segments under 32 chunks: candidates only for sequences of at least
   // short_seg_longest chunks (seg_candidate_for), the overlapped schedule's lengths down to
@@ -538,6 +543,7 @@ struct SplitEstimate {
   double overlapped = 1e300;  // 1e300: none, or not below the sequential one
   double saturated = 1e300;   // 1e300: none (estimate_saturated_overlap_us's conditions)
   int merge = 1;              // phase 0's merge factor in the sequential estimate
+  double phase0 = 0;          // the sequential estimate's phase 0 (column block 128: merged)
 };
 
 // The saturated schedule's estimate from a 128-column split's terms (see
@@ -567,6 +573,7 @@ inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const Load
     if (c.saturated_unfused && e.saturated < 1e300)
       e.saturated += unfused_wy_term(c, s, heads, r.nsm);
   }
+  e.phase0 = phase0;
   e.sequential = phase0 + (r.crit1 > r.work1 ? r.crit1 : r.work1) + r.combine;
   // overlapped: beside the warm-started blocks run first the exact segments' summaries (2
   // blocks each: L and M), then their nsub sub-segments.

@@ -622,6 +622,9 @@ ForwardCost plan_cost(bool backward) {
   }
   if (const char* e = std::getenv("FLASHGDN_UNFUSED_WY_US"); e != nullptr && *e && !backward)
     c.unfused_wy_us = std::max(0.0, std::atof(e));
+  // FLASHGDN_HOST_EXACT_P0=1: ForwardCost::exact_p0 (the host's choice for packed sequences
+  // with phase 0 from their blocks)
+  if (!backward && env_int_or("FLASHGDN_HOST_EXACT_P0", 0) == 1) c.exact_p0 = true;
   // FLASHGDN_P0_LIST=1: ForwardCost::p0_list (phase 0 of one sequence list-scheduled)
   if (!backward && env_int_or("FLASHGDN_P0_LIST", 0) == 1) c.p0_list = true;
   // FLASHGDN_UNFUSED_WY_LONGEST=<chunks>: from which longest sequence the term counts

@@ -17,7 +17,8 @@
 // FLASHGDN_UNFUSED_WY_US), --no-overlap
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
 // (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
-// --p0-list (ForwardCost::p0_list: FLASHGDN_P0_LIST=1),
+// --p0-list (ForwardCost::p0_list: FLASHGDN_P0_LIST=1), --exact-p0 (ForwardCost::exact_p0:
+// FLASHGDN_HOST_EXACT_P0=1),
 // --no-corr (FLASHGDN_CP_CORR=0: no exact outputs by correction), --short-longest n,
 // --short-min n (FLASHGDN_CP_SHORT_LONGEST / _MIN: ForwardCost::short_seg_longest / _min),
 // --off, --on (FLASHGDN_CP).
@@ -90,6 +91,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--plain-pass")) c.fused_wy = false;  // no kWy (FLASHGDN_COLS_TMA=0)
     else if (!std::strcmp(a, "--no-merge")) c.p0_merge = false;
     else if (!std::strcmp(a, "--p0-list")) c.p0_list = true;
+    else if (!std::strcmp(a, "--exact-p0")) c.exact_p0 = true;
     else if (!std::strcmp(a, "--no-corr")) c.corr = false;
     else if (!std::strcmp(a, "--off")) q.mode = CpMode::Off;
     else if (!std::strcmp(a, "--on")) q.mode = CpMode::On;

@@ -1182,6 +1182,29 @@ TEST(Planner, ExactPhaseZeroMergeForPackedSequences) {
   EXPECT_DOUBLE_EQ(p0_exact_steps(f, 2, 24, 3, 48, 132, 5), 69.0);
   c.p0_block_start = 0.0;
   EXPECT_EQ(flashgdn::exact_p0_merge(c, f, 2, 24, 48, 132, 3), 1);
+  // ForwardCost::exact_p0 (opt-in FLASHGDN_HOST_EXACT_P0=1): every 128-column split's phase 0
+  // from its blocks, so the segment length changes too: 16/48 heads 12288 + 4096 tokens
+  // (192 + 64 chunks) from segments of 32 to 48 (the same plan measured 0.690 -> 0.662 ms on
+  // the H100, 2026-11-27), 6144 + 2048 (96 + 32) from unsplit to segments of 24 (0.425 ->
+  // 0.400)
+  {
+    auto q = query(2, 1, 48, /*varlen=*/true);
+    const std::vector<int64_t> chunks = {192, 64};
+    q.total_chunks = 256 + 2;
+    q.longest_hint = 192;
+    q.allow_cols = true;
+    flashgdn::ForwardCost cost = fp16_cost();
+    const auto plan = flashgdn::plan_segments(q, cost);
+    int64_t out[4];
+    auto params = flashgdn::device_choice_params(plan, cost, true, plan.device_overlap,
+                                                 plan.nsub > 1 ? plan.nsub : 0, 48, 132);
+    flashgdn::device_choice_on_host(params, chunks.data(), 2, plan.seg_chunks, out, true);
+    EXPECT_EQ(out[0], 32);
+    params.cost.exact_p0 = true;
+    flashgdn::device_choice_on_host(params, chunks.data(), 2, plan.seg_chunks, out, true);
+    EXPECT_EQ(out[0], 48);
+    EXPECT_EQ(out[3], 1);
+  }
   auto host = device_choice_for(24, {192, 64}, /*exact_counts=*/true);
   auto dev = device_choice_for(24, {192, 64});
   EXPECT_EQ(host.out[0], 24);
