@@ -466,8 +466,8 @@ inline FLASHGDN_HD double list_schedule_steps(double heads, double nsm, double n
   double left = np * heads;
   for (int it = 0; left > 0; ++it) {
     if (it >= 256 || g == kGroups) {  // many short waves: the rest spread over the SMs
-      return t[0] + ceil_pos(left / nsm) * lp > t[g - 1] ? t[0] + ceil_pos(left / nsm) * lp
-                                                         : t[g - 1];
+      const double tail = t[0] + ceil_pos(left / nsm) * lp;
+      return tail > t[g - 1] ? tail : t[g - 1];
     }
     const double k = n[0] < left ? n[0] : left;  // the earliest group takes k blocks
     left -= k;

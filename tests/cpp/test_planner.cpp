@@ -1211,3 +1211,12 @@ TEST(Planner, ExactPhaseZeroMergeForPackedSequences) {
   EXPECT_EQ(host.out[3], 2);
   EXPECT_EQ(dev.out[3], 1);
 }
+
+TEST(Planner, ListScheduleManyShortWaves) {
+  // past 256 steps of the loop the rest of the short blocks are spread over the SMs: 4 SMs,
+  // one long block (100 steps) and 1000 short ones (1 step): three SMs run 300 of them
+  // beside it, the four the other 700 from 100 on: 275 (the list schedule's own figure);
+  // 2000 short ones: 525
+  EXPECT_DOUBLE_EQ(flashgdn::list_schedule_steps(1, 4, 1, 100, 1000, 1), 275.0);
+  EXPECT_DOUBLE_EQ(flashgdn::list_schedule_steps(1, 4, 1, 100, 2000, 1), 525.0);
+}
