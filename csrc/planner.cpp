@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace flashgdn {
@@ -402,11 +403,13 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
     const int k = i / 3 - 1;
     if (exact_counts && c.cost.exact_p0 && n >= 2 && k >= 0 && device_bw(i) == 128 &&
         e.sequential < 1e300) {
+      double steps = -1.0;
       const int m = c.cost.p0_merge
-                        ? exact_p0_merge(c.cost, chunks, n, seg[k], c.heads, c.sms, e.merge)
+                        ? exact_p0_merge(c.cost, chunks, n, seg[k], c.heads, c.sms, e.merge, &steps)
                         : 1;
-      const double steps = p0_exact_steps(chunks, n, seg[k], m, c.heads, c.sms,
-                                          c.cost.warm_chunks, c.cost.p0_block_start);
+      if (!c.cost.p0_merge)
+        steps = p0_exact_steps(chunks, n, seg[k], 1, c.heads, c.sms, c.cost.warm_chunks,
+                               c.cost.p0_block_start);
       if (steps >= 0) {
         est[i][0] = e.sequential - e.phase0 + steps * c.cost.step_us_bw128;
         merge[i] = m;
@@ -415,8 +418,9 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
   }
   device_pick(c, ncand, est, merge, seg, total, seg_chunks, out);
   // the host's own choice for packed sequences: the merge from the blocks the split makes
+  // (under exact_p0 the candidates' merges came from them already)
   if (exact_counts && n >= 2 && out[1] == 128 && out[2] == 0 && out[0] < longest &&
-      c.cost.p0_merge)
+      c.cost.p0_merge && !c.cost.exact_p0)
     out[3] = exact_p0_merge(c.cost, chunks, n, out[0], c.heads, c.sms, static_cast<int>(out[3]));
 }
 
@@ -443,35 +447,23 @@ double p0_exact_steps(const int64_t* chunks, int64_t n, int64_t seg, int m, doub
       if (static_cast<int64_t>(groups.size()) > kMaxExactGroups) return -1.0;
     }
   }
-  // SMs as (free from, count) in time order; each group's `heads` blocks take the earliest
-  std::vector<std::pair<double, double>> free{{0.0, static_cast<double>(sms)}};
-  double end = 0.0;
-  for (const double len : groups) {
-    // the group's `heads` blocks one SM group at a time, the earliest first; the SMs they
-    // take rejoin the list at once (a later block of the group may follow on them)
-    for (double left = heads; left > 0;) {
-      const std::pair<double, double> first = free.front();
-      const double k = std::min(first.second, left);
-      left -= k;
-      if (first.second > k) free.front().second -= k;
-      else free.erase(free.begin());
-      const std::pair<double, double> t{first.first + len, k};
-      end = std::max(end, t.first);
-      auto at = std::lower_bound(free.begin(), free.end(), t, [](const auto& a, const auto& b) {
-        return a.first < b.first;
-      });
-      if (at != free.end() && at->first == t.first) at->second += t.second;
-      else free.insert(at, t);
-    }
-  }
-  return end;
+  // SMs as (free from, count) in time order; each group's `heads` blocks take the earliest.
+  // At most one group a distinct time, so sms + 1 places never run out (nor does the step
+  // budget).
+  std::vector<double> t(static_cast<size_t>(sms) + 1), cnt(static_cast<size_t>(sms) + 1);
+  int g = 1;
+  t[0] = 0.0, cnt[0] = static_cast<double>(sms);
+  for (const double len : groups)
+    dispatch_blocks(t.data(), cnt.data(), g, sms + 1, heads, len, std::numeric_limits<int>::max());
+  return t[static_cast<size_t>(g) - 1];
 }
 
 int exact_p0_merge(const ForwardCost& cost, const int64_t* chunks, int64_t n, int64_t seg,
-                   double heads, int sms, int current) {
+                   double heads, int sms, int current, double* steps_out) {
   const int cur = std::clamp(current, 1, kMaxP0Merge);
   const double base =
       p0_exact_steps(chunks, n, seg, cur, heads, sms, cost.warm_chunks, cost.p0_block_start);
+  if (steps_out != nullptr) *steps_out = base;
   if (base < 0) return current;
   int best = cur;
   double best_steps = base * (1.0 - cost.p0_merge_gain);
@@ -481,6 +473,7 @@ int exact_p0_merge(const ForwardCost& cost, const int64_t* chunks, int64_t n, in
         p0_exact_steps(chunks, n, seg, m, heads, sms, cost.warm_chunks, cost.p0_block_start);
     if (steps >= 0 && steps < best_steps) best = m, best_steps = steps;
   }
+  if (steps_out != nullptr && best != cur) *steps_out = best_steps;
   return best;
 }
 

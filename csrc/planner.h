@@ -447,6 +447,37 @@ inline FLASHGDN_HD SplitTerms split_terms(const ForwardCost& c, const LoadStats&
 // 0.519 ms) against 128 blocks of 64 chunks in one (269 us, 0.505 ms).
 constexpr int kMaxP0Merge = 4;
 
+// Blocks of len steps dispatched in order, each to the SM that frees first (one block an SM).
+// The SMs are groups free from t[i], n[i] of them, t ascending, g groups (at most cap):
+// dispatches `blocks` of them, the earliest group first, whose SMs rejoin the list at
+// t[0] + len (merged with a group of that time) at once, so that later blocks may follow
+// on them. Returns the blocks left undispatched: 0, unless max_steps group steps or the
+// groups' capacity ran out first. (list_schedule_steps, p0_exact_steps)
+inline FLASHGDN_HD double dispatch_blocks(double* t, double* n, int& g, int cap, double blocks,
+                                          double len, int max_steps) {
+  for (int it = 0; blocks > 0; ++it) {
+    if (it >= max_steps || g == cap) return blocks;
+    const double k = n[0] < blocks ? n[0] : blocks;  // the earliest group takes k blocks
+    blocks -= k;
+    const double tk = t[0] + len;
+    n[0] -= k;
+    if (n[0] <= 0) {  // drop the emptied group
+      for (int i = 1; i < g; ++i) t[i - 1] = t[i], n[i - 1] = n[i];
+      --g;
+    }
+    int i = 0;  // insert (tk, k) in time order, merged with an equal time
+    while (i < g && t[i] < tk) ++i;
+    if (i < g && t[i] == tk) {
+      n[i] += k;
+    } else {
+      for (int j = g; j > i; --j) t[j] = t[j - 1], n[j] = n[j - 1];
+      t[i] = tk, n[i] = k;
+      ++g;
+    }
+  }
+  return 0.0;
+}
+
 // The makespan, in chunk steps, of one-block-an-SM blocks dispatched in order, each to the SM
 // that frees first: nf rounds of `heads` blocks of lf steps, then np rounds of lp (phase 0's
 // blocks come a segment, all heads, at a time; a sequence's last block is the short one, and
@@ -463,29 +494,10 @@ inline FLASHGDN_HD double list_schedule_steps(double heads, double nsm, double n
   const double rem = full - w * nsm;
   t[g] = w * lf, n[g++] = nsm - rem;
   if (rem > 0) t[g] = (w + 1) * lf, n[g++] = rem;
-  double left = np * heads;
-  for (int it = 0; left > 0; ++it) {
-    if (it >= 256 || g == kGroups) {  // many short waves: the rest spread over the SMs
-      const double tail = t[0] + ceil_pos(left / nsm) * lp;
-      return tail > t[g - 1] ? tail : t[g - 1];
-    }
-    const double k = n[0] < left ? n[0] : left;  // the earliest group takes k blocks
-    left -= k;
-    const double tk = t[0] + lp;
-    n[0] -= k;
-    if (n[0] <= 0) {  // drop the emptied group
-      for (int i = 1; i < g; ++i) t[i - 1] = t[i], n[i - 1] = n[i];
-      --g;
-    }
-    int i = 0;  // insert (tk, k) in time order, merged with an equal time
-    while (i < g && t[i] < tk) ++i;
-    if (i < g && t[i] == tk) {
-      n[i] += k;
-    } else {
-      for (int j = g; j > i; --j) t[j] = t[j - 1], n[j] = n[j - 1];
-      t[i] = tk, n[i] = k;
-      ++g;
-    }
+  const double left = dispatch_blocks(t, n, g, kGroups, np * heads, lp, 256);
+  if (left > 0) {  // many short waves: the rest spread over the SMs
+    const double tail = t[0] + ceil_pos(left / nsm) * lp;
+    return tail > t[g - 1] ? tail : t[g - 1];
   }
   return g > 0 ? t[g - 1] : 0.0;
 }
@@ -847,8 +859,9 @@ double p0_exact_steps(const int64_t* chunks, int64_t n, int64_t seg, int m, doub
 // (116 / 106 / 149 / 101), 24576+8192 at 48 0.645 / 0.622 (106 / 101), 28672+4096 at 50
 // 0.664 / 0.655 / 0.798 / 0.959 (110 / 105 / 155 / 205); the whole waves of phase0_merged_us
 // kept merge 1 for three of them and 2 for 16384+16384.
+// steps_out (where given): that merge's p0_exact_steps (< 0: not known, current returned).
 int exact_p0_merge(const ForwardCost& cost, const int64_t* chunks, int64_t n, int64_t seg,
-                   double heads, int sms, int current);
+                   double heads, int sms, int current, double* steps_out = nullptr);
 // What launch.cu hands plan_kernel for a plan the device completes (device_choice or
 // device_col_block): the cost model (cost: the pass's, forward = !backward), the schedule
 // the launches allow (the overlapped launches: SegmentPlan::device_overlap unless forced
