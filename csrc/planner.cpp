@@ -2,6 +2,7 @@
 #include "planner.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -352,8 +353,46 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
 
 SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
   SegmentPlan p = plan_segments_any(q, cost);
+  if (cost.p0_list && cost.p0_list_margin > 0.0 && q.mode == CpMode::Auto &&
+      q.forced_seg_chunks == 0) {
+    // ForwardCost::p0_list_margin: the list-scheduled plan only where the list schedule puts
+    // it below p0_list_margin of the whole waves' plan (at the same length, merge and
+    // schedule, as the list schedule counts it)
+    ForwardCost waves_cost = cost;
+    waves_cost.p0_list = false;
+    const SegmentPlan w = plan_segments_any(q, waves_cost);
+    if (w.split != p.split || w.seg_chunks != p.seg_chunks || w.col_block != p.col_block ||
+        w.p0_merge != p.p0_merge || w.overlap != p.overlap || w.saturated != p.saturated ||
+        w.device_choice != p.device_choice) {
+      double theirs = w.est_us;
+      if (w.split && !w.device_choice) {
+        SegmentQuery at = q;
+        at.forced_seg_chunks = w.seg_chunks;
+        at.forced_col_block = w.col_block;
+        const SegmentPlan wl = plan_segments_any(at, cost);
+        if (wl.split && wl.seg_chunks == w.seg_chunks) theirs = wl.est_us;
+      }
+      if (std::getenv("FLASHGDN_DEBUG_EXACT"))
+        std::fprintf(stderr, "p0_list: waves seg %lld m%d (%.1f) list seg %lld m%d (%.1f) ratio %.3f\n",
+                     (long long)w.seg_chunks, w.p0_merge, theirs, (long long)p.seg_chunks, p.p0_merge,
+                     p.est_us, p.est_us / theirs);
+      if (!(p.est_us < (1.0 - cost.p0_list_margin) * theirs)) p = w;
+    }
+  }
   p.cols = q.allow_cols;
   return p;
+}
+
+// device_pick's estimate of the choice `out` it made from est (the unsplit column block's, or
+// the split candidate's at out's length and column block, on out's schedule)
+static double picked_estimate(int ncand, const double (*est)[3], const int64_t* seg,
+                              const int64_t* out) {
+  for (int i = 3; i < ncand; ++i)
+    if (seg[i / 3 - 1] == out[0] && device_bw(i) == out[1])
+      return out[2] != 0 ? std::min(est[i][1], est[i][2]) : est[i][0];
+  for (int b = 0; b < 3; ++b)
+    if (device_bw(b) == out[1]) return est[b][0];
+  return 1e300;
 }
 
 void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, int64_t n,
@@ -390,18 +429,19 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
   for (int k = 0; k < nk; ++k)
     for (int64_t i = 0; i < n; ++i)
       segs[k] += static_cast<unsigned long long>(segments_of(chunks[i], seg[k]));
-  double est[kMaxPlanCandidates][3];
-  int merge[kMaxPlanCandidates];
+  const bool exact_p0 = exact_counts && c.cost.exact_p0 && n >= 2;
+  double est[kMaxPlanCandidates][3], est_waves[kMaxPlanCandidates][3];
+  int merge[kMaxPlanCandidates], merge_waves[kMaxPlanCandidates];
   const int ncand = 3 * (1 + nk);
   for (int i = 0; i < ncand; ++i) {
     const SplitEstimate e = device_candidate(c, i, seg, segs, longest, total, n);
-    est[i][0] = e.sequential;
-    est[i][1] = e.overlapped;
-    est[i][2] = e.saturated;
-    merge[i] = e.merge;
+    est[i][0] = est_waves[i][0] = e.sequential;
+    est[i][1] = est_waves[i][1] = e.overlapped;
+    est[i][2] = est_waves[i][2] = e.saturated;
+    merge[i] = merge_waves[i] = e.merge;
     // ForwardCost::exact_p0: a 128-column split's phase 0 from its blocks, at its best merge
     const int k = i / 3 - 1;
-    if (exact_counts && c.cost.exact_p0 && n >= 2 && k >= 0 && device_bw(i) == 128 &&
+    if (exact_p0 && k >= 0 && device_bw(i) == 128 &&
         e.sequential < 1e300) {
       double steps = -1.0;
       const int m = c.cost.p0_merge
@@ -416,12 +456,27 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
       }
     }
   }
-  device_pick(c, ncand, est, merge, seg, total, seg_chunks, out);
+  device_pick(c, ncand, exact_p0 ? est_waves : est, exact_p0 ? merge_waves : merge, seg, total,
+              seg_chunks, out);
   // the host's own choice for packed sequences: the merge from the blocks the split makes
-  // (under exact_p0 the candidates' merges came from them already)
   if (exact_counts && n >= 2 && out[1] == 128 && out[2] == 0 && out[0] < longest &&
-      c.cost.p0_merge && !c.cost.exact_p0)
+      c.cost.p0_merge)
     out[3] = exact_p0_merge(c.cost, chunks, n, out[0], c.heads, c.sms, static_cast<int>(out[3]));
+  if (!exact_p0) return;
+  // ForwardCost::exact_p0: the choice with every 128-column split's phase 0 from its blocks,
+  // taken over the whole waves' choice (above) only where the blocks' estimate of it is
+  // below exact_p0_margin of theirs of the whole waves' choice
+  int64_t ex[4];
+  device_pick(c, ncand, est, merge, seg, total, seg_chunks, ex);
+  if (ex[0] == out[0] && ex[1] == out[1] && ex[2] == out[2]) {
+    out[3] = ex[3];
+    return;
+  }
+  const double mine = picked_estimate(ncand, est, seg, ex), theirs = picked_estimate(ncand, est, seg, out);
+  if (std::getenv("FLASHGDN_DEBUG_EXACT"))
+    std::fprintf(stderr, "exact_p0: waves seg %lld m%lld (%.1f) exact seg %lld m%lld (%.1f) ratio %.3f\n",
+                 (long long)out[0], (long long)out[3], theirs, (long long)ex[0], (long long)ex[3], mine, mine / theirs);
+  if (mine < (1.0 - c.cost.exact_p0_margin) * theirs) std::copy(ex, ex + 4, out);
 }
 
 double p0_exact_steps(const int64_t* chunks, int64_t n, int64_t seg, int m, double heads, int sms,
@@ -488,6 +543,9 @@ DeviceChoiceParams device_choice_params(const SegmentPlan& plan, ForwardCost cos
   c.cost.p0_merge = forward;
   // its saturated choice runs the WY part outside the pass (ForwardCost::saturated_unfused)
   c.cost.saturated_unfused = true;
+  // the device's choices of one sequence as whole waves (ForwardCost::p0_list: measured with
+  // the host's plans only)
+  c.cost.p0_list = false;
   c.split_col_blocks = device_schedule ? col_block_bit(128) : 0;
   c.heads = static_cast<double>(Hv);
   c.sms = sms;

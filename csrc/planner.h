@@ -229,14 +229,23 @@ struct ForwardCost {
   double p0_merge_gain = 0.03;
   // Phase 0's critical path for one sequence list-scheduled (list_schedule_steps: the last,
   // shorter block of each head fills the SMs a partial wave leaves) in place of whole waves;
-  // FLASHGDN_P0_LIST=1, off by default. H100, 2026-11-27, with the host copy, ms whole waves
+  // the host's plans only (device_choice_params leaves it out), and only where its plan's
+  // estimate is below p0_list_margin of the whole waves' plan, counted the same way
+  // (plan_segments). The default since 2026-11-27 (session 50, H100, with the host copy, ms,
+  // whole waves -> list, two rounds): 16/48 x 32768 1.285 -> 1.225, 1.279 -> 1.221 (model
+  // 3.2% less), x 16384 0.723 -> 0.666, 0.726 -> 0.669 (5.4%); the margin keeps the whole
+  // waves' plans of 16/48 x 8192 (model 0.7%, measured 0.396 -> 0.400), 8/24 x 16384 (1.8%,
+  // 0.385 -> 0.387) and 8/24 x 32768 (the merge alone, 0%: 0.640 -> 0.646, 0.641 -> 0.638).
+  // FLASHGDN_P0_LIST=0 leaves it out, =2 drops the margin.
+  // Before (session 49), opt-in, without the margin. H100, 2026-11-27, with the host copy, ms whole waves
   // -> list: 16/48 x 32768 1.284 -> 1.227, x 16384 0.719 -> 0.668, but x 8192 0.392 -> 0.402,
   // 8/24 x 16384 0.374 -> 0.380, 16/16 x 16384 0.301 -> 0.304 (plans of one or two segments
   // fewer or more whose other terms, the summaries and the chain, the model counts too low).
   // Each block also pays p0_block_start there (added after those runs: it keeps the whole
   // waves' plans at 16, 32 and 64 heads and 8/24 x 8192, so of the plans measured above only
   // 16/48 x 32768, x 16384 (gains), x 8192, 8/24 x 32768, x 16384 (losses) change).
-  bool p0_list = false;
+  bool p0_list = true;
+  double p0_list_margin = 0.025;
   // A phase-0 block's start in chunk steps beside its chunks (its first stages' loads, the
   // initial state, the first chunk's P): exact_p0_merge's block cost. 2-4 orders the merges
   // of the 17 measured rows as the H100 did (2026-11-27); 0 picks merge 1 at 16/48 heads
@@ -244,9 +253,17 @@ struct ForwardCost {
   double p0_block_start = 3.0;
   // The host's own choice for packed sequences (device_choice_on_host's exact_counts) counts
   // every 128-column split's phase 0 as its blocks list-schedule (p0_exact_steps, the best
-  // merge), not as whole waves; FLASHGDN_HOST_EXACT_P0=1, off by default (not yet measured:
-  // it changes segment lengths, where exact_p0_merge changes only the merge).
-  bool exact_p0 = false;
+  // merge), not as whole waves, and takes that choice where its estimate is below
+  // exact_p0_margin of the whole waves' choice (both counted from the blocks). The default
+  // since 2026-11-27 (session 50, H100, ms, whole waves -> blocks, no margin): gains 16/48
+  // 12288+4096 0.693 -> 0.665 (model 5.5% less), 6144+2048 0.427 -> 0.400 (10.8%), 8/32
+  // 1024+7168 0.324 -> 0.318 (8.5%), 16/64 4096+28672 1.494 -> 1.434 (0.5%: left out by the
+  // margin); losses 8/24 28672+4096 0.656 -> 0.675 (1.3%), 16384+16384 0.659 -> 0.681
+  // (1.8%), 16/48 28672+4096 1.185 -> 1.257 (0.5%), each left out by the margin: the shorter
+  // segments in merged threes it takes there cost more in the summaries and the chain than
+  // the model counts. FLASHGDN_HOST_EXACT_P0=0 leaves it out, =2 drops the margin.
+  bool exact_p0 = true;
+  double exact_p0_margin = 0.04;
   double corr_us = 6.0;
   // 128-column segments under 32 chunks: candidates only for sequences of at least
   // short_seg_longest chunks (seg_candidate_for), the overlapped schedule's lengths down to

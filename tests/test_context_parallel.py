@@ -382,16 +382,47 @@ def test_exact_p0_merge_host_choice(lens):
                     {"FLASHGDN_CP": "off"})
 
 
-def test_p0_list_plan():
-    """planner.h ForwardCost::p0_list (FLASHGDN_P0_LIST=1, off by default): phase 0 of one
-    sequence list-scheduled changes the plan of 8/24 heads x 8192 tokens (segments of 24, not
-    26: tests/cpp/plan_tool.cpp --p0-list), and that plan's o and final state stand against the
-    float64 reference and CP off, eagerly and from a CUDA graph (check_split_env)."""
-    case = Case("p0_list", [8192], 8, 24, varlen=True, gate="mixed")
+@pytest.mark.parametrize("lens,hv,env", [
+    ([16384], 48, {}),
+    ([8192], 48, {"FLASHGDN_P0_LIST": "2"}),
+], ids=["h48_16384_default", "h48_8192_no_margin"])
+def test_p0_list_plan(lens, hv, env):
+    """planner.h ForwardCost::p0_list (the default; FLASHGDN_P0_LIST=0 leaves it out, =2
+    drops its margin): phase 0 of one sequence list-scheduled changes the plan of 16/48 heads
+    x 16384 tokens (segments of 48, not 33) and, without the margin, of x 8192 (24, not 26;
+    tests/cpp/plan_tool.cpp --no-p0-list / --p0-list-any). Those plans' o and final state stand
+    against the float64 reference and CP off, eagerly and from a CUDA graph (check_split_env)."""
+    case = Case("p0_list", lens, 16, hv, varlen=True, gate="mixed")
     inp = make_inputs(case, "cuda", seed=113)
     inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    check_split_env("p0 list 8/24 x 8192", case, inp,
-                    {"FLASHGDN_CP": "auto", "FLASHGDN_P0_LIST": "1"}, {"FLASHGDN_CP": "off"})
+    check_split_env(f"p0 list 16/{hv} x {lens[0]} {env}", case, inp,
+                    {"FLASHGDN_CP": "auto", **env}, {"FLASHGDN_CP": "off"})
+    # another plan than the whole waves' (whose bits would be the same), no less accurate
+    o0, h0, o1, h1 = no_less_accurate(inp, {"FLASHGDN_CP": "auto", "FLASHGDN_P0_LIST": "0"},
+                                      {"FLASHGDN_CP": "auto", **env}, f"p0 list {lens} {env}")
+    assert not torch.equal(o0, o1), "the list schedule's plan is the whole waves' plan"
+
+
+@pytest.mark.parametrize("lens,hv,env", [
+    ([6144, 2048], 48, {}),
+    ([12288, 4096], 48, {}),
+    ([28672, 4096], 24, {"FLASHGDN_HOST_EXACT_P0": "2"}),
+], ids=["h48_6144_2048", "h48_12288_4096", "h24_28672_4096_no_margin"])
+def test_exact_p0_plan(lens, hv, env):
+    """planner.h ForwardCost::exact_p0 (the default; FLASHGDN_HOST_EXACT_P0=0 leaves it out,
+    =2 drops its margin): with the host copy, the packed batch's segment length from phase 0's
+    blocks: 16/48 heads 6144 + 2048 split in segments of 24 (unsplit without), 12288 + 4096 in
+    48 (32 without), and without the margin 8/24 28672 + 4096 in merged threes of 32 (50 in
+    pairs with it; flashgdn_plan --no-exact-p0 / --exact-p0-any). o and the final state
+    against the float64 reference and CP off, eagerly and from a CUDA graph."""
+    case = Case("exact_p0", lens, hv // 3, hv, varlen=True, gate="mixed")
+    inp = make_inputs(case, "cuda", seed=131)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    check_split_env(f"exact p0 {hv // 3}/{hv} {lens} {env}", case, inp,
+                    {"FLASHGDN_CP": "auto", **env}, {"FLASHGDN_CP": "off"})
+    o0, h0, o1, h1 = no_less_accurate(inp, {"FLASHGDN_CP": "auto", "FLASHGDN_HOST_EXACT_P0": "0"},
+                                      {"FLASHGDN_CP": "auto", **env}, f"exact p0 {lens} {env}")
+    assert not torch.equal(o0, o1), "the blocks' plan is the whole waves' plan"
 
 
 @pytest.mark.parametrize("host", [True, False, None], ids=["host_copy", "single", "device"])

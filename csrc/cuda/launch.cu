@@ -622,11 +622,20 @@ ForwardCost plan_cost(bool backward) {
   }
   if (const char* e = std::getenv("FLASHGDN_UNFUSED_WY_US"); e != nullptr && *e && !backward)
     c.unfused_wy_us = std::max(0.0, std::atof(e));
-  // FLASHGDN_HOST_EXACT_P0=1: ForwardCost::exact_p0 (the host's choice for packed sequences
-  // with phase 0 from their blocks)
-  if (!backward && env_int_or("FLASHGDN_HOST_EXACT_P0", 0) == 1) c.exact_p0 = true;
-  // FLASHGDN_P0_LIST=1: ForwardCost::p0_list (phase 0 of one sequence list-scheduled)
-  if (!backward && env_int_or("FLASHGDN_P0_LIST", 0) == 1) c.p0_list = true;
+  // ForwardCost::exact_p0 (the host's choice for packed sequences with phase 0 from their
+  // blocks) and ::p0_list (phase 0 of one sequence list-scheduled): the forward's, each past
+  // its margin; FLASHGDN_HOST_EXACT_P0 / FLASHGDN_P0_LIST =0 leave them out, =2 take them
+  // without the margin (measurements)
+  if (backward) {
+    c.exact_p0 = c.p0_list = false;
+  } else {
+    const int exact = env_int_or("FLASHGDN_HOST_EXACT_P0", 1);
+    c.exact_p0 = exact != 0;
+    if (exact == 2) c.exact_p0_margin = 0.0;
+    const int list = env_int_or("FLASHGDN_P0_LIST", 1);
+    c.p0_list = list != 0;
+    if (list == 2) c.p0_list_margin = 0.0;
+  }
   // FLASHGDN_UNFUSED_WY_LONGEST=<chunks>: from which longest sequence the term counts
   // (ForwardCost::unfused_wy_longest; measurements)
   if (const int l = env_int_or("FLASHGDN_UNFUSED_WY_LONGEST", 0); l > 0 && !backward)

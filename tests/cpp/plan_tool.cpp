@@ -90,8 +90,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--no-sat")) c.overlap_saturated = false;
     else if (!std::strcmp(a, "--plain-pass")) c.fused_wy = false;  // no kWy (FLASHGDN_COLS_TMA=0)
     else if (!std::strcmp(a, "--no-merge")) c.p0_merge = false;
-    else if (!std::strcmp(a, "--p0-list")) c.p0_list = true;
-    else if (!std::strcmp(a, "--exact-p0")) c.exact_p0 = true;
+    else if (!std::strcmp(a, "--no-p0-list")) c.p0_list = false;
+    else if (!std::strcmp(a, "--p0-list-any")) c.p0_list_margin = 0.0;
+    else if (!std::strcmp(a, "--no-exact-p0")) c.exact_p0 = false;
+    else if (!std::strcmp(a, "--exact-p0-any")) c.exact_p0_margin = 0.0;
     else if (!std::strcmp(a, "--no-corr")) c.corr = false;
     else if (!std::strcmp(a, "--off")) q.mode = CpMode::Off;
     else if (!std::strcmp(a, "--on")) q.mode = CpMode::On;
@@ -106,6 +108,7 @@ int main(int argc, char** argv) {
     q.N = static_cast<int64_t>(seq_chunks.size());
     chunks = q.N;  // total_chunks as Problem::max_chunks counts it (whole chunks here)
     for (const int64_t n : seq_chunks) chunks += n;
+    if (q.N == 1) chunks = seq_chunks[0];  // one sequence: its exact chunks (fixed_chunks)
     if (hint) q.longest_hint = *std::max_element(seq_chunks.begin(), seq_chunks.end());
   }
   if (q.Hv <= 0 || chunks <= 0 || q.N <= 0) {

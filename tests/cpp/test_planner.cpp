@@ -937,7 +937,8 @@ struct DeviceChoice {
   int64_t out[4];
 };
 DeviceChoice device_choice_for(int64_t Hv, const std::vector<int64_t>& chunks,
-                               bool exact_counts = false, bool anyway = false) {
+                               bool exact_counts = false, bool anyway = false,
+                               bool exact_p0 = true) {
   int64_t total = 0, longest = 0;
   for (const int64_t n : chunks) total += n, longest = std::max(longest, n);
   auto q = query(static_cast<int64_t>(chunks.size()), 1, Hv, /*varlen=*/true);
@@ -946,9 +947,11 @@ DeviceChoice device_choice_for(int64_t Hv, const std::vector<int64_t>& chunks,
   q.allow_cols = true;
   q.device_choice_anyway = anyway;
   DeviceChoice d;
-  d.plan = flashgdn::plan_segments(q, fp16_cost());
+  flashgdn::ForwardCost cost = fp16_cost();
+  cost.exact_p0 = exact_p0;
+  d.plan = flashgdn::plan_segments(q, cost);
   const auto params = flashgdn::device_choice_params(
-      d.plan, fp16_cost(), /*forward=*/true, d.plan.device_overlap,
+      d.plan, cost, /*forward=*/true, d.plan.device_overlap,
       d.plan.nsub > 1 ? d.plan.nsub : 0, Hv, 132);
   flashgdn::device_choice_on_host(params, chunks.data(), q.N, d.plan.seg_chunks, d.out,
                                   exact_counts);
@@ -962,12 +965,17 @@ TEST(Planner, HostChoiceTriesExactSegmentCounts) {
   // pairs; 48 before kMinShortSegLongest made 24 a candidate below 128 chunks: H100,
   // 2026-11-26, 32/32 0.377 -> 0.323 ms, 16/32 0.367 -> 0.316); the host's choice
   // (exact_counts) takes 38, 3 segments (H100, 2026-11-26: 0.422 -> 0.365 ms; 0.316 in the
-  // later run)
+  // later run), with phase 0 as whole waves; with it from its blocks (ForwardCost::exact_p0,
+  // the default since 2026-11-27) 32, 4 segments (0.324 -> 0.318 ms, H100, 2026-11-27)
   auto dev = device_choice_for(32, {16, 112});
-  auto host = device_choice_for(32, {16, 112}, /*exact_counts=*/true);
+  auto host = device_choice_for(32, {16, 112}, /*exact_counts=*/true, false, /*exact_p0=*/false);
   EXPECT_FALSE(dev.plan.device_overlap);
   EXPECT_EQ(dev.out[0], 24);
   EXPECT_EQ(host.out[0], 38);
+  EXPECT_EQ(host.out[1], 128);
+  EXPECT_EQ(host.out[2], 0);
+  host = device_choice_for(32, {16, 112}, /*exact_counts=*/true);
+  EXPECT_EQ(host.out[0], 32);
   EXPECT_EQ(host.out[1], 128);
   EXPECT_EQ(host.out[2], 0);
   // where the overlapped launches are made the device's candidates are the host's: 2/8
@@ -1138,16 +1146,35 @@ TEST(Planner, ListScheduledPhaseZero) {
   // 12-15, 12-15, 13-16, 13-16 -> 16
   EXPECT_DOUBLE_EQ(list_schedule_steps(2, 4, 1, 10, 7, 3), 16.0);
 
-  // ForwardCost::p0_list (FLASHGDN_P0_LIST=1): 16/48 x 16384 takes segments of 48 (0.668 ms
-  // against 0.719 for the whole waves' 33 on the H100 with the host copy; 32 here, 2026-11-27); off by default
+  // ForwardCost::p0_list (the default since 2026-11-27): 16/48 x 16384 takes segments of 48
+  // (0.666 ms against 0.723 for the whole waves' 33 on the H100 with the host copy; 32 here)
   auto q = query(1, 256, 48);
   q.allow_cols = true;
-  EXPECT_EQ(plan_segments(q).seg_chunks, 32);
   flashgdn::ForwardCost c;
-  c.p0_list = true;
-  const auto p = plan_segments(q, c);
+  c.p0_list = false;
+  EXPECT_EQ(plan_segments(q, c).seg_chunks, 32);
+  const auto p = plan_segments(q);
   EXPECT_EQ(p.seg_chunks, 48);
   EXPECT_EQ(p.p0_merge, 1);
+  // ... only past p0_list_margin of the whole waves' plan as the list counts it: 16/48 x 8192
+  // (128 chunks) keeps the whole waves' segments (the list's 24 measured 0.396 -> 0.400 ms,
+  // a gain of 0.7% in the model), and so does 8/24 x 16384 (1.8%; 0.384 -> 0.386); 16/48 x
+  // 32768 takes the list's merged pairs of 47 (3.2%; 1.285 -> 1.225)
+  q = query(1, 128, 48);
+  q.allow_cols = true;
+  const auto waves = plan_segments(q, c);
+  EXPECT_TRUE(waves.split);
+  EXPECT_EQ(plan_segments(q).seg_chunks, waves.seg_chunks);
+  c.p0_list = true;
+  c.p0_list_margin = 0.0;
+  EXPECT_NE(plan_segments(q, c).seg_chunks, waves.seg_chunks);
+  q = query(1, 256, 24);
+  q.allow_cols = true;
+  EXPECT_EQ(plan_segments(q).seg_chunks, 26);
+  q = query(1, 512, 48);
+  q.allow_cols = true;
+  EXPECT_EQ(plan_segments(q).seg_chunks, 47);
+  EXPECT_EQ(plan_segments(q).p0_merge, 2);
 }
 
 TEST(Planner, ExactPhaseZeroMergeForPackedSequences) {
@@ -1194,6 +1221,7 @@ TEST(Planner, ExactPhaseZeroMergeForPackedSequences) {
     q.longest_hint = 192;
     q.allow_cols = true;
     flashgdn::ForwardCost cost = fp16_cost();
+    cost.exact_p0 = false;
     const auto plan = flashgdn::plan_segments(q, cost);
     int64_t out[4];
     auto params = flashgdn::device_choice_params(plan, cost, true, plan.device_overlap,
@@ -1204,6 +1232,15 @@ TEST(Planner, ExactPhaseZeroMergeForPackedSequences) {
     flashgdn::device_choice_on_host(params, chunks.data(), 2, plan.seg_chunks, out, true);
     EXPECT_EQ(out[0], 48);
     EXPECT_EQ(out[3], 1);
+    // ... past exact_p0_margin only: 8/24 heads 28672 + 4096 (448 + 64 chunks) keeps the whole
+    // waves' segments of 50 (the blocks' 32 in merged threes, 1.3% less in the model,
+    // measured 0.656 -> 0.675 ms)
+    const std::vector<int64_t> long_short = {448, 64};
+    auto waves = device_choice_for(24, long_short, true, false, /*exact_p0=*/false);
+    auto blocks = device_choice_for(24, long_short, true);
+    EXPECT_EQ(waves.out[0], 50);
+    EXPECT_EQ(blocks.out[0], 50);
+    EXPECT_EQ(blocks.out[3], waves.out[3]);
   }
   auto host = device_choice_for(24, {192, 64}, /*exact_counts=*/true);
   auto dev = device_choice_for(24, {192, 64});
