@@ -2,7 +2,6 @@
 #include "planner.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -372,10 +371,6 @@ SegmentPlan plan_segments(const SegmentQuery& q, const ForwardCost& cost) {
         const SegmentPlan wl = plan_segments_any(at, cost);
         if (wl.split && wl.seg_chunks == w.seg_chunks) theirs = wl.est_us;
       }
-      if (std::getenv("FLASHGDN_DEBUG_EXACT"))
-        std::fprintf(stderr, "p0_list: waves seg %lld m%d (%.1f) list seg %lld m%d (%.1f) ratio %.3f\n",
-                     (long long)w.seg_chunks, w.p0_merge, theirs, (long long)p.seg_chunks, p.p0_merge,
-                     p.est_us, p.est_us / theirs);
       if (!(p.est_us < (1.0 - cost.p0_list_margin) * theirs)) p = w;
     }
   }
@@ -473,9 +468,6 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
     return;
   }
   const double mine = picked_estimate(ncand, est, seg, ex), theirs = picked_estimate(ncand, est, seg, out);
-  if (std::getenv("FLASHGDN_DEBUG_EXACT"))
-    std::fprintf(stderr, "exact_p0: waves seg %lld m%lld (%.1f) exact seg %lld m%lld (%.1f) ratio %.3f\n",
-                 (long long)out[0], (long long)out[3], theirs, (long long)ex[0], (long long)ex[3], mine, mine / theirs);
   if (mine < (1.0 - c.cost.exact_p0_margin) * theirs) std::copy(ex, ex + 4, out);
 }
 

@@ -463,8 +463,9 @@ struct Poison {
     if (list.count == 0) return;
     // one block per SM: when error is unset (always, but for a bad cu_seqlens) every block
     // returns after one load
-    poison_kernel<<<sm_count(p.device_id), 256, 0, st>>>(list, error);
-    check_cuda(cudaGetLastError(), "poison_kernel launch");
+    // (the programmatic dependent of the call's last kernel: its blocks wait in pdl_wait)
+    launch_kernel_threads(poison_kernel, dim3(sm_count(p.device_id)), 256, 0, st, true,
+                          "poison_kernel launch", list, error);
   }
 };
 

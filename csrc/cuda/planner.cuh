@@ -24,7 +24,8 @@
 //   writes NaN into the outputs when error is set, so a bad cu_seqlens is never
 //   silent garbage (the compute kernels skip all work in that case). One launch: two
 //   (forward) or six (backward) launches of 1024 blocks that return at once took ~1.5 us
-//   each (H100, graph replay).
+//   each (H100, graph replay). A programmatic dependent of the kernel before it (pdl_wait
+//   first), so that its launch overlaps that kernel's tail.
 // workspace_tag_kernel  1 x 32 threads (one acts)
 //   a forward that keeps its records for the backward writes its problem's tag into the
 //   kept workspace; the backward on that workspace compares it and sets its own error flag
@@ -38,6 +39,7 @@
 
 #include "../planner.h"
 #include "common.cuh"
+#include "mma.cuh"  // pdl_wait
 
 namespace flashgdn {
 namespace cuda {
@@ -265,6 +267,10 @@ __device__ __forceinline__ void poison_array(void* out, int64_t n) {
 }
 
 __global__ void poison_kernel(PoisonList list, const int* error) {
+  // launched as the programmatic dependent of the call's last kernel (Poison::launch): its
+  // blocks start under that kernel's tail and wait here for it (and, by the chain's
+  // PdlCompletion, every kernel before it) before reading the flag
+  pdl_wait();
   if (*error == 0) return;
   for (int a = 0; a < list.count; ++a) {
     void* out = list.ptr[a];
