@@ -63,11 +63,6 @@ struct SegParams {
                 //   one block per segment
   int64_t host_slots;  // looped: slots to launch (host only; SegmentPlan::host_segments),
                        //   0: a wave in phase 0, four in phase 1 (launch.cu for_each_z_slice)
-  bool flat_heads;  // looped phase 0 of the 128-column forward without the host's count
-                    //   (host_slots 0): grid y = 1, and slot z walks the (segment group,
-                    //   head) pairs of every head, so that one wave of slots fills every SM
-                    //   at any head count (per head: 132 / 24 = 5 slots took 120 SMs, and 11
-                    //   groups a head three rounds instead of two waves; for_each_segment_block)
   float* seg_L;   // [segments, Hv, D, D] state (or dS) leaving a segment, from its own start
                   //   (zero for an exact segment, else h0 / dht / warm-up)
   float* seg_M;   // [segments, Hv, D, D] transition of an exact segment
@@ -263,9 +258,9 @@ struct SegmentBlock {
 // of the sequence (for_each_segment_block); 0: one segment, or p0_merge's (a multiple of it).
 template <int BW>
 __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, int64_t z,
-                                              SegmentBlock& b, int64_t run = 0, int64_t h = -1) {
+                                              SegmentBlock& b, int64_t run = 0) {
   constexpr int CBN = D / BW;
-  b.h = h >= 0 ? h : blockIdx.y;  // h: SegParams::flat_heads' walk
+  b.h = blockIdx.y;
   b.hq = b.h / (p.Hv / p.Hqk);
   b.z = z;
   b.sub = 0;
@@ -351,16 +346,11 @@ __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool 
   // segments, and within a group each run of one sequence's segments is one segment block
   const int64_t merge =
       BW == D && p.looped && p.phase == 0 && !reverse ? p0_merge_of(p) : 1;
-  // flat_heads: pair t = (group t / Hv, head t % Hv), slot z walks t = z, z + gridDim.z, ...
-  const bool flat = BW == D && p.looped && p.flat_heads && p.phase == 0 && !reverse;
   const int64_t stride = p.looped ? gridDim.z * merge : 1;
-  int64_t t = blockIdx.z;                                  // flat: the pair
-  int64_t h = flat ? t % p.Hv : -1;                        // flat: its head
-  int64_t g0 = (flat ? t / p.Hv : t) * merge;  // the group's first item (merge 1: the item)
+  int64_t g0 = blockIdx.z * merge;  // the group's first item (merge 1: the item)
   for (int64_t i = g0; i < items;) {
     const int64_t g_end = g0 + merge < items ? g0 + merge : items;
     const int64_t z = !p.looped ? i + p.z_base : listed ? p.seg_items[1 + i] : i;
-    const int64_t hz = h;  // this item's head (flat), before the walk moves on
     int64_t run = 0, end = i + 1;
     if (merge > 1) {  // the run from item i: to the group's end or its sequence's last segment
       int64_t n, j;
@@ -369,19 +359,13 @@ __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool 
       run = end - i;
     }
     if (end >= g_end) {
-      if (flat) {
-        t += gridDim.z;
-        h = t % p.Hv;
-        g0 = t / p.Hv * merge;
-      } else {
-        g0 += stride;
-      }
+      g0 += stride;
       i = g0;
     } else {
       i = end;
     }
     SegmentBlock b;
-    if (!segment_block<BW>(p, reverse, z, b, run, hz)) continue;
+    if (!segment_block<BW>(p, reverse, z, b, run)) continue;
     body(b);
     if (p.looped) {
       cp_async_wait<0>();

@@ -976,15 +976,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   }
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
-  // looped phase 0 without the host's count: one wave of slots over every head's segments
-  // (SegParams::flat_heads; FLASHGDN_FLAT_HEADS=0: a wave of slots a head, as before)
-  FwdParams ff = f;
-  ff.flat_heads = f.looped && f.phase == 0 && f.host_slots <= 0 && f.h == nullptr &&
-                  env_int_or("FLASHGDN_FLAT_HEADS", 1) != 0;
-  const int64_t heads_y = ff.flat_heads ? 1 : p.Hv;
-  for_each_z_slice(ff, plan.max_segments * subs * (ff.flat_heads ? p.Hv : 1), blocks_x * heads_y,
-                   sm_count(p.device_id), [&](const FwdParams& fz, unsigned z) {
-    const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(heads_y), z);
+  for_each_z_slice(f, plan.max_segments * subs, blocks_x * p.Hv, sm_count(p.device_id),
+                   [&](const FwdParams& fz, unsigned z) {
+    const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
     const bool dep = pdl && fz.z_base == 0;  // only the first slice follows the chain's kernel
     const char* what = "state_fwd_cols_kernel launch";
     // phase 0 in merged segments: the sequential schedule (or the device's, under the
