@@ -382,6 +382,20 @@ def test_exact_p0_merge_host_choice(lens):
                     {"FLASHGDN_CP": "off"})
 
 
+def check_list_schedule_plan(case: Case, seed: int, switch: str, env: dict) -> None:
+    """A list-scheduled plan (env, with the host copy of cu_seqlens) against the float64
+    reference and CP off (check_split_env), then against the whole waves' plan (`switch`=0):
+    other bits (so the plan did change; the same plan gives the same bits), no less
+    accurate."""
+    inp = make_inputs(case, "cuda", seed=seed)
+    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+    label = f"{case.name} {case.hqk}/{case.hv} {case.lens} {env}"
+    check_split_env(label, case, inp, {"FLASHGDN_CP": "auto", **env}, {"FLASHGDN_CP": "off"})
+    o0, _, o1, _ = no_less_accurate(inp, {"FLASHGDN_CP": "auto", switch: "0"},
+                                    {"FLASHGDN_CP": "auto", **env}, label)
+    assert not torch.equal(o0, o1), f"{label}: the same plan as {switch}=0's whole waves"
+
+
 @pytest.mark.parametrize("lens,hv,env", [
     ([16384], 48, {}),
     ([8192], 48, {"FLASHGDN_P0_LIST": "2"}),
@@ -392,15 +406,8 @@ def test_p0_list_plan(lens, hv, env):
     x 16384 tokens (segments of 48, not 33) and, without the margin, of x 8192 (24, not 26;
     tests/cpp/plan_tool.cpp --no-p0-list / --p0-list-any). Those plans' o and final state stand
     against the float64 reference and CP off, eagerly and from a CUDA graph (check_split_env)."""
-    case = Case("p0_list", lens, 16, hv, varlen=True, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=113)
-    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    check_split_env(f"p0 list 16/{hv} x {lens[0]} {env}", case, inp,
-                    {"FLASHGDN_CP": "auto", **env}, {"FLASHGDN_CP": "off"})
-    # another plan than the whole waves' (whose bits would be the same), no less accurate
-    o0, h0, o1, h1 = no_less_accurate(inp, {"FLASHGDN_CP": "auto", "FLASHGDN_P0_LIST": "0"},
-                                      {"FLASHGDN_CP": "auto", **env}, f"p0 list {lens} {env}")
-    assert not torch.equal(o0, o1), "the list schedule's plan is the whole waves' plan"
+    check_list_schedule_plan(Case("p0_list", lens, 16, hv, varlen=True, gate="mixed"), 113,
+                             "FLASHGDN_P0_LIST", env)
 
 
 @pytest.mark.parametrize("lens,hv,env", [
@@ -415,14 +422,8 @@ def test_exact_p0_plan(lens, hv, env):
     48 (32 without), and without the margin 8/24 28672 + 4096 in merged threes of 32 (50 in
     pairs with it; flashgdn_plan --no-exact-p0 / --exact-p0-any). o and the final state
     against the float64 reference and CP off, eagerly and from a CUDA graph."""
-    case = Case("exact_p0", lens, hv // 3, hv, varlen=True, gate="mixed")
-    inp = make_inputs(case, "cuda", seed=131)
-    inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
-    check_split_env(f"exact p0 {hv // 3}/{hv} {lens} {env}", case, inp,
-                    {"FLASHGDN_CP": "auto", **env}, {"FLASHGDN_CP": "off"})
-    o0, h0, o1, h1 = no_less_accurate(inp, {"FLASHGDN_CP": "auto", "FLASHGDN_HOST_EXACT_P0": "0"},
-                                      {"FLASHGDN_CP": "auto", **env}, f"exact p0 {lens} {env}")
-    assert not torch.equal(o0, o1), "the blocks' plan is the whole waves' plan"
+    check_list_schedule_plan(Case("exact_p0", lens, hv // 3, hv, varlen=True, gate="mixed"),
+                             131, "FLASHGDN_HOST_EXACT_P0", env)
 
 
 @pytest.mark.parametrize("host", [True, False, None], ids=["host_copy", "single", "device"])
