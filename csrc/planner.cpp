@@ -453,22 +453,23 @@ void device_choice_on_host(const DeviceChoiceParams& c, const int64_t* chunks, i
   }
   device_pick(c, ncand, exact_p0 ? est_waves : est, exact_p0 ? merge_waves : merge, seg, total,
               seg_chunks, out);
+  if (exact_p0) {
+    // ForwardCost::exact_p0: the choice with every 128-column split's phase 0 from its blocks
+    // (its merge from them too), taken over the whole waves' choice where it is the same
+    // split or the blocks' estimate of it is below exact_p0_margin of theirs of the other
+    int64_t ex[4];
+    device_pick(c, ncand, est, merge, seg, total, seg_chunks, ex);
+    const bool same = ex[0] == out[0] && ex[1] == out[1] && ex[2] == out[2];
+    if (same || picked_estimate(ncand, est, seg, ex) <
+                    (1.0 - c.cost.exact_p0_margin) * picked_estimate(ncand, est, seg, out)) {
+      std::copy(ex, ex + 4, out);
+      return;
+    }
+  }
   // the host's own choice for packed sequences: the merge from the blocks the split makes
   if (exact_counts && n >= 2 && out[1] == 128 && out[2] == 0 && out[0] < longest &&
       c.cost.p0_merge)
     out[3] = exact_p0_merge(c.cost, chunks, n, out[0], c.heads, c.sms, static_cast<int>(out[3]));
-  if (!exact_p0) return;
-  // ForwardCost::exact_p0: the choice with every 128-column split's phase 0 from its blocks,
-  // taken over the whole waves' choice (above) only where the blocks' estimate of it is
-  // below exact_p0_margin of theirs of the whole waves' choice
-  int64_t ex[4];
-  device_pick(c, ncand, est, merge, seg, total, seg_chunks, ex);
-  if (ex[0] == out[0] && ex[1] == out[1] && ex[2] == out[2]) {
-    out[3] = ex[3];
-    return;
-  }
-  const double mine = picked_estimate(ncand, est, seg, ex), theirs = picked_estimate(ncand, est, seg, out);
-  if (mine < (1.0 - c.cost.exact_p0_margin) * theirs) std::copy(ex, ex + 4, out);
 }
 
 double p0_exact_steps(const int64_t* chunks, int64_t n, int64_t seg, int m, double heads, int sms,
