@@ -17,8 +17,9 @@
 // FLASHGDN_UNFUSED_WY_US), --no-overlap
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
 // (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
-// --p0-list (ForwardCost::p0_list: FLASHGDN_P0_LIST=1), --exact-p0 (ForwardCost::exact_p0:
-// FLASHGDN_HOST_EXACT_P0=1),
+// --no-p0-list / --p0-list-any (ForwardCost::p0_list off / without its margin:
+// FLASHGDN_P0_LIST=0 / =2), --no-exact-p0 / --exact-p0-any (ForwardCost::exact_p0:
+// FLASHGDN_HOST_EXACT_P0=0 / =2), --plain-pass (no kWy: ForwardCost::fused_wy off),
 // --no-corr (FLASHGDN_CP_CORR=0: no exact outputs by correction), --short-longest n,
 // --short-min n (FLASHGDN_CP_SHORT_LONGEST / _MIN: ForwardCost::short_seg_longest / _min),
 // --off, --on (FLASHGDN_CP).
