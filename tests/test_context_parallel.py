@@ -462,16 +462,35 @@ def test_unfused_wy_term_takes_the_fused_pass(host):
     Case("looped_h24", [9000, 7000], 8, 24, gate="zero_heads", dtype=torch.float16),
     # 16/48: the device keeps it unsplit, so phase 0's slots walk one segment a sequence
     Case("looped_h48_unsplit", [6000, 5000, 3000], 16, 48, gate="mixed"),
+    # 8/32: a wave of slots a head fills 128 of 132 SMs, so no flat walk (launch.cu flat_heads)
+    Case("looped_h32", [6000, 5000, 3000], 8, 32, gate="mixed"),
 ], ids=lambda c: c.name)
 def test_looped_phase0_walk(case: Case):
-    """Without the host copy of cu_seqlens, the looped phase 0 of the 128-column forward (a
-    wave of slots a head walking its segment groups): o and the final state against the
-    float64 reference and CP off, eagerly and from a CUDA graph. (Session 48's flat walk over
-    every head's (group, head) pairs, which these cases measured bit-identical, is gone: it
-    made the passes of every plan spill and run 5-10% slower; docs/benchmarks.md session 50.)"""
+    """Without the host copy of cu_seqlens, the looped phase 0 of the 128-column forward: o
+    and the final state against the float64 reference and CP off, eagerly and from a CUDA
+    graph. Where the pass forms P (kWy 1) and a wave of slots a head would leave more than
+    5% of the SMs idle, one wave of slots walks every head's (group, head) pairs
+    (state_fwd_tma_kernel's kFlat, launch.cu flat_heads): a kernel of its own, with the bits
+    of a wave a head (FLASHGDN_FLAT_HEADS=0). The 48-head case must take it (96 of 132 SMs
+    a head's way), the 32-head case must not (128 of 132), on an H100 / H200's 132 SMs."""
     inp = make_inputs(case, "cuda", seed=109)
-    check_split_env(f"looped phase 0 {case.name}", case, inp, {"FLASHGDN_CP": "auto"},
-                    {"FLASHGDN_CP": "off"})
+    label = f"looped phase 0 {case.name}"
+    check_split_env(label, case, inp, {"FLASHGDN_CP": "auto"}, {"FLASHGDN_CP": "off"})
+
+    def run():
+        return flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+
+    flat = {n for n in cuda_kernels_run(run) if "state_fwd_tma_kernel" in n}
+    with env_vars({"FLASHGDN_FLAT_HEADS": "0"}):
+        per_head = {n for n in cuda_kernels_run(run) if "state_fwd_tma_kernel" in n}
+    print(f"{label}: flat walk {sorted(flat - per_head)}, a wave a head {sorted(per_head)}")
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        if case.name == "looped_h48_unsplit":
+            assert flat != per_head and len(flat) == len(per_head), (flat, per_head)
+        if case.name == "looped_h32":
+            assert flat == per_head, (flat, per_head)
+    forward_bit_identical(inp, {"FLASHGDN_FLAT_HEADS": "0"}, {"FLASHGDN_FLAT_HEADS": "1"},
+                          f"{label} flat walk")
 
 
 def state_kernels(names: set) -> set:

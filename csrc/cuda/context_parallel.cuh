@@ -256,11 +256,14 @@ struct SegmentBlock {
 };
 // run > 0 (looped phase 0 with merged segments): the block runs segments j .. j + run - 1
 // of the sequence (for_each_segment_block); 0: one segment, or p0_merge's (a multiple of it).
-template <int BW>
+// kFlat (for_each_segment_block's flat walk): the head is h, else blockIdx.y.
+template <int BW, bool kFlat = false>
 __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, int64_t z,
-                                              SegmentBlock& b, int64_t run = 0) {
+                                              SegmentBlock& b, int64_t run = 0,
+                                              int64_t h = 0) {
   constexpr int CBN = D / BW;
-  b.h = blockIdx.y;
+  if constexpr (kFlat) b.h = h;
+  else b.h = blockIdx.y;
   b.hq = b.h / (p.Hv / p.Hqk);
   b.z = z;
   b.sub = 0;
@@ -335,7 +338,12 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
 // wave of slots in phase 0, four in phase 1 (launch.cu for_each_z_slice). Between items
 // every cp.async has landed and every thread has passed a barrier, so the next item may
 // refill shared memory.
-template <int BW, typename Body>
+// kFlat (looped phase 0 of the 128-column forward without the host's slot count; launch.cu
+// launch_state_cols): grid y = 1, and slot z walks the pairs t = z, z + gridDim.z, ... of
+// (segment group t / H_v, head t % H_v), so one wave of slots fills every SM at any head
+// count (a wave of slots a head took 120 SMs at 24 heads, 96 at 48). A template flag, not a
+// runtime one: a runtime head in this inlined walk made every plan's pass spill (version 50).
+template <int BW, bool kFlat = false, typename Body>
 __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool reverse,
                                                        Body&& body) {
   // one call site of body (it is inlined): not looped, the single item is blockIdx.z
@@ -347,10 +355,17 @@ __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool 
   const int64_t merge =
       BW == D && p.looped && p.phase == 0 && !reverse ? p0_merge_of(p) : 1;
   const int64_t stride = p.looped ? gridDim.z * merge : 1;
-  int64_t g0 = blockIdx.z * merge;  // the group's first item (merge 1: the item)
+  int64_t t = blockIdx.z;      // kFlat: the (group, head) pair
+  int64_t h = 0;               // kFlat: its head
+  int64_t g0 = t * merge;      // the group's first item (merge 1: the item)
+  if constexpr (kFlat) {
+    h = t % p.Hv;
+    g0 = t / p.Hv * merge;
+  }
   for (int64_t i = g0; i < items;) {
     const int64_t g_end = g0 + merge < items ? g0 + merge : items;
     const int64_t z = !p.looped ? i + p.z_base : listed ? p.seg_items[1 + i] : i;
+    const int64_t hz = h;  // kFlat: this item's head, before the walk moves on
     int64_t run = 0, end = i + 1;
     if (merge > 1) {  // the run from item i: to the group's end or its sequence's last segment
       int64_t n, j;
@@ -359,13 +374,19 @@ __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool 
       run = end - i;
     }
     if (end >= g_end) {
-      g0 += stride;
+      if constexpr (kFlat) {
+        t += gridDim.z;
+        h = t % p.Hv;
+        g0 = t / p.Hv * merge;
+      } else {
+        g0 += stride;
+      }
       i = g0;
     } else {
       i = end;
     }
     SegmentBlock b;
-    if (!segment_block<BW>(p, reverse, z, b, run)) continue;
+    if (!segment_block<BW, kFlat>(p, reverse, z, b, run, hz)) continue;
     body(b);
     if (p.looped) {
       cp_async_wait<0>();

@@ -863,6 +863,22 @@ bool tma_wy_phase(int phase) {
   return phase == 0 || ((env_int_or("FLASHGDN_TMA_WY_PHASES", 1) >> phase) & 1) != 0;
 }
 
+// Whether kWy 1's looped phase 0 without the host's slot count launches one wave of slots over
+// every head's segments (kFlat) rather than a wave of slots a head (grid y = H_v). A wave a head
+// leaves SMs idle where H_v does not divide the SM count: 24 heads take 5 slots a head, 120 of
+// 132 SMs; 48 heads 2, 96. Default: the flat walk where a wave a head leaves more than 5% of the
+// SMs idle. H100 2026-11-27, one process, a wave a head -> flat, ms: 8/24 28672+4096 0.784 ->
+// 0.678, 12288+4096 0.430 -> 0.380, 16/48 28672+4096 1.401 -> 1.240, 1024x8 0.357 -> 0.315;
+// where a wave a head fills 128 of 132 SMs the flat walk measured 2-4% slower (8/32
+// 28672+4096 0.745 -> 0.764, 16/64 16384+16384 1.095 -> 1.143, 16/32 8192x4 0.594 -> 0.611).
+// FLASHGDN_FLAT_HEADS=0: never, =1: always.
+bool flat_heads(int64_t heads, int sms) {
+  const int v = env_int_or("FLASHGDN_FLAT_HEADS", -1);
+  if (v >= 0) return v == 1;
+  const int64_t per_head = heads * (sms / heads);  // blocks of a wave a head
+  return heads <= sms && 20 * per_head < 19 * static_cast<int64_t>(sms);
+}
+
 // FLASHGDN_CP_P0_MERGE=<m>: SegParams::p0_merge forced to m (0: the plan's or the device's).
 int forced_p0_merge() { return std::max(0, env_int_or("FLASHGDN_CP_P0_MERGE", 0)); }
 
@@ -959,6 +975,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_tma_kernel<In, 2, true>, StateFwdTmaSmem::bytes(2, true));
     set_smem(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false));
     set_smem(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true));
+    set_smem(state_fwd_tma_kernel<In, 3, false, 1, true>, StateFwdTmaSmem::wy_bytes(3, false));
   });
   TmaMaps maps;
   const bool tma = tma_pass(p, f, maps);
@@ -976,9 +993,15 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
   }
   const int64_t subs = f.phase == 0 && f.nsub > 1 ? f.nsub : 1;  // grid z = segments x subs
   const int64_t blocks_x = f.phase == 1 ? 2 : 1;
-  for_each_z_slice(f, plan.max_segments * subs, blocks_x * p.Hv, sm_count(p.device_id),
-                   [&](const FwdParams& fz, unsigned z) {
-    const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
+  // kWy 1's looped phase 0 without the host's slot count: one wave of slots walks every
+  // head's segments (state_fwd_tma_kernel's kFlat, for_each_segment_block; grid y = 1) where a
+  // wave of slots a head would leave SMs idle (flat_heads).
+  const bool flat = wy_mode == 1 && f.looped && f.phase == 0 && f.host_slots <= 0 &&
+                    f.h == nullptr && subs == 1 && flat_heads(p.Hv, sm_count(p.device_id));
+  const int64_t heads_y = flat ? 1 : p.Hv;
+  for_each_z_slice(f, plan.max_segments * subs * (flat ? p.Hv : 1), blocks_x * heads_y,
+                   sm_count(p.device_id), [&](const FwdParams& fz, unsigned z) {
+    const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(heads_y), z);
     const bool dep = pdl && fz.z_base == 0;  // only the first slice follows the chain's kernel
     const char* what = "state_fwd_cols_kernel launch";
     // phase 0 in merged segments: the sequential schedule (or the device's, under the
@@ -1007,6 +1030,9 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     const bool ping = cols_ping();
     if (wy_mode == 2) {  // the fused TMA kernel
       tgo(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true),
+          kTmaWyThreads);
+    } else if (wy_mode == 1 && flat) {  // P only, every head's segments from one wave
+      tgo(state_fwd_tma_kernel<In, 3, false, 1, true>, StateFwdTmaSmem::wy_bytes(3, false),
           kTmaWyThreads);
     } else if (wy_mode == 1) {  // P only: three stages (no inverse's tiles)
       tgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false),

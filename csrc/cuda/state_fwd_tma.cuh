@@ -393,12 +393,14 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
 }
 
 // kWy: 0 (FLASHGDN_COLS_TMA=1, 3), 2 (=4: T diag(beta) and P formed by the WY warpgroup),
-// 1 (=5: P only)
-template <typename In, int kStages = 2, bool kSsY = false, int kWy = 0>
+// 1 (=5: P only). kFlat (kWy 1, looped phase 0 without the host's slot count: grid y = 1, the
+// slots walk every head's segments; for_each_segment_block).
+template <typename In, int kStages = 2, bool kSsY = false, int kWy = 0, bool kFlat = false>
 __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     state_fwd_tma_kernel(const __grid_constant__ TmaMaps maps, FwdParams p) {
   static_assert(!kWy || (kStages == (kWy == 2 ? 2 : 3) && !kSsY),
                 "kWy 2: two stages, 1: three; Y from registers");
+  static_assert(!kFlat || kWy == 1, "the flat walk: kWy 1 only");
   PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
   if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
   using Sm = StateFwdTmaSmem;
@@ -451,20 +453,20 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
   // likely the missing cp.async commit of version 43, but the late trigger costs nothing).
   if (kWy && warp >= 12) {
     setmaxnreg_dec<tma_wy_regs(kWy, 2)>();
-    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+    for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
       tma_wy<In, kStages, kWy == 2>(p, b, n_used, base, full, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
   } else if (warp >= 8) {
     setmaxnreg_dec<kWy ? tma_wy_regs(kWy, 1) : kTmaProducerRegs>();
-    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+    for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
       tma_produce<In, kStages, kSsY, kWy>(p, maps, b, n_used, base, full, empty, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
   } else {
     setmaxnreg_inc<kWy ? tma_wy_regs(kWy, 0) : kTmaStateRegs>();
     TmaIssueOrder order{warp < 4};
-    for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+    for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
       tma_consume<In, kStages, kSsY>(p, b, n_used, base, full, empty, order);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     });
