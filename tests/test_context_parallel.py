@@ -522,6 +522,37 @@ def test_host_pins_the_column_block():
     forward_bit_identical(inp, {"FLASHGDN_HOST_COLS": "0"}, {}, "host cols 32")
 
 
+def test_plan_cache_keys():
+    """launch.cu caches plan_forward's plans; the key holds the host's lengths and the
+    switches. Two packings of the same 5500 tokens in three sequences at 2/8 heads plan
+    differently (flashgdn_plan --hv 8 --tokens 3000,700,1800: 32 columns unsplit;
+    5400,50,50: 128 columns split), and the second, run after the first, must launch what it
+    launches with the cache off (FLASHGDN_PLAN_CACHE=0), with the same bits; a switch set
+    after a cached call (FLASHGDN_CP=off) must change what the split plan launches."""
+    names = {}
+    for lens in ([3000, 700, 1800], [5400, 50, 50]):
+        case = Case(f"cache_{lens[0]}", lens, 2, 8, gate="mixed")
+        inp = make_inputs(case, "cuda", seed=71)
+        inp["cu_seqlens_cpu"] = inp["cu_seqlens"].cpu()
+
+        def run():
+            return flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+
+        run()  # cached from here
+        cached = cuda_kernels_run(run)
+        with env_vars({"FLASHGDN_PLAN_CACHE": "0"}):
+            uncached = cuda_kernels_run(run)
+        with env_vars({"FLASHGDN_CP": "off"}):
+            off = cuda_kernels_run(run)  # no split: no chain kernels
+        print(f"{lens}: cached {sorted(cached)}; CP off {sorted(off)}")
+        assert cached == uncached, (lens, cached, uncached)
+        names[lens[0]] = cached
+        if lens[0] == 5400:
+            assert off != cached, (lens, off)
+        forward_bit_identical(inp, {"FLASHGDN_PLAN_CACHE": "0"}, {}, f"plan cache {lens}")
+    assert names[3000] != names[5400], names
+
+
 @pytest.mark.parametrize("host", [True, False], ids=["host_copy", "device_only"])
 @pytest.mark.parametrize("case", [
     # two value heads a q/k head, a sequential split at 128 columns (flashgdn_plan --hv 16

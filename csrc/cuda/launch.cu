@@ -8,6 +8,9 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+
+#include <unistd.h>  // environ: the switches in plan_key
 
 #include "../backends.h"
 #include "../planner.h"
@@ -740,8 +743,8 @@ SegmentPlan host_split_plan(const Problem& p, const SegmentQuery& q, const Segme
 // Column block and segment plan of the forward's state pass (csrc/planner.h;
 // FLASHGDN_CP / FLASHGDN_CP_SEG / FLASHGDN_FWD_BW override). backward: the plan of the
 // recomputation and the reverse pass, column block 128 only where bwd_cols (then both run
-// one block per head and segment).
-SegmentPlan plan_forward(const Problem& p, bool backward) {
+// one block per head and segment). Uncached: plan_forward below.
+SegmentPlan plan_forward_uncached(const Problem& p, bool backward) {
   SegmentQuery q = sequence_query(p);
   q.allow_cols = fwd_pass() == FwdPass::F16 && (!backward || bwd_cols(p));
   q.mode = cp_mode_from_env();
@@ -767,6 +770,50 @@ SegmentPlan plan_forward(const Problem& p, bool backward) {
     }
   }
   if (!backward) host_plan_choice(p, plan);  // after the schedule: the choice it makes
+  return plan;
+}
+
+// What a plan is made from, as bytes: every field of the problem but its data pointers and
+// scale (sizes, heads, dtypes, device, state form, varlen, hints, the host's chunks a
+// sequence) and every FLASHGDN_* switch as the environment holds it now.
+std::string plan_key(const Problem& p, bool backward) {
+  std::string k;
+  k.reserve(160 + 8 * p.host_chunks.size());
+  auto put = [&k](int64_t x) { k.append(reinterpret_cast<const char*>(&x), sizeof x); };
+  for (const int64_t x :
+       {int64_t{backward}, p.B, p.T, p.TT, p.Hqk, p.Hv, p.N, int64_t{p.qkv_dtype},
+        int64_t{p.g_dtype}, int64_t{p.beta_dtype}, int64_t{p.cu_dtype}, int64_t{p.device},
+        int64_t{p.device_id}, int64_t{p.h0 != nullptr}, int64_t{p.h0_io.present()},
+        int64_t{p.h0_io.dtype}, int64_t{p.h0_io.layout}, int64_t{p.state_layout},
+        int64_t{p.varlen()}, p.max_seqlen, int64_t{p.keep_for_backward},
+        static_cast<int64_t>(p.host_chunks.size())})
+    put(x);
+  for (const int64_t x : p.host_chunks) put(x);
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e)
+    if (std::strncmp(*e, "FLASHGDN_", 9) == 0) k.append(*e).push_back('\0');
+  return k;
+}
+
+// plan_forward_uncached's plan, from a cache keyed by plan_key. The host's planning of packed
+// sequences with their copy of cu_seqlens (the device's choice made on the host, the list
+// schedules past their margins) took ~100-160 us a call on the H100 machine's host
+// (2/8 28672+4096: _C.fwd 371 us with the copy, 210 without), and a call plans twice (the
+// workspace's size, then the launches). A full cache is emptied. FLASHGDN_PLAN_CACHE=0: none.
+constexpr size_t kPlanCacheEntries = 256;
+SegmentPlan plan_forward(const Problem& p, bool backward) {
+  if (env_int_or("FLASHGDN_PLAN_CACHE", 1) == 0) return plan_forward_uncached(p, backward);
+  static std::mutex m;
+  static std::unordered_map<std::string, SegmentPlan> cache;
+  std::string key = plan_key(p, backward);
+  {
+    const std::lock_guard<std::mutex> lock(m);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  const SegmentPlan plan = plan_forward_uncached(p, backward);
+  const std::lock_guard<std::mutex> lock(m);
+  if (cache.size() >= kPlanCacheEntries) cache.clear();
+  cache.emplace(std::move(key), plan);
   return plan;
 }
 

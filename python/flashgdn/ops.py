@@ -6,7 +6,7 @@ current stream, so each call is asynchronous and graph-capturable.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -709,6 +709,24 @@ def chunk_gated_delta_rule_bwd(
     return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
 
 
+# Host copies of up to this many offsets are checked as a Python list (cu_seqlens_cpu on every
+# call: ~1-3 us for a few sequences against ~15-25 us for the tensor ops below, H100 host).
+_LIST_CHECK_MAX = 4096
+
+
+def _check_cu_list(cu: List[int], total_tokens: int, name: str) -> None:
+    """check_cu_seqlens's checks, with its messages, on the offsets as a list."""
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(f"{name} must be non-decreasing; {name}[{i}] = {cu[i]} "
+                             f"< {name}[{i - 1}] = {cu[i - 1]}")
+    if cu[-1] != total_tokens:
+        raise ValueError(f"{name}[-1] must equal the number of tokens T = {total_tokens}, "
+                         f"got {cu[-1]}")
+
+
 def check_cu_seqlens(cu_seqlens: Tensor, total_tokens: int, name: str = "cu_seqlens") -> None:
     """Validates cu_seqlens values on the host (synchronises; for debugging, not the hot path).
 
@@ -716,6 +734,10 @@ def check_cu_seqlens(cu_seqlens: Tensor, total_tokens: int, name: str = "cu_seql
     when it is invalid; this helper raises a ValueError that says what is wrong (naming the
     argument `name`).
     """
+    if cu_seqlens.device.type == "cpu" and cu_seqlens.ndim == 1 and \
+            2 <= cu_seqlens.numel() <= _LIST_CHECK_MAX:
+        _check_cu_list(cu_seqlens.tolist(), total_tokens, name)
+        return
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if cu.ndim != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be 1-D with at least 2 entries, got {tuple(cu.shape)}")
