@@ -133,6 +133,25 @@ void set_workspace(Args& a, const OptArray& ws, uintptr_t stream) {
   a.stream = reinterpret_cast<void*>(stream);
 }
 
+// The workspace of a call given none: alloc(bytes) for the bytes `size` (the C API's
+// *_workspace_size) says, set in `a`; returned (None where no bytes are needed or no alloc).
+// One crossing instead of two: the workspace-size call converted every array again.
+template <typename Args>
+nb::object alloc_workspace(Args& a, const OptArray& ws, const std::optional<nb::callable>& alloc,
+                           int (*size)(const Args*, size_t*)) {
+  if (ws || !alloc) return nb::none();
+  size_t bytes = 0;
+  check(size(&a, &bytes));
+  if (bytes == 0) return nb::none();
+  nb::object w = (*alloc)(bytes);
+  const auto arr = nb::cast<nb::ndarray<>>(w);
+  if (arr.nbytes() < bytes)
+    throw nb::value_error("alloc returned a workspace smaller than the bytes it was asked for");
+  a.workspace = arr.data();
+  a.workspace_bytes = arr.nbytes();
+  return w;
+}
+
 // A keep_for_backward forward's workspace for the backward (flashgdn_bwd_args::kept_workspace).
 void set_kept(flashgdn_bwd_args& a, const OptArray& kept) {
   if (kept && kept->nbytes() > 0) {
@@ -180,20 +199,26 @@ NB_MODULE(_C, m) {
       "fwd",
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray o, OptArray ht, OptArray ws, uintptr_t stream,
-         int32_t state_layout, int64_t max_seqlen, bool keep_for_backward, OptArray cu_host) {
+         int32_t state_layout, int64_t max_seqlen, bool keep_for_backward, OptArray cu_host,
+         std::optional<nb::callable> alloc) {
         auto a = fwd_args(q, k, v, g, beta, h0, cu, scale, o, ht, state_layout, max_seqlen);
         a.keep_for_backward = keep_for_backward ? 1 : 0;
         a.cu_seqlens_host = to_tensor(cu_host, "cu_seqlens_host");
         set_workspace(a, ws, stream);
+        nb::object made = alloc_workspace(a, ws, alloc, flashgdn_fwd_workspace_size);
         check(flashgdn_fwd(&a));
+        return made;
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("o"), none("final_state"), none("workspace"),
       nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
       nb::arg("keep_for_backward") = false, none("cu_seqlens_host") = nb::none(),
+      none("alloc") = nb::none(),
       "Chunked GDN forward into preallocated o (and final_state); asynchronous on CUDA.\n"
       "keep_for_backward: leave the backward's recomputation in the workspace (bwd's\n"
-      "kept_workspace).");
+      "kept_workspace). Without a workspace, alloc(nbytes) (a callable returning a DLPack\n"
+      "array of at least nbytes bytes) makes the one fwd_workspace_size asks for; it is\n"
+      "returned (None where none is needed).");
 
   m.def(
       "bwd_workspace_size",
@@ -222,22 +247,27 @@ NB_MODULE(_C, m) {
       [](OptArray q, OptArray k, OptArray v, OptArray g, OptArray beta, OptArray h0, OptArray cu,
          float scale, OptArray d_o, OptArray dht, OptArray dq, OptArray dk, OptArray dv,
          OptArray dg, OptArray dbeta, OptArray dh0, OptArray ws, uintptr_t stream,
-         int32_t state_layout, int64_t max_seqlen, OptArray kept, OptArray cu_host) {
+         int32_t state_layout, int64_t max_seqlen, OptArray kept, OptArray cu_host,
+         std::optional<nb::callable> alloc) {
         auto a = bwd_args(q, k, v, g, beta, h0, cu, scale, d_o, dht, dq, dk, dv, dg, dbeta, dh0,
                           state_layout, max_seqlen);
         set_kept(a, kept);
         a.cu_seqlens_host = to_tensor(cu_host, "cu_seqlens_host");
         set_workspace(a, ws, stream);
+        nb::object made = alloc_workspace(a, ws, alloc, flashgdn_bwd_workspace_size);
         check(flashgdn_bwd(&a));
+        return made;
       },
       none("q"), none("k"), none("v"), none("g"), none("beta"), none("initial_state"),
       none("cu_seqlens"), nb::arg("scale"), none("do"), none("dht"), none("dq"), none("dk"),
       none("dv"), none("dg"), none("dbeta"), none("dh0"), none("workspace"),
       nb::arg("stream") = 0, nb::arg("state_layout") = 0, nb::arg("max_seqlen") = 0,
       none("kept_workspace") = nb::none(), none("cu_seqlens_host") = nb::none(),
+      none("alloc") = nb::none(),
       "Chunked GDN backward into preallocated gradients; asynchronous on CUDA.\n"
       "kept_workspace: the workspace of a keep_for_backward forward of the same inputs\n"
-      "(read only); workspace then needs bwd_workspace_size(..., kept_workspace=...) bytes.");
+      "(read only); workspace then needs bwd_workspace_size(..., kept_workspace=...) bytes.\n"
+      "Without a workspace, alloc(nbytes) makes it (as fwd's alloc) and it is returned.");
 
   m.def(
       "decode",

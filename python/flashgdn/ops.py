@@ -6,7 +6,7 @@ current stream, so each call is asynchronous and graph-capturable.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -23,6 +23,14 @@ def _stream(t: Tensor) -> int:
 
 def _workspace(nbytes: int, like: Tensor) -> Optional[Tensor]:
     return torch.empty(nbytes, dtype=torch.uint8, device=like.device) if nbytes > 0 else None
+
+
+def _alloc_on(like: Tensor) -> Callable[[int], Tensor]:
+    """The bindings' alloc: a uint8 workspace of nbytes on like's device. _C.fwd / _C.bwd
+    size and make it in the one call (no separate *_workspace_size call converting every
+    argument again)."""
+    device = like.device
+    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _d(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -98,11 +106,8 @@ def _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
         else None
     )
     args = (_d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale, o, ht)
-    nbytes = _C.fwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen,
-                                   keep_for_backward=keep, cu_seqlens_host=cu_seqlens_host)
-    ws = _workspace(nbytes, q)
-    _C.fwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
-           keep_for_backward=keep, cu_seqlens_host=cu_seqlens_host)
+    ws = _C.fwd(*args, None, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
+                keep_for_backward=keep, cu_seqlens_host=cu_seqlens_host, alloc=_alloc_on(q))
     if ht is None:
         ht = q.new_empty(_EMPTY_SHAPE, dtype=ht_dtype)
     if ws is None:
@@ -192,11 +197,8 @@ def _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_
         dq, dk, dv, dg, dbeta, dh0,
     )
     kept = None if kept is None else kept.detach()
-    ws = _workspace(_C.bwd_workspace_size(*args, state_layout=layout, max_seqlen=max_seqlen,
-                                          kept_workspace=kept, cu_seqlens_host=cu_seqlens_host),
-                    q)
-    _C.bwd(*args, ws, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
-           kept_workspace=kept, cu_seqlens_host=cu_seqlens_host)
+    _C.bwd(*args, None, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
+           kept_workspace=kept, cu_seqlens_host=cu_seqlens_host, alloc=_alloc_on(q))
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return dq, dk, dv, dg, dbeta, dh0
