@@ -10,6 +10,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _C
 
@@ -36,6 +37,14 @@ def _alloc_on(like: Tensor) -> Callable[[int], Tensor]:
 def _d(t: Optional[Tensor]) -> Optional[Tensor]:
     """Detached view for DLPack export (which refuses tensors that require grad)."""
     return None if t is None else t.detach()
+
+
+def _dl(t: Optional[Tensor]) -> object:
+    """t (detached) as a DLPack capsule for one binding call: to_dlpack is one C call (~0.7 us)
+    where nanobind's import of a tensor goes through Tensor.__dlpack__, a Python method
+    (~5.5-7 us), for each of a call's ten-odd arrays. A capsule is consumed by the call that
+    takes it: pass it once."""
+    return None if t is None else _to_dlpack(t.detach())
 
 
 def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
@@ -105,9 +114,11 @@ def _run_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
         if output_final_state
         else None
     )
-    args = (_d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale, o, ht)
+    args = (_dl(q), _dl(k), _dl(v), _dl(g), _dl(beta), _dl(initial_state), _dl(cu_seqlens),
+            scale, _dl(o), _dl(ht))
     ws = _C.fwd(*args, None, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
-                keep_for_backward=keep, cu_seqlens_host=cu_seqlens_host, alloc=_alloc_on(q))
+                keep_for_backward=keep, cu_seqlens_host=_dl(cu_seqlens_host),
+                alloc=_alloc_on(q))
     if ht is None:
         ht = q.new_empty(_EMPTY_SHAPE, dtype=ht_dtype)
     if ws is None:
@@ -192,13 +203,13 @@ def _run_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, state_
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     args = (
-        _d(q), _d(k), _d(v), _d(g), _d(beta), _d(initial_state), cu_seqlens, scale,
-        _d(do).contiguous(), None if dht is None else _d(dht).contiguous(),
-        dq, dk, dv, dg, dbeta, dh0,
+        _dl(q), _dl(k), _dl(v), _dl(g), _dl(beta), _dl(initial_state), _dl(cu_seqlens), scale,
+        _dl(_d(do).contiguous()), None if dht is None else _dl(_d(dht).contiguous()),
+        _dl(dq), _dl(dk), _dl(dv), _dl(dg), _dl(dbeta), _dl(dh0),
     )
-    kept = None if kept is None else kept.detach()
     _C.bwd(*args, None, _stream(q), state_layout=layout, max_seqlen=max_seqlen,
-           kept_workspace=kept, cu_seqlens_host=cu_seqlens_host, alloc=_alloc_on(q))
+           kept_workspace=_dl(kept), cu_seqlens_host=_dl(cu_seqlens_host),
+           alloc=_alloc_on(q))
     if dh0 is None:
         dh0 = q.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return dq, dk, dv, dg, dbeta, dh0
@@ -314,8 +325,8 @@ def _decode_op(
 ) -> Tensor:
     layout = _layout_code(state_layout)
     o = torch.empty_like(v)
-    _C.decode(_d(q), _d(k), _d(v), _d(g), _d(beta), _d(state_pool), state_indices, scale,
-              use_qk_l2norm_in_kernel, o, _stream(q), state_layout=layout)
+    _C.decode(_dl(q), _dl(k), _dl(v), _dl(g), _dl(beta), _dl(state_pool), _dl(state_indices),
+              scale, use_qk_l2norm_in_kernel, _dl(o), _stream(q), state_layout=layout)
     return o
 
 
@@ -338,7 +349,7 @@ def _gating_fwd_op(a: Tensor, A_log: Tensor, dt_bias: Tensor, b: Tensor) -> Tupl
     dt = _gate_out_dtype(a, A_log, dt_bias, b)
     g = torch.empty(a.shape, dtype=dt, device=a.device)
     beta = torch.empty(a.shape, dtype=dt, device=a.device)
-    _C.gating_fwd(_d(a), _d(A_log), _d(dt_bias), _d(b), g, beta, _stream(a))
+    _C.gating_fwd(_dl(a), _dl(A_log), _dl(dt_bias), _dl(b), _dl(g), _dl(beta), _stream(a))
     return g, beta
 
 
@@ -547,9 +558,31 @@ def chunk_gated_delta_rule(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     if keep_for_backward and grads and q.is_cuda:
         o, ht, _ = _fwd_kept_op(*args)
+    elif not grads and _direct_call_ok(args):
+        o, ht, _ = _run_fwd(*args, keep=False)  # _fwd_op's body, without the dispatcher
     else:
         o, ht = _fwd_op(*args)
     return o, (ht if output_final_state else None)
+
+
+def _direct_call_ok(args: Tuple[object, ...]) -> bool:
+    """Whether a forward that needs no gradient may run _fwd_op's body directly rather than
+    through the dispatcher (~40-80 us a call on the H100 machine's host, docs/benchmarks.md
+    session 51): only with plain tensors (no subclass: FakeTensor, DTensor, ...) and nothing
+    that interposes on the op: no torch.compile / export tracing, no torch dispatch or
+    function mode (FakeTensorMode, FlopCounterMode, torch.device(...)), no torch.jit trace, no
+    functorch transform (vmap, grad), no profiler (which then names the op). Where torch lacks
+    one of these checks, the dispatcher."""
+    c = torch._C
+    try:
+        if (torch.compiler.is_compiling() or c._get_tracing_state() is not None or
+                c._len_torch_dispatch_stack() > 0 or
+                c._is_torch_function_mode_enabled() or c._are_functorch_transforms_active() or
+                torch.autograd._profiler_enabled()):
+            return False
+    except AttributeError:
+        return False
+    return all(type(a) is Tensor for a in args if isinstance(a, Tensor))
 
 
 def chunk_gated_delta_rule_from_raw(
