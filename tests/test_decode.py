@@ -268,6 +268,30 @@ def test_decode_opcheck(device):
                                       "test_aot_dispatch_dynamic"))
 
 
+def test_decode_direct_call_without_the_dispatcher(device, monkeypatch):
+    """Eager decode runs the op's body directly (ops._direct_call_ok), with the op's bits in
+    o and the pool; under the profiler it goes through the op, which the profiler names."""
+    a = base(device)
+    b = {n: (x.clone() if n == "state_pool" else x) for n, x in a.items()}
+    o_op = torch.ops.flashgdn.fused_recurrent_gdn_update(
+        b["q"], b["k"], b["v"], b["g"], b["beta"], b["state_pool"], b["state_indices"],
+        128 ** -0.5, False)
+    real_op = ops._decode_op
+
+    def refuse(*x, **y):
+        raise AssertionError("the dispatcher was used")
+
+    monkeypatch.setattr(ops, "_decode_op", refuse)
+    pool0 = a["state_pool"].clone()
+    o = decode(a)  # the direct call
+    assert torch.equal(o, o_op) and torch.equal(a["state_pool"], b["state_pool"])
+    assert not torch.equal(a["state_pool"], pool0)
+    monkeypatch.setattr(ops, "_decode_op", real_op)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        decode(a)
+    assert any("flashgdn::fused_recurrent_gdn_update" in e.name for e in prof.events())
+
+
 def test_decode_torch_compile_fullgraph(device):
     """Compiled (aot_eager) decode updates the pool like eager: the mutation is declared."""
     a = make_decode_inputs(DCase("tc", [2, -1, 0], 3, 2, 4), device, seed=6)

@@ -323,6 +323,12 @@ def _decode_op(
     use_qk_l2norm_in_kernel: bool,
     state_layout: str = "kv",
 ) -> Tensor:
+    return _run_decode(q, k, v, g, beta, state_pool, state_indices, scale,
+                       use_qk_l2norm_in_kernel, state_layout)
+
+
+def _run_decode(q, k, v, g, beta, state_pool, state_indices, scale, use_qk_l2norm_in_kernel,
+                state_layout):
     layout = _layout_code(state_layout)
     o = torch.empty_like(v)
     _C.decode(_dl(q), _dl(k), _dl(v), _dl(g), _dl(beta), _dl(state_pool), _dl(state_indices),
@@ -566,7 +572,7 @@ def chunk_gated_delta_rule(
 
 
 def _direct_call_ok(args: Tuple[object, ...]) -> bool:
-    """Whether a forward that needs no gradient may run _fwd_op's body directly rather than
+    """Whether a call that needs no gradient may run its op's body directly rather than
     through the dispatcher (~40-80 us a call on the H100 machine's host, docs/benchmarks.md
     session 51): only with plain tensors (no subclass: FakeTensor, DTensor, ...) and nothing
     that interposes on the op: no torch.compile / export tracing, no torch dispatch or
@@ -684,8 +690,12 @@ def fused_recurrent_gated_delta_rule_update(
                     ("state_pool", state_pool), ("state_indices", state_indices)):
         _require_tensor(name, x)
     _layout_code(state_layout)
-    return _decode_op(q, k, v, g, beta, state_pool, state_indices, _resolve_scale(scale),
-                      bool(use_qk_l2norm_in_kernel), state_layout)
+    args = (q, k, v, g, beta, state_pool, state_indices, _resolve_scale(scale),
+            bool(use_qk_l2norm_in_kernel), state_layout)
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
+    if not grads and _direct_call_ok(args):
+        return _run_decode(*args)  # _decode_op's body, without the dispatcher
+    return _decode_op(*args)
 
 
 def chunk_gated_delta_rule_fwd(
