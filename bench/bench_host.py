@@ -7,6 +7,8 @@ and the wall time per call of 50 calls back to back (`eager`: the larger of the 
 the GPU's time). Inputs as bench/bench_gdn.py (cu_seqlens and its host copy, an initial
 state, the final state out); `graph` is bench_gdn's CUDA-graph median for reference.
 FLASHGDN_PLAN_CACHE=0 adds flashgdn's columns without the plan cache (launch.cu).
+`--decode-batch 1,64` also times decode (fused_recurrent_gated_delta_rule_update, one token
+a sequence, a pool of twice the batch's slots) at each model's heads: flashgdn only.
 
     python bench/bench_host.py                                  # default rows
     python bench/bench_host.py --models 2/8,16/48 --seqs 1x2048,28672+4096
@@ -53,6 +55,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--seqs", default=",".join(ROWS))
     ap.add_argument("--n", type=int, default=100, help="enqueues per median")
+    ap.add_argument("--decode-batch", default="",
+                    help="decode batch sizes to time as well, e.g. 1,64 (one token each)")
     args = ap.parse_args()
 
     import torch
@@ -103,6 +107,29 @@ def main() -> None:
             out += [f"{timer.time(fla)[0] * 1e3:.0f}", f"{median_enqueue_us(fla, args.n):.0f}",
                     f"{eager_us(fla):.0f}"]
         print("| " + " | ".join(out) + " |", flush=True)
+    batches = [int(b) for b in args.decode_batch.split(",") if b]
+    if batches:
+        print("\n| h_qk/h_v | decode batch | graph | enqueue | eager |\n|---|---|---|---|---|")
+    for key in args.models.split(",") if batches else []:
+        hq, hv = (int(x) for x in key.split("/"))
+        for bsz in batches:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+
+            def rnd(*shape: int) -> "torch.Tensor":
+                return torch.randn(*shape, device="cuda", generator=gen)
+            q, k = rnd(bsz, 1, hq, 128).bfloat16(), rnd(bsz, 1, hq, 128).bfloat16()
+            v = rnd(bsz, 1, hv, 128).bfloat16()
+            g, beta = -rnd(bsz, 1, hv).abs() / 16, rnd(bsz, 1, hv).sigmoid()
+            pool = rnd(2 * bsz, hv, 128, 128) * 0.1
+            idx = torch.arange(bsz, device="cuda", dtype=torch.int32) * 2
+
+            def dec() -> object:
+                return flashgdn.fused_recurrent_gated_delta_rule_update(q, k, v, g, beta,
+                                                                       pool, idx)
+            for _ in range(3):
+                dec()
+            print(f"| {key} | {bsz} | {timer.time(dec)[0] * 1e3:.0f} | "
+                  f"{median_enqueue_us(dec, args.n):.0f} | {eager_us(dec):.0f} |", flush=True)
 
 
 if __name__ == "__main__":
