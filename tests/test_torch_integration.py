@@ -157,3 +157,16 @@ def test_torch_compile_inductor_gpu():
     out = f(a["q"], a["k"], a["v"], a["g"], a["beta"])
     ref, _ = flashgdn.chunk_gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"])
     assert rel_err(out, (ref * 2).double()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_calls_run_on_the_callers_stream():
+    """ops._stream (the raw current stream, one C call) is torch's current stream, on the
+    default stream and inside a side stream's context; 0 for CPU tensors."""
+    x = torch.zeros(1, device="cuda")
+    assert ops._stream(x) == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert ops._stream(x) == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+    assert ops._stream(torch.zeros(1)) == 0
