@@ -475,8 +475,18 @@ struct Poison {
 void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, int64_t seg_chunks,
                  const DeviceSegChoice& choice, cudaStream_t st, PlanPart part = PlanPart::All) {
   if (!p.varlen()) return;
+  // a choice made on the device needs choose_plan's instantiation; the table alone, the
+  // host's plan and its preset choice take the lean one (FLASHGDN_PLAN_LEAN=0: the full
+  // one, for A/B timings)
+  const bool choose = (part != PlanPart::Table && choice.chosen != nullptr &&
+                       !choice.has_preset) ||
+                      env_int_or("FLASHGDN_PLAN_LEAN", 1) == 0;
   if (part == PlanPart::Segments)
     plan_kernel<kPlanAsideThreads><<<1, kPlanAsideThreads, 0, st>>>(
+        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
+        choice, part);
+  else if (!choose)
+    plan_kernel<kPlanTableThreads, false><<<1, kPlanTableThreads, 0, st>>>(
         s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
         choice, part);
   else

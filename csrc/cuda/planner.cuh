@@ -4,7 +4,8 @@
 // plan_kernel  grid 1 x 512 threads (kPlanThreads; 92 registers, no spill: at 1024 the cost
 //              model's fp64 estimates spilled ~500 bytes), or 64 (kPlanAsideThreads: held to
 //              64 registers by its launch bounds, 28 bytes of spill, so that it fits beside
-//              three wy blocks; at 72 registers, session 34's, it did not)
+//              three wy blocks; at 72 registers, session 34's, it did not), or 128
+//              (kPlanTableThreads, kChoose false) where the launch makes no choice
 //   reads  cu_seqlens [N + 1]
 //   writes chunk_offsets [N + 1] (prefix sum of ceil(len / 64)), error (0 or 1:
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
@@ -50,6 +51,9 @@ constexpr int kPlanThreads = 512;
 // blocks of 256 threads at 80 registers (61440 of an SM's 65536), and its 4.3 KB of shared
 // memory beside their 3 x 73 KB, so the choice takes no wy_kernel block's place
 constexpr int kPlanAsideThreads = 64;
+// The launch that makes no choice (the chunk table and the error, the host's or its preset
+// segment tables): plan_kernel<kPlanTableThreads, false>
+constexpr int kPlanTableThreads = 128;
 
 // The device's choice (DeviceChoiceParams, csrc/planner.h) and where it writes it: [chunks
 // per segment, column block, schedule, phase-0 merge] (device_pick's out: schedule 0
@@ -152,12 +156,16 @@ __device__ __forceinline__ int64_t choose_plan(const SeqLayout& s, ChunksOf chun
 enum class PlanPart : int { All = 0, Table = 1, Segments = 2 };
 
 // (The launch bounds hold the 64-thread launch, kPlanAsideThreads, to 64 registers a thread.)
-template <int kThreads>
+// kChoose false (kPlanTableThreads): no device choice in the launch (the host's plan, or its
+// preset choice from cu_seqlens_cpu), so none of choose_plan's code or scratch; launch.cu
+// takes it wherever the choice is not made here (run_planner).
+template <int kThreads, bool kChoose = true>
 __global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThreads) : 1)
     plan_kernel(SeqLayout s, int64_t total_tokens, int64_t seg_chunks, int64_t* chunk_offsets,
                 int64_t* seg_offsets, int64_t* split_seqs, int64_t* seg_items, int* error,
                 DeviceSegChoice choice, PlanPart part) {
-  static_assert(kThreads >= kMaxSegCandidates && kThreads >= kFewSeqs && kThreads % 32 == 0,
+  static_assert(kThreads % 32 == 0 &&
+                    (!kChoose || (kThreads >= kMaxSegCandidates && kThreads >= kFewSeqs)),
                 "a thread a length, and one for each of few sequences");
   const bool table = part != PlanPart::Segments;
   if (part == PlanPart::Table) seg_offsets = nullptr, choice.chosen = nullptr;
@@ -167,15 +175,16 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThre
     typename Scan::TempStorage scan;
     typename Reduce::TempStorage reduce;
   } tmp;
-  __shared__ int bad;
   __shared__ int64_t seg_shared;
-  __shared__ ChoiceScratch choose;
+  // the error: each thread's own finding, joined by the barrier before the flag's store (no
+  // barrier between thread 0's reads of cu_seqlens' ends and every thread's reads: one
+  // dependent global round trip, not two)
+  int bad = 0;
   if (threadIdx.x == 0) {
     bad = (s.cu(0) != 0 || s.cu(s.N) != total_tokens) ? 1 : 0;
     if (table) chunk_offsets[0] = 0;
     if (seg_offsets) seg_offsets[0] = 0;
   }
-  __syncthreads();
   // Where every sequence has a thread (N <= kThreads) its chunk count is read once and
   // kept in a register for the choice and the segment tables (each read of cu_seqlens is a
   // dependent global round trip)
@@ -206,12 +215,18 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThre
     if (threadIdx.x < 4) choice.chosen[threadIdx.x] = choice.preset[threadIdx.x];
     seg_chunks = choice.preset[0];
   } else if (choice.chosen != nullptr) {  // choose the segment length from the actual lengths
-    longest = Reduce(tmp.reduce).Reduce(longest, [](int64_t a, int64_t b) { return a > b ? a : b; });
-    if (threadIdx.x == 0) seg_shared = longest;
-    __syncthreads();
-    longest = seg_shared;
-    __syncthreads();
-    seg_chunks = choose_plan<kThreads>(s, chunks_of, longest, carry, seg_chunks, choice, choose);
+    if constexpr (kChoose) {
+      __shared__ ChoiceScratch choose;
+      longest =
+          Reduce(tmp.reduce).Reduce(longest, [](int64_t a, int64_t b) { return a > b ? a : b; });
+      if (threadIdx.x == 0) seg_shared = longest;
+      __syncthreads();
+      longest = seg_shared;
+      __syncthreads();
+      seg_chunks = choose_plan<kThreads>(s, chunks_of, longest, carry, seg_chunks, choice, choose);
+    } else {
+      __trap();  // launch.cu never asks a table launch for a choice
+    }
   }
   if (seg_offsets) {
     int64_t seg_carry = 0, split_carry = 0;
@@ -245,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThre
       seg_items[0] = seg_carry - (s.N - split_carry);
     }
   }
-  __syncthreads();
+  bad = __syncthreads_or(bad);
   if (table && threadIdx.x == 0) *error = bad;
 }
 

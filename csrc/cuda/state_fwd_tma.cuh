@@ -372,6 +372,16 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
   unsigned char* St = base + Sm::s_tiles(kStages) + (warp >> 2) * 16384;  // kSsY only
   float sacc[16][4];
   if (b.ss.src == SegSource::Exact) pdl_wait();  // as in state_fwd_cols_segment
+  // The entering state's loads (64 KB a block, from every SM at once) wait until the first
+  // chunk's tiles have landed, so that they do not queue ahead of the producer's dependent
+  // loads (its segment lookup) and the tiles. Measured (docs/perf-notes.md version 52): the
+  // same bits, 0-2% faster on CP rows, neutral on the many-sequence ones; the block's first
+  // chunk (~20 us, its timeline in the notes) waits on something else. FLASHGDN_DEBUG & 2048:
+  // at once, as before.
+  if (b.ss.c_first < b.c_end && !(p.debug & 2048)) {
+    uint64_t* landed = full + 2 * kStages;
+    mbar_wait(&landed[n0 % kStages], (n0 / kStages) & 1);
+  }
   load_state_cols(sacc, entering_state(p, b), b.identity, v0);
   for (int64_t ci = b.ss.c_first; ci < b.c_end; ++ci) {
     if (ci + 1 == b.c_end) pdl_trigger();
