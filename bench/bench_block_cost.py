@@ -19,6 +19,7 @@ from typing import Any, Dict, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gdn as bg  # noqa: E402
+from bench_cp import env  # noqa: E402
 
 VARIANTS: Tuple[Tuple[str, Dict[str, str], bool, bool], ...] = (
     ("default", {}, True, True),
@@ -48,10 +49,8 @@ def main() -> None:
             row = bg.build_rows("fwd", [model], [label], seed=0)[0]
             x: Dict[str, Any] = bg.make_inputs(row, seed=0)
             cells = [model, label]
-            for _, env, with_h0, with_final in VARIANTS:
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
+            for _, settings, with_h0, with_final in VARIANTS:
+                with env(settings):  # bench_cp's: the FLASHGDN_* switches it knows, then these
                     def fwd() -> object:
                         return flashgdn.chunk_gated_delta_rule(
                             x["q"], x["k"], x["v"], x["g"], x["beta"],
@@ -61,12 +60,6 @@ def main() -> None:
                     fwd()
                     torch.cuda.synchronize()
                     cells.append(f"{timer.time(fwd)[0] * 1e3:.1f}")
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
             print("| " + " | ".join(cells) + " |", flush=True)
             del x
             torch.cuda.empty_cache()
