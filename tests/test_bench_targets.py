@@ -46,6 +46,14 @@ def test_targets_at_their_thresholds():
     assert [row.split(" | ")[7] for row in rows] == ["yes", "no", "yes"]  # issue 4
     assert [row.split(" | ")[9].rstrip(" |") for row in rows] == ["no", "no", "yes"]  # issue 5
     assert "holds on 2 of 3 rows" in text and "on 1 of 3" in text
+    assert "on 0 rows it is under this device's floor" in text
+    # a target under the row's floor (here: FLA at 1.3 ms, the floor at 1.0 ms) is marked
+    under = _row("fwd", "4/16", "1x32768", 0.6, fla)
+    under.fwd_floor_ms = 1.0
+    text = "\n".join(bg.target_lines([under]))
+    row = [line for line in text.splitlines() if line.startswith("| 4/16 |")][0]
+    assert row.split(" | ")[11].rstrip(" |") == "under the floor"
+    assert "on 1 rows it is under this device's floor" in text
     # backward: flashgdn's backward (fwd+bwd - fwd) against FlashQLA's published / 1.25
     fq = pub[("bwd", "16/32", "32k_1seq")]["flashqla"]
     fast = _row("bwd", "16/32", "32k_1seq", 1.0 + fq / 1.25 * 0.99, 0.0, ours_fwd_ms=1.0)
