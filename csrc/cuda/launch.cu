@@ -485,8 +485,12 @@ void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, int6
     plan_kernel<kPlanAsideThreads><<<1, kPlanAsideThreads, 0, st>>>(
         s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
         choice, part);
-  else if (!choose)
+  else if (!choose && p.N <= kPlanTableThreads)
     plan_kernel<kPlanTableThreads, false><<<1, kPlanTableThreads, 0, st>>>(
+        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
+        choice, part);
+  else if (!choose)  // many sequences: a thread each in fewer rounds of the block's scans
+    plan_kernel<kPlanThreads, false><<<1, kPlanThreads, 0, st>>>(
         s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
         choice, part);
   else

@@ -5,7 +5,8 @@
 //              model's fp64 estimates spilled ~500 bytes), or 64 (kPlanAsideThreads: held to
 //              64 registers by its launch bounds, 28 bytes of spill, so that it fits beside
 //              three wy blocks; at 72 registers, session 34's, it did not), or 128
-//              (kPlanTableThreads, kChoose false) where the launch makes no choice
+//              (kPlanTableThreads, kChoose false; 512 past 128 sequences) where the launch
+//              makes no choice
 //   reads  cu_seqlens [N + 1]
 //   writes chunk_offsets [N + 1] (prefix sum of ceil(len / 64)), error (0 or 1:
 //          cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T), and when asked
@@ -52,7 +53,8 @@ constexpr int kPlanThreads = 512;
 // memory beside their 3 x 73 KB, so the choice takes no wy_kernel block's place
 constexpr int kPlanAsideThreads = 64;
 // The launch that makes no choice (the chunk table and the error, the host's or its preset
-// segment tables): plan_kernel<kPlanTableThreads, false>
+// segment tables): plan_kernel<kPlanTableThreads, false> up to that many sequences (one
+// round of the block's scans), plan_kernel<kPlanThreads, false> past it
 constexpr int kPlanTableThreads = 128;
 
 // The device's choice (DeviceChoiceParams, csrc/planner.h) and where it writes it: [chunks
@@ -163,12 +165,16 @@ template <int kThreads, bool kChoose = true>
 __global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThreads) : 1)
     plan_kernel(SeqLayout s, int64_t total_tokens, int64_t seg_chunks, int64_t* chunk_offsets,
                 int64_t* seg_offsets, int64_t* split_seqs, int64_t* seg_items, int* error,
-                DeviceSegChoice choice, PlanPart part) {
+                const __grid_constant__ DeviceSegChoice choice, PlanPart part) {
   static_assert(kThreads % 32 == 0 &&
                     (!kChoose || (kThreads >= kMaxSegCandidates && kThreads >= kFewSeqs)),
                 "a thread a length, and one for each of few sequences");
   const bool table = part != PlanPart::Segments;
-  if (part == PlanPart::Table) seg_offsets = nullptr, choice.chosen = nullptr;
+  // The choice's parameters stay in parameter space (__grid_constant__, never written, its
+  // preset read at constant indices): a written or dynamically indexed parameter struct is
+  // copied to every thread's stack first (352 bytes a thread in the table launch's build).
+  int64_t* const chosen = part == PlanPart::Table ? nullptr : choice.chosen;
+  if (part == PlanPart::Table) seg_offsets = nullptr;
   using Scan = cub::BlockScan<int64_t, kThreads>;
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
   __shared__ union {
@@ -211,10 +217,13 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 64 ? 65536 / (64 * kThre
     carry += total;
     __syncthreads();
   }
-  if (choice.chosen != nullptr && choice.has_preset) {  // the host's choice
-    if (threadIdx.x < 4) choice.chosen[threadIdx.x] = choice.preset[threadIdx.x];
+  if (chosen != nullptr && choice.has_preset) {  // the host's choice
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) chosen[j] = choice.preset[j];
+    }
     seg_chunks = choice.preset[0];
-  } else if (choice.chosen != nullptr) {  // choose the segment length from the actual lengths
+  } else if (chosen != nullptr) {  // choose the segment length from the actual lengths
     if constexpr (kChoose) {
       __shared__ ChoiceScratch choose;
       longest =
@@ -281,7 +290,7 @@ __device__ __forceinline__ void poison_array(void* out, int64_t n) {
     o[i] = from_f<T>(__int_as_float(0x7fc00000));
 }
 
-__global__ void poison_kernel(PoisonList list, const int* error) {
+__global__ void poison_kernel(const __grid_constant__ PoisonList list, const int* error) {
   // launched as the programmatic dependent of the call's last kernel (Poison::launch): its
   // blocks start under that kernel's tail and wait here for it (and, by the chain's
   // PdlCompletion, every kernel before it) before reading the flag
