@@ -481,22 +481,18 @@ void run_planner(const Problem& p, const SeqLayout& s, const FwdBuffers& b, int6
   const bool choose = (part != PlanPart::Table && choice.chosen != nullptr &&
                        !choice.has_preset) ||
                       env_int_or("FLASHGDN_PLAN_LEAN", 1) == 0;
+  const auto go = [&](auto kernel, int threads) {
+    kernel<<<1, threads, 0, st>>>(s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets,
+                                  b.split_seqs, b.seg_items, b.error, choice, part);
+  };
   if (part == PlanPart::Segments)
-    plan_kernel<kPlanAsideThreads><<<1, kPlanAsideThreads, 0, st>>>(
-        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
-        choice, part);
+    go(plan_kernel<kPlanAsideThreads>, kPlanAsideThreads);
   else if (!choose && p.N <= kPlanTableThreads)
-    plan_kernel<kPlanTableThreads, false><<<1, kPlanTableThreads, 0, st>>>(
-        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
-        choice, part);
+    go(plan_kernel<kPlanTableThreads, false>, kPlanTableThreads);
   else if (!choose)  // many sequences: a thread each in fewer rounds of the block's scans
-    plan_kernel<kPlanThreads, false><<<1, kPlanThreads, 0, st>>>(
-        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
-        choice, part);
+    go(plan_kernel<kPlanThreads, false>, kPlanThreads);
   else
-    plan_kernel<kPlanThreads><<<1, kPlanThreads, 0, st>>>(
-        s, p.TT, seg_chunks, b.chunk_offsets, b.seg_offsets, b.split_seqs, b.seg_items, b.error,
-        choice, part);
+    go(plan_kernel<kPlanThreads>, kPlanThreads);
   check_cuda(cudaGetLastError(), "plan_kernel launch");
 }
 
