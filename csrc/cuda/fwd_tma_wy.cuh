@@ -246,9 +246,14 @@ __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b
     const int s = static_cast<int>(n % kStages);
     const int L = chunk_rows(b.len, ci);
     const bool out = want_o && ci >= b.c_begin;
-    if constexpr (kT) {  // lean_gates' scan (the previous chunk's readers passed a sync)
+    if constexpr (kT) {  // lean_gates' scan
       const LeanGb gb = gb_next;
       gb_next = load_gb(ci + 1);
+      // the previous chunk's last readers of bs (wy_inverse's final stores of T diag(beta),
+      // after its last barrier) are done before warp 0 overwrites it: without this barrier a
+      // lagging warp scaled some columns by the next chunk's beta (graph replays differing
+      // from the eager call on packed short sequences; found in session 53)
+      if (ci != b.ss.c_first) sync();
       if (warp == 0) lean_gates_scan(gb, Gs, bs, lane_id());
       sync();
     } else {
