@@ -100,6 +100,9 @@ def main() -> None:
                     help="opt-in switches to time with CP auto, one column each, NAME=VAL "
                          "without the FLASHGDN_ prefix, + to combine, e.g. "
                          "COLS_WGMMA=1,FWD_BW=128+CP=off")
+    ap.add_argument("--fp16", action="store_true",
+                    help="q, k and v in fp16 (bench_gdn's bf16 inputs converted): the fp16 "
+                         "instantiations of the passes")
     args = ap.parse_args()
 
     import torch
@@ -117,7 +120,7 @@ def main() -> None:
         passes.append("wgmma")
     settings = settings_list(args.sweep, passes, args.switches)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, flashgdn "
-          f"{flashgdn.__version__}")
+          f"{flashgdn.__version__}{', fp16 inputs' if args.fp16 else ''}")
     head = ["h_qk/h_v", "sequences"] + [f"{n} ms" for n, _ in settings] + \
         ["CP speedup"] + (["FLA ms", "FLA / flashgdn (auto)"] if fla_fn else []) + \
         ["max rel diff vs off"]
@@ -125,6 +128,8 @@ def main() -> None:
     print("|" + "---|" * len(head))
     for row in rows:
         x = bg.make_inputs(row, seed=0)
+        if args.fp16:
+            x.update({key: x[key].half() for key in ("q", "k", "v")})
         host = {"cu_seqlens_cpu": x["cu_cpu"]} if args.cu_seqlens_cpu else {}
 
         def ours() -> Tuple[torch.Tensor, torch.Tensor]:

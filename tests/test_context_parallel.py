@@ -1004,6 +1004,43 @@ def test_slots_walk_listed_segments(bw: str):
     check_split(f"12 split sequences BW {bw}", MANY_SPLIT, o, ht, o_ref, h_ref, ro, rh)
 
 
+# 70 short packed sequences (1-400 tokens): the sequence of a segment is found among 70,
+# two rounds of the warp's 32-way search (locate_segment_warp)
+MANY_SHORT = Case("many_short", [1 + (37 * i * i + 11 * i) % 400 for i in range(70)], 2, 8,
+                  gate="mixed")
+
+
+@pytest.mark.parametrize("tma", ["0", "1", "4", "5"])
+@pytest.mark.parametrize("plan", ["many_short", "many_split", "one_long"])
+def test_warp_lookup_bit_identical(plan: str, tma: str):
+    """The 128-column passes find their segment by a whole warp (segment_block's kWarp: the
+    plan's scalars in one round trip, a 32-way search over seg_offsets), and the TMA pass by
+    one warp ahead of its first barrier for every role (lookup_segment_block); with
+    FLASHGDN_DEBUG=4096 each role does the binary search after the barrier, as before. Same
+    blocks, so o and the final state are the same bits, eagerly and from a CUDA graph, within
+    the reference's tolerance: unsplit packed sequences (one segment each), packed split
+    plans (the looped walk) and one split sequence (blocks of segments), through
+    state_fwd_cols_kernel (FLASHGDN_COLS_TMA=0) and the TMA pass without (1) and with its WY
+    warpgroup (4: P and T diag(beta), 5: P)."""
+    case, env = {
+        "many_short": (MANY_SHORT, {"FLASHGDN_CP": "off"}),
+        "many_split": (MANY_SPLIT, {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"}),
+        "one_long": (Case("one_long", [3000], 1, 4, gate="mixed"),
+                     {"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "5"}),
+    }[plan]
+    inp = make_inputs(case, "cuda", seed=23)
+    env = {**env, "FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_TMA": tma,
+           **({"FLASHGDN_TMA_WY_PHASES": "3"} if tma in ("4", "5") else {})}  # both phases
+    o1, h1 = forward_bit_identical(inp, {**env, "FLASHGDN_DEBUG": "4096"}, env,
+                                   f"warp lookup {plan} COLS_TMA={tma}")
+    # run to run: kWy 2's WY warpgroup overwrote beta under a lagging warp's reads until
+    # session 53 (its eager calls differed here about one in four)
+    with env_vars(env):
+        for _ in range(3):
+            o2, h2 = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+            assert torch.equal(o2, o1) and torch.equal(h2, h1), "not reproducible"
+
+
 def test_slots_walk_listed_segments_backward():
     """The same packed input through the backward (the recomputation's combine and the
     reverse pass's, last segment first): every gradient within rounding of the unsplit

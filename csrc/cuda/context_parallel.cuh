@@ -106,6 +106,11 @@ struct SegParams {
   // sequence a block (for_each_segment_block). Phase 1 and the chain keep the plan's short
   // segments, phase 0 makes fewer, longer blocks: one wave where the plan's took two.
   int p0_merge;
+  // The passes that look their segment up by a whole warp (segment_block's kWarp): the
+  // binary search over seg_offsets instead of the warp's 32-way one, and no look-up ahead of
+  // the block's first barrier (FLASHGDN_DEBUG & 4096: timing only, the same blocks). In
+  // p0_merge's padding: the other fields keep their offsets.
+  bool slow_lookup;
   const int64_t* p0_merge_dev;  // the device's merge (its plan's, DeviceSegChoice::chosen[3]),
                                 //   in place of p0_merge; null: the host's
 };
@@ -126,6 +131,16 @@ __device__ __forceinline__ bool device_sequential(const SegParams& p) {
 template <int BW>
 __device__ __forceinline__ bool col_block_chosen(const SegParams& p) {
   return p.col_block_dev == nullptr || *p.col_block_dev == BW;
+}
+
+// Whether a pass compiled for column block BW has nothing to do in this call: cu_seqlens
+// invalid (the planner's flag) or the other column block chosen. Both flags are loaded in one
+// round trip (`||` would load the second after the first).
+template <int BW>
+__device__ __forceinline__ bool pass_skipped(const SegParams& p) {
+  const bool failed = p.seqs.failed();
+  const bool other = !col_block_chosen<BW>(p);
+  return failed | other;
 }
 
 // Where the state entering a segment comes from (context parallelism; docs/algorithm.md).
@@ -154,10 +169,10 @@ __device__ __forceinline__ int64_t seg_chunks(const SegParams& p) {
 // chain of up to 16 dependent loads (~3 us where every bound is 0, the exact heads), paid
 // at the start of every block of an exact head's chain (twice in phase 1: its own start and
 // its neighbour's) and of the combine's decisions. Same sums in the same order.
-__device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t chunk0,
-                                                  int64_t nch, int64_t h, int64_t j,
-                                                  bool reverse = false) {
-  const int64_t seg = seg_chunks(p);
+// seg: the segment length (seg_chunks(p), loaded once by the caller).
+__device__ __forceinline__ SegStart segment_start_of(const SegParams& p, int64_t seg,
+                                                     int64_t chunk0, int64_t nch, int64_t h,
+                                                     int64_t j, bool reverse) {
   if (!reverse) {
     const int64_t c_begin = j * seg;
     if (j == 0) return {SegSource::H0, 0};
@@ -196,6 +211,11 @@ __device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t ch
   if (bound <= kLogEps) return {c == nch - 1 ? SegSource::H0 : SegSource::Warmup, c};
   if (c == nch - 1) return {SegSource::H0, c};
   return {SegSource::Exact, c_last};
+}
+__device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t chunk0,
+                                                  int64_t nch, int64_t h, int64_t j,
+                                                  bool reverse = false) {
+  return segment_start_of(p, seg_chunks(p), chunk0, nch, h, j, reverse);
 }
 
 // Chunks per sub-segment of an exact segment, and where sub-segment s (1 .. nsub - 1) of
@@ -240,6 +260,33 @@ __device__ __forceinline__ bool locate_segment(const SegParams& p, int64_t z, in
   return n < p.seqs.N;
 }
 
+// locate_segment by a whole warp (every lane calls it, with the same z), total =
+// seg_offsets[N] loaded by the caller: each round compares 32 of seg_offsets spread over the
+// remaining range, so one round trip finds n among up to 32 sequences (the binary search
+// takes log2 N dependent loads). Same n and j.
+__device__ __forceinline__ bool locate_segment_warp(const SegParams& p, int64_t z, int64_t total,
+                                                    int64_t& n, int64_t& j) {
+  if (p.seg_offsets == nullptr) return locate_segment(p, z, n, j);
+  if (z >= total) return false;
+  const int lane = lane_id();
+  int64_t lo = 0, hi = p.seqs.N - 1;  // seg_offsets[lo] <= z (seg_offsets[0] = 0)
+  for (;;) {
+    const int64_t stride = (hi - lo + 32) / 32;  // ceil((hi - lo + 1) / 32)
+    const int64_t idx = lo + lane * stride;
+    const int64_t v = idx <= hi ? p.seg_offsets[idx] : z + 1;
+    // the lanes whose entry is <= z: a prefix (seg_offsets rises), lane 0 among them
+    const unsigned m = __ballot_sync(0xffffffffu, v <= z);
+    const int k = 31 - __clz(m);
+    lo += k * stride;
+    if (stride == 1) {
+      n = lo;
+      j = z - __shfl_sync(0xffffffffu, v, k);
+      return true;
+    }
+    hi = lo + stride - 1 < hi ? lo + stride - 1 : hi;
+  }
+}
+
 // One block of a context-parallel sequential pass, grid (D / BW [x 2 in phase 1], H_v,
 // segments): head h (q/k head hq), segment j of sequence n (tokens from `start`, nch chunks,
 // the first at chunk0 in the chunk tables), its chunks [c_begin, c_end), where its state
@@ -257,7 +304,11 @@ struct SegmentBlock {
 // run > 0 (looped phase 0 with merged segments): the block runs segments j .. j + run - 1
 // of the sequence (for_each_segment_block); 0: one segment, or p0_merge's (a multiple of it).
 // kFlat (for_each_segment_block's flat walk): the head is h, else blockIdx.y.
-template <int BW, bool kFlat = false>
+// kWarp: called by every lane of a warp (the same z): the plan's scalars (schedule, segment
+// length, merge, seg_offsets[N]) loaded in one round trip ahead of the decisions, and the
+// sequence found by locate_segment_warp. The look-up was ~10 dependent round trips, ~6-8 k
+// cycles at a block's start (bench/probe_first_chunk.patch, version 52); same block.
+template <int BW, bool kFlat = false, bool kWarp = false>
 __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, int64_t z,
                                               SegmentBlock& b, int64_t run = 0,
                                               int64_t h = 0) {
@@ -267,9 +318,17 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
   b.hq = b.h / (p.Hv / p.Hqk);
   b.z = z;
   b.sub = 0;
+  // kWarp: the plan's scalars together (no branch between the loads)
+  int64_t w_sched = 1, w_seg = 0, w_merge = 1, w_total = 0;
+  if constexpr (kWarp) {
+    w_sched = p.schedule_dev != nullptr ? *p.schedule_dev : 1;
+    w_seg = p.seg_chunks_dev != nullptr ? *p.seg_chunks_dev : p.seg_chunks;
+    w_merge = p.p0_merge_dev != nullptr ? *p.p0_merge_dev : p.p0_merge;
+    w_total = p.seg_offsets != nullptr ? p.seg_offsets[p.seqs.N] : 0;
+  }
   // sub-segments: the 128-column forward kernel only, the grid's (grid z = segments x
   // nsub in phase 0) unless the device chose the sequential schedule
-  const bool sequential = device_sequential(p);
+  const bool sequential = kWarp ? w_sched == 0 : device_sequential(p);
   const bool grid_subs = BW == D && p.nsub > 1, subs = grid_subs && !sequential;
   const int starts = sequential ? (p.starts == 1 ? -1 : 0) : p.starts;
   int sub = 0;
@@ -279,16 +338,21 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     if (!subs && sub != 0) return false;
   }
   if (p.phase == 0 && starts < 0) return false;  // the chain's launch runs this one
-  if (!locate_segment(p, b.z, b.n, b.j)) return false;
+  if (kWarp && !p.slow_lookup) {
+    if (!locate_segment_warp(p, b.z, w_total, b.n, b.j)) return false;
+  } else if (!locate_segment(p, b.z, b.n, b.j)) {
+    return false;
+  }
   b.start = p.seqs.seq_start(b.n);
   b.len = p.seqs.seq_len(b.n);
   b.nch = (b.len + C - 1) / C;
   b.chunk0 = p.seqs.first_chunk(b.n);
-  const int64_t seg = seg_chunks(p);
+  const int64_t seg = kWarp ? w_seg : seg_chunks(p);
   b.c_begin = b.j * seg;
   if (b.j > 0 && b.c_begin >= b.nch) return false;
   b.c_end = b.c_begin + seg < b.nch ? b.c_begin + seg : b.nch;
-  b.ss = segment_start(p, b.chunk0, b.nch, b.h, b.j, reverse);
+  b.ss = kWarp ? segment_start_of(p, seg, b.chunk0, b.nch, b.h, b.j, reverse)
+               : segment_start(p, b.chunk0, b.nch, b.h, b.j, reverse);
   b.vb = (static_cast<int>(blockIdx.x) % CBN) * BW;
   b.identity = false;
   if (p.phase == 1) {
@@ -298,8 +362,10 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     const bool own = (subs || p.corr) && b.ss.src == SegSource::Exact;
     const bool last = reverse ? b.j == 0 : b.c_end >= b.nch;  // no neighbour
     const int64_t nb = reverse ? b.j - 1 : b.j + 1;
-    if (!own && (last || segment_start(p, b.chunk0, b.nch, b.h, nb, reverse).src !=
-                             SegSource::Exact))
+    if (!own &&
+        (last || (kWarp ? segment_start_of(p, seg, b.chunk0, b.nch, b.h, nb, reverse)
+                        : segment_start(p, b.chunk0, b.nch, b.h, nb, reverse))
+                         .src != SegSource::Exact))
       return false;
     b.identity = static_cast<int>(blockIdx.x) >= CBN;
     if (b.identity && b.ss.src != SegSource::Exact) return false;
@@ -316,15 +382,39 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
     b.c_begin = b.ss.c_first = cb;
     if (cb + sub_chunks(p) < b.c_end) b.c_end = cb + sub_chunks(p);
     b.sub = sub;
-  } else if (run > 1 || (run == 0 && p0_merge_of(p) > 1)) {  // segments j .. j + run - 1
+  } else if (run > 1 || (run == 0 && (kWarp ? w_merge : p0_merge_of(p)) > 1)) {
+    // segments j .. j + run - 1
     if (run == 0) {
-      run = p0_merge_of(p);
+      run = kWarp ? w_merge : p0_merge_of(p);
       if (b.j % run != 0) return false;
     }
     const int64_t ce = b.c_begin + run * seg;
     b.c_end = ce < b.nch ? ce : b.nch;
   }
   return true;
+}
+
+// A segment block looked up ahead of its block's first barrier by one warp
+// (lookup_segment_block), for the block's roles to read after it (for_each_segment_block's
+// pre): the roles' own look-ups (one chain each, after the barrier) took ~6-8 k cycles.
+struct PreSegmentBlock {
+  SegmentBlock b;
+  int ok;
+};
+// Whether a kernel's launch may look its segment up ahead (one segment block a block).
+__device__ __forceinline__ bool lookup_ahead(const SegParams& p) {
+  return !p.looped && !p.slow_lookup;
+}
+// By every lane of one warp of a block whose launch is lookup_ahead: its segment block.
+template <int BW>
+__device__ __forceinline__ void lookup_segment_block(const SegParams& p, bool reverse,
+                                                     PreSegmentBlock* out) {
+  SegmentBlock b;
+  const bool ok = segment_block<BW, false, true>(p, reverse, blockIdx.z + p.z_base, b);
+  if (lane_id() == 0) {
+    out->b = b;
+    out->ok = ok;
+  }
 }
 
 // Runs body(b) for the segment blocks of this block of a sequential pass, grid (D / BW [x 2
@@ -343,9 +433,13 @@ __device__ __forceinline__ bool segment_block(const SegParams& p, bool reverse, 
 // (segment group t / H_v, head t % H_v), so one wave of slots fills every SM at any head
 // count (a wave of slots a head took 120 SMs at 24 heads, 96 at 48). A template flag, not a
 // runtime one: a runtime head in this inlined walk made every plan's pass spill (version 50).
-template <int BW, bool kFlat = false, typename Body>
+// kWarp: every lane of each calling warp walks (segment_block's kWarp). pre (not looped
+// only): the block's segment as one warp looked it up ahead of the block's first barrier
+// (lookup_segment_block), read from shared memory instead of looked up again.
+template <int BW, bool kFlat = false, bool kWarp = false, typename Body>
 __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool reverse,
-                                                       Body&& body) {
+                                                       Body&& body,
+                                                       const PreSegmentBlock* pre = nullptr) {
   // one call site of body (it is inlined): not looped, the single item is blockIdx.z
   const bool listed = p.looped && p.phase == 1;
   const int64_t items = !p.looped ? blockIdx.z + 1 : listed ? p.seg_items[0]
@@ -386,7 +480,12 @@ __device__ __forceinline__ void for_each_segment_block(const SegParams& p, bool 
       i = end;
     }
     SegmentBlock b;
-    if (!segment_block<BW, kFlat>(p, reverse, z, b, run, hz)) continue;
+    if (pre != nullptr) {
+      if (!pre->ok) continue;
+      b = pre->b;
+    } else if (!segment_block<BW, kFlat, kWarp>(p, reverse, z, b, run, hz)) {
+      continue;
+    }
     body(b);
     if (p.looped) {
       cp_async_wait<0>();

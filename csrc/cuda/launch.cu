@@ -1551,6 +1551,7 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   f.col_block_dev = plan.device_col_block ? b.seg_chunks + 1 : nullptr;
   f.schedule_dev = dev_schedule ? b.seg_chunks + 2 : nullptr;
   if (const char* v = std::getenv("FLASHGDN_DEBUG")) f.debug = std::atoi(v);
+  f.slow_lookup = (f.debug & 4096) != 0;
   f.seg_L = b.seg_L;
   f.seg_M = b.seg_M;
   f.seg_in = b.seg_in;

@@ -500,7 +500,7 @@ template <typename In, bool kRecord = false, bool kCorr = false, bool kPing = fa
           int kStages = 2>
 __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
   PdlCompletion pdl_completion;  // a programmatic dependent in the chain (mma.cuh)
-  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  if (pass_skipped<D>(p)) return;
   if constexpr (kPing) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     uint64_t* bars = reinterpret_cast<uint64_t*>(
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(NT, 1) state_fwd_cols_kernel(FwdParams p) {
     __syncthreads();
   }
   uint32_t n_used = 0;
-  for_each_segment_block<D>(p, false, [&](const SegmentBlock& b) {
+  for_each_segment_block<D, false, true>(p, false, [&](const SegmentBlock& b) {
     state_fwd_cols_segment<In, kRecord, kCorr, kPing, kStages>(p, b, n_used);
   });
 }

@@ -48,7 +48,13 @@
 // state_fwd_cols_kernel's outputs since the producer commits its cp.async group (a missing
 // commit let full[s] complete before the last T / P rows landed: docs/perf-notes.md v43).
 // The same segments, warm-ups, phases, identity blocks (phase 1's M: V = 0), sub-segment
-// records and programmatic-dependent waits as state_fwd_cols_kernel.
+// records and programmatic-dependent waits as state_fwd_cols_kernel. Where a block runs one
+// segment (not looped, not kFlat), warp 4 looks it up under the set-up before the first
+// barrier (lookup_segment_block: one warp's 32-way search) and every role reads it from shared
+// memory after; before session 53 each role looked it up itself after the barrier, ~6-8 k
+// cycles of dependent loads ahead of the first TMA issue (FLASHGDN_DEBUG & 4096 still does).
+// kWy 2 was not reproducible run to run until session 53 (a missing barrier before the WY
+// warpgroup's gate scan overwrote beta under a lagging warp's reads; tma_wy).
 //   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles; kWy 1: Tv16,
 //          G; kWy 2: g and beta instead), EG, initial state, seg_in
 //   writes o, final state (phase 0); seg_L, seg_M, sub_L, sub_M (phase 1)
@@ -412,7 +418,7 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
                 "kWy 2: two stages, 1: three; Y from registers");
   static_assert(!kFlat || kWy == 1, "the flat walk: kWy 1 only");
   PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
-  if (p.seqs.failed() || !col_block_chosen<D>(p)) return;
+  if (pass_skipped<D>(p)) return;
   using Sm = StateFwdTmaSmem;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // 1024-byte aligned (the swizzled tiles) by an offset from smem_raw, not by rounding the
@@ -454,6 +460,12 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     }
     fence_proxy_async();
   }
+  // the block's segment, looked up by warp 4 under the set-up above (lookup_ahead), read by
+  // every role after the barrier
+  __shared__ PreSegmentBlock pre_block;
+  const bool ahead = !kFlat && lookup_ahead(p);
+  if (ahead && warp == 4) lookup_segment_block<D>(p, false, &pre_block);
+  const PreSegmentBlock* pre = ahead ? &pre_block : nullptr;
   __syncthreads();
   // the roles as separate code (ptxas then gives each its setmaxnreg budget); their segment
   // walks meet at for_each_segment_block's barriers between looped items
@@ -466,20 +478,20 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
       tma_wy<In, kStages, kWy == 2>(p, b, n_used, base, full, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
-    });
+    }, pre);
   } else if (warp >= 8) {
     setmaxnreg_dec<kWy ? tma_wy_regs(kWy, 1) : kTmaProducerRegs>();
     for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
       tma_produce<In, kStages, kSsY, kWy>(p, maps, b, n_used, base, full, empty, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
-    });
+    }, pre);
   } else {
     setmaxnreg_inc<kWy ? tma_wy_regs(kWy, 0) : kTmaStateRegs>();
     TmaIssueOrder order{warp < 4};
     for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
       tma_consume<In, kStages, kSsY>(p, b, n_used, base, full, empty, order);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
-    });
+    }, pre);
     // warpgroup 1's last arrival on barrier 1 taken, so the barrier is empty at exit
     if (order.wg0 && !order.first) named_bar_sync(1, 256);
   }
