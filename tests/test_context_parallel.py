@@ -34,7 +34,8 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_FWD_P
             "FLASHGDN_WY_OCC4", "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_WY_LEAN_T", "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS",
             "FLASHGDN_COLS_TMA", "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY",
-            "FLASHGDN_CP_SHORT_LONGEST", "FLASHGDN_CP_SHORT_MIN", "FLASHGDN_HOST_SPLIT")
+            "FLASHGDN_CP_SHORT_LONGEST", "FLASHGDN_CP_SHORT_MIN", "FLASHGDN_HOST_SPLIT",
+            "FLASHGDN_TMA_KCONV")
 
 
 @contextmanager
@@ -1510,15 +1511,17 @@ def tma_envs(split: str, variant: str):
     """(the default kernel's switches, state_fwd_tma_kernel's) for test_tma_forward."""
     base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_COLS_TMA": "0",
             **({"FLASHGDN_CP": "on", "FLASHGDN_CP_SEG": "2"} if split == "seg2" else {})}
-    tma = {**base, "FLASHGDN_COLS_TMA": {"ssy": "3", "wy": "4", "wyp": "5", "wyp1": "5"}.get(
-               variant, "1"),
+    tma = {**base, "FLASHGDN_COLS_TMA": {"ssy": "3", "wy": "4", "wyp": "5", "wyp1": "5",
+                                         "wypk": "5"}.get(variant, "1"),
+           # kWy 3: K converted by the producer's warps while the WY warpgroup forms P
+           **({"FLASHGDN_TMA_KCONV": "1"} if variant == "wypk" else {}),
            # kWy 1 in both phases, but for "wyp1" (phase 1 the plain pass: the default's way)
            "FLASHGDN_TMA_WY_PHASES": "1" if variant == "wyp1" else "3",
            **({"FLASHGDN_COLS_STAGES": "3"} if variant == "3" else {})}
     return base, tma
 
 
-@pytest.mark.parametrize("variant", ["2", "3", "ssy", "wy", "wyp", "wyp1"])
+@pytest.mark.parametrize("variant", ["2", "3", "ssy", "wy", "wyp", "wyp1", "wypk"])
 @pytest.mark.parametrize("split", ["auto", "seg2"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: c.name)
 def test_tma_forward(case: Case, split: str, variant: str):
@@ -1533,7 +1536,9 @@ def test_tma_forward(case: Case, split: str, variant: str):
     FLASHGDN_COLS_TMA=4, the fused forward (P and T diag(beta) formed in the kernel, the
     latter by wy_inverse's doubling on wgmma; wy_gates_kernel before it instead of
     wy_lean_kernel); "wyp": FLASHGDN_COLS_TMA=5, only P formed in the kernel; "wyp1": that
-    with phase 1 on the plain pass (FLASHGDN_TMA_WY_PHASES=1, the default's way).
+    with phase 1 on the plain pass (FLASHGDN_TMA_WY_PHASES=1, the default's way); "wypk":
+    "wyp" with K converted by the producer's warps 1-3 (FLASHGDN_TMA_KCONV=1, kWy 3; bf16
+    cases run that instantiation, fp16 ones kWy 1).
     state_fwd_tma_kernel ran and state_fwd_cols_kernel did not."""
     inp = make_inputs(case, "cuda", seed=83)
     base, tma = tma_envs(split, variant)
@@ -1551,6 +1556,9 @@ def test_tma_forward(case: Case, split: str, variant: str):
     if variant == "wy":
         assert any("wy_gates_kernel" in n for n in names), sorted(names)
         assert not any("wy_lean_kernel" in n for n in names), sorted(names)
+    if variant == "wypk" and case.dtype == torch.bfloat16:  # kWy 3 ran
+        assert any("state_fwd_tma_kernel" in n and "3, false, 3" in n for n in names), \
+            sorted(names)
 
 
 @pytest.mark.parametrize("case, wy", [

@@ -211,7 +211,12 @@ __device__ __forceinline__ void wy_inverse(unsigned char* st, const float* Gs, c
 // from g and beta (lean_gates' loads a chunk ahead of its scan) and T diag(beta) by wy_inverse
 // into the stage's T tile. Then bf16 K and Q to fp16 in place, a proxy fence and its 128
 // arrivals on full[s]. Its own barrier: named barrier 6.
-template <typename In, int kStages, bool kT>
+// kKByProducer (kWy 3, bf16 inputs): the producer's warps 1-3 convert K instead; the WY
+// warpgroup meets them on named barrier 7 (224 threads) once its reads of K are done (after
+// Q K^T, or after landed[s] where the chunk has no P), then converts Q only. A sync on both
+// sides, not an arrival: an arrival could run a chunk ahead and complete the barrier's next
+// phase with the WY warpgroup's own arrivals.
+template <typename In, int kStages, bool kT, bool kKByProducer = false>
 __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b, uint32_t n0,
                                        unsigned char* base, uint64_t* full, uint64_t* landed) {
   using Sm = StateFwdTmaSmem;
@@ -272,10 +277,13 @@ __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b
         lean_lower_product_sw<In>(qk, st + Sm::kOffQ, st + Sm::kOffK, warp);
       else
         qk_wgmma<In>(qk, st + Sm::kOffQ, st + Sm::kOffK);
+      if constexpr (kKByProducer) named_bar_sync(7, 224);  // K read: the producer converts it
       unsigned char* P = st + Sm::kOffP;
       lean_p_epilogue(qk, Gs, warp, C, [&](int r, int c, float p0, float p1) {
         *reinterpret_cast<uint32_t*>(P + swz128(r, c)) = pack_half2(p0, p1);
       });
+    } else if constexpr (kKByProducer) {
+      named_bar_sync(7, 224);  // no product read K
     }
     if (kT && !(p.debug & 512)) {
       wy_inverse<In>(st, Gs, bs, wyt, warp, wt, sync);
@@ -283,7 +291,7 @@ __device__ __forceinline__ void tma_wy(const FwdParams& p, const SegmentBlock& b
       sync();  // every read of K and Q (and of Gs) done
     }
     if constexpr (!std::is_same<In, __half>::value) {  // K (and Q) to fp16 in place
-      tile_sw_to_half<In, 128>(st + Sm::kOffK, wt);
+      if constexpr (!kKByProducer) tile_sw_to_half<In, 128>(st + Sm::kOffK, wt);
       if (out) tile_sw_to_half<In, 128>(st + Sm::kOffQ, wt);
     }
     fence_proxy_async();  // the tiles' generic writes, for the state warpgroups' wgmma

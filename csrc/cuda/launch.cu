@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <string>
 #include <unordered_map>
 
@@ -140,6 +141,11 @@ bool cols_owg() { return env_int("FLASHGDN_COLS_OWG") == 1; }
 // 128-column pass (no records) with three stages of copies, chunk ci + 2's issued at the
 // head of chunk ci.
 bool cols_three_stages() { return env_int_or("FLASHGDN_COLS_STAGES", 2) == 3; }
+// FLASHGDN_TMA_KCONV=1 (opt-in, session 53, not yet run on a GPU): kWy 1's non-flat launches on
+// bf16 inputs take state_fwd_tma_kernel's kWy 3, whose producer warps 1-3 convert K to fp16
+// while the WY warpgroup forms P (it converts Q only): P's latency off the chunk's path
+// (docs/perf-notes.md version 53). The same conversions: the same bits.
+bool tma_k_by_producer() { return env_int_or("FLASHGDN_TMA_KCONV", 0) == 1; }
 // FLASHGDN_COLS_TMA=1 (opt-in, experimental, 2026-11-26): the plain forward's 128-column
 // passes as state_fwd_tma_kernel (TMA loads, two wgmma warpgroups; state_fwd_tma.cuh) where
 // tma_pass allows; bf16 k and q are converted in the pass (kq_in_pass) where the planner
@@ -1033,6 +1039,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false));
     set_smem(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true));
     set_smem(state_fwd_tma_kernel<In, 3, false, 1, true>, StateFwdTmaSmem::wy_bytes(3, false));
+    if constexpr (std::is_same<In, __nv_bfloat16>::value)
+      set_smem(state_fwd_tma_kernel<In, 3, false, 3>, StateFwdTmaSmem::wy_bytes(3, false));
   });
   TmaMaps maps;
   const bool tma = tma_pass(p, f, maps);
@@ -1092,8 +1100,17 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
       tgo(state_fwd_tma_kernel<In, 3, false, 1, true>, StateFwdTmaSmem::wy_bytes(3, false),
           kTmaWyThreads);
     } else if (wy_mode == 1) {  // P only: three stages (no inverse's tiles)
-      tgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false),
-          kTmaWyThreads);
+      bool k_by_producer = false;  // kWy 3: K converted by the producer (bf16 inputs)
+      if constexpr (std::is_same<In, __nv_bfloat16>::value) {
+        if (tma_k_by_producer()) {
+          k_by_producer = true;
+          tgo(state_fwd_tma_kernel<In, 3, false, 3>, StateFwdTmaSmem::wy_bytes(3, false),
+              kTmaWyThreads);
+        }
+      }
+      if (!k_by_producer)
+        tgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false),
+            kTmaWyThreads);
     } else if (f.fused && !wy_plain) {  // (part of) the WY part in the pass (fused_in_pass)
       const int mode = fused_mode();
       auto fgo = [&](auto kernel, size_t bytes) {

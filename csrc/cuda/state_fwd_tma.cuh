@@ -78,6 +78,8 @@ namespace cuda {
 // kWy 2: warps 1-3 have nothing to do (the WY warpgroup forms T diag(beta) and P and converts
 // K and Q), and full[s] counts warp 0's 32 arrivals and the WY warpgroup's 128. kWy 1: they
 // copy T diag(beta) only (the WY warpgroup forms P and converts), full[s] counts 128 + 128.
+// kWy 3 (bf16): as kWy 1, and once the WY warpgroup has read K (named barrier 7, tma_wy) they
+// convert K to fp16 in place while it forms P.
 template <typename In, int kStages, bool kSsY, int kWy = 0>
 __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m,
                                             const SegmentBlock& b, uint32_t n0,
@@ -169,6 +171,11 @@ __device__ __forceinline__ void tma_produce(const FwdParams& p, const TmaMaps& m
       if (kWy == 0 && p.kq_bf16) {  // 96 threads, 16 KB a tile: 1024 pieces of 8 values
         tile_sw_to_half<In, 96>(st + Sm::kOffK, t);
         if (out && !kSsY) tile_sw_to_half<In, 96>(st + Sm::kOffQ, t);
+      }
+      if constexpr (kWy == 3) {  // K to fp16 once the WY warpgroup has read it (tma_wy)
+        mbar_wait(&landed[s], (n / kStages) & 1);  // the tiles' bytes, seen by these threads
+        named_bar_sync(7, 224);
+        tile_sw_to_half<In, 96>(st + Sm::kOffK, t);
       }
       cp_async_wait<0>();
       fence_proxy_async();  // the conversions' and copies' writes, for the tensor cores' reads
@@ -409,13 +416,15 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
 }
 
 // kWy: 0 (FLASHGDN_COLS_TMA=1, 3), 2 (=4: T diag(beta) and P formed by the WY warpgroup),
-// 1 (=5: P only). kFlat (kWy 1, looped phase 0 without the host's slot count: grid y = 1, the
+// 1 (=5: P only), 3 (kWy 1 on bf16 inputs with K converted by the producer's warps 1-3:
+// FLASHGDN_TMA_KCONV=1, opt-in, not yet run on a GPU). kFlat (kWy 1, looped phase 0 without the host's slot count: grid y = 1, the
 // slots walk every head's segments; for_each_segment_block).
 template <typename In, int kStages = 2, bool kSsY = false, int kWy = 0, bool kFlat = false>
 __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     state_fwd_tma_kernel(const __grid_constant__ TmaMaps maps, FwdParams p) {
   static_assert(!kWy || (kStages == (kWy == 2 ? 2 : 3) && !kSsY),
-                "kWy 2: two stages, 1: three; Y from registers");
+                "kWy 2: two stages, 1 and 3: three; Y from registers");
+  static_assert(kWy != 3 || !std::is_same<In, __half>::value, "kWy 3: bf16 inputs (K converted)");
   static_assert(!kFlat || kWy == 1, "the flat walk: kWy 1 only");
   PdlCompletion pdl_completion;  // as in state_fwd_cols_kernel
   if (pass_skipped<D>(p)) return;
@@ -442,7 +451,7 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       // the producer's (kWy 2: warp 0's) and the WY's arrivals
-      mbar_init(&full[s], kWy == 2 ? 32 + 128 : kWy == 1 ? 256 : 128);
+      mbar_init(&full[s], kWy == 2 ? 32 + 128 : kWy != 0 ? 256 : 128);
       mbar_init(&empty[s], 8);    // one arrival a state warp
       mbar_init(&landed[s], 1);   // the TMA issue (its bytes expected)
     }
@@ -476,7 +485,7 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
   if (kWy && warp >= 12) {
     setmaxnreg_dec<tma_wy_regs(kWy, 2)>();
     for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
-      tma_wy<In, kStages, kWy == 2>(p, b, n_used, base, full, landed);
+      tma_wy<In, kStages, kWy == 2, kWy == 3>(p, b, n_used, base, full, landed);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     }, pre);
   } else if (warp >= 8) {
