@@ -40,13 +40,15 @@ ENV_KEYS = ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_FWD_BW", "FLASHGDN_WGMMA
             "FLASHGDN_COLS_OWG", "FLASHGDN_KQ_COPIES", "FLASHGDN_WY_LEAN",
             "FLASHGDN_FUSED", "FLASHGDN_HOST_COLS", "FLASHGDN_HOST_SEGS", "FLASHGDN_COLS_TMA",
             "FLASHGDN_TMA_WY_PHASES", "FLASHGDN_WY_LEAN_KONLY", "FLASHGDN_CP_SHORT_LONGEST",
-            "FLASHGDN_CP_SHORT_MIN", "FLASHGDN_HOST_SPLIT", "FLASHGDN_FLAT_HEADS")
+            "FLASHGDN_CP_SHORT_MIN", "FLASHGDN_HOST_SPLIT", "FLASHGDN_FLAT_HEADS",
+            "FLASHGDN_TMA_KCONV")
 
 
 @contextmanager
 def env(settings: Dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in ENV_KEYS}
-    for k in ENV_KEYS:
+    keys = set(ENV_KEYS) | set(settings)  # a switch missing from ENV_KEYS must not leak
+    old = {k: os.environ.get(k) for k in keys}
+    for k in keys:
         os.environ.pop(k, None)
     os.environ.update(settings)
     try:

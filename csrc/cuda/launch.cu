@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 
 #include <unistd.h>  // environ: the switches in plan_key
@@ -1016,6 +1016,7 @@ bool tma_pass(const Problem& p, const FwdParams& f, TmaMaps& maps) {
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st, bool pdl = false) {
+  constexpr bool kBf16 = std::is_same<In, __nv_bfloat16>::value;  // kWy 3's instantiation
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(state_fwd_cols_kernel<In>, StateFwdColsSmem::kBytes);
@@ -1039,7 +1040,7 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false));
     set_smem(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true));
     set_smem(state_fwd_tma_kernel<In, 3, false, 1, true>, StateFwdTmaSmem::wy_bytes(3, false));
-    if constexpr (std::is_same<In, __nv_bfloat16>::value)
+    if constexpr (kBf16)
       set_smem(state_fwd_tma_kernel<In, 3, false, 3>, StateFwdTmaSmem::wy_bytes(3, false));
   });
   TmaMaps maps;
@@ -1099,18 +1100,13 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     } else if (wy_mode == 1 && flat) {  // P only, every head's segments from one wave
       tgo(state_fwd_tma_kernel<In, 3, false, 1, true>, StateFwdTmaSmem::wy_bytes(3, false),
           kTmaWyThreads);
-    } else if (wy_mode == 1) {  // P only: three stages (no inverse's tiles)
-      bool k_by_producer = false;  // kWy 3: K converted by the producer (bf16 inputs)
-      if constexpr (std::is_same<In, __nv_bfloat16>::value) {
-        if (tma_k_by_producer()) {
-          k_by_producer = true;
-          tgo(state_fwd_tma_kernel<In, 3, false, 3>, StateFwdTmaSmem::wy_bytes(3, false),
-              kTmaWyThreads);
-        }
-      }
-      if (!k_by_producer)
-        tgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false),
+    } else if (wy_mode == 1 && kBf16 && tma_k_by_producer()) {  // kWy 3: K by the producer
+      if constexpr (kBf16)  // (instantiated for bf16 inputs only)
+        tgo(state_fwd_tma_kernel<In, 3, false, 3>, StateFwdTmaSmem::wy_bytes(3, false),
             kTmaWyThreads);
+    } else if (wy_mode == 1) {  // P only: three stages (no inverse's tiles)
+      tgo(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false),
+          kTmaWyThreads);
     } else if (f.fused && !wy_plain) {  // (part of) the WY part in the pass (fused_in_pass)
       const int mode = fused_mode();
       auto fgo = [&](auto kernel, size_t bytes) {
