@@ -1,4 +1,5 @@
-"""One flashgdn forward call on a benchmark row under Nsight Compute, summarised per kernel.
+"""One flashgdn forward call (or forward + backward, `--mode bwd`) on a benchmark row under
+Nsight Compute, summarised per kernel.
 
 Runs `ncu` on a child process that makes one eager forward call (inputs as bench_gdn.py
 draws them, after two warm-up calls outside the profiled range) and prints, for each kernel
@@ -10,6 +11,7 @@ kernels with each other, not with those timings.
 
     python bench/ncu_summary.py --model 4/16 --seqs 1x32768 --kernels "wy_batched|seg_scan"
     python bench/ncu_summary.py --csv saved.csv        # summarise a saved ncu CSV again
+    python bench/ncu_summary.py --mode bwd --model 16/32 --seqs 8k_1seq --kernels grad_chunk
 
 `--source` instead profiles one launch of the first matching kernel (`--launch-skip` the
 launches before it) with ncu's source counters and prints where its warps wait, per
@@ -54,12 +56,23 @@ CHILD = """
 import sys, torch, flashgdn
 sys.path.insert(0, {bench!r})
 import bench_gdn as bg
-row = bg.build_rows("fwd", [{model!r}], [{seqs!r}], seed=0)[0]
+row = bg.build_rows({row_mode!r}, [{model!r}], [{seqs!r}], seed=0)[0]
 x = bg.make_inputs(row, seed=0)
-def call():
+def fwd():
     return flashgdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
         initial_state=x["h0"], output_final_state=True, cu_seqlens=x["cu32"],
         cu_seqlens_cpu=x["cu_cpu"])
+names = ("q", "k", "v", "g", "beta", "h0")
+leaves = {{n: x[n].clone().requires_grad_() for n in names}}
+gen = torch.Generator(device="cuda").manual_seed(1)
+def bwd():  # forward + backward through (o, final state), cotangents as bench_gdn.py's
+    o, ht = flashgdn.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"],
+        leaves["g"], leaves["beta"], initial_state=leaves["h0"], output_final_state=True,
+        cu_seqlens=x["cu32"], cu_seqlens_cpu=x["cu_cpu"])
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device="cuda", generator=gen) / 8
+    return torch.autograd.grad((o, ht), [leaves[n] for n in names], (do, dht))
+call = {mode}
 for _ in range(2):
     call()
 torch.cuda.synchronize()
@@ -183,6 +196,8 @@ def main() -> None:
     ap.add_argument("--seqs", default="1x32768", help="a bench_gdn.py sequence label")
     ap.add_argument("--kernels", default="wy_batched|seg_scan|state_fwd_cols",
                     help="regular expression on kernel names")
+    ap.add_argument("--mode", choices=("fwd", "bwd"), default="fwd",
+                    help="bwd: one forward + backward call (a backward row's label, e.g. 8k_1seq)")
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--save", default=None, help="also write ncu's CSV here")
     ap.add_argument("--csv", default=None, help="summarise this saved CSV instead of running")
@@ -203,7 +218,7 @@ def main() -> None:
             report(parse(f.read().splitlines()))
         return
     child = CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)), model=args.model,
-                         seqs=args.seqs)
+                         seqs=args.seqs, mode=args.mode, row_mode=args.mode)
     if args.source:
         run_source(args, child)
         return

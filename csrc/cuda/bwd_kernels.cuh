@@ -750,13 +750,15 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   cp_async_tile<C, D, LDH>(Ks, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, L);
   cp_async_commit();
 
-  float dq[4][2][4] = {}, dk[4][2][4] = {};  // rows 16 mt + g (+8), columns nw + 8 nt + 2t (+1)
-  for (int64_t h = hq * group; h < (hq + 1) * group; ++h) {
-    __syncthreads();  // the previous head's tiles, scalars and scratch are no longer read
-    const int64_t v_off = (tok0 * p.Hv + h) * D;
-    cp_async_tile<C, D, LDH>(dOs, static_cast<const In*>(p.d_o) + v_off, p.Hv * D, L);
+  // A value head's dO and U, dVt (fp32 rows, or their record blocks) into dOs, Us, dVs (RU,
+  // RD): one cp.async group. The first head's at the loop's start; each later head's as soon
+  // as the head before it no longer reads those tiles (after its 64 x 64 products), so the
+  // copies run under that head's dq / dk products.
+  auto copy_head = [&](int64_t hh) {
+    const int64_t off = (tok0 * p.Hv + hh) * D;
+    cp_async_tile<C, D, LDH>(dOs, static_cast<const In*>(p.d_o) + off, p.Hv * D, L);
     if constexpr (kRec16) {  // two 16 KB record blocks, 32-byte rows -> 48-byte rows
-      const int64_t rec = chunk * p.Hv + h;
+      const int64_t rec = chunk * p.Hv + hh;
       const __half* us = reinterpret_cast<const __half*>(record_at<C>(p.U, rec, true));
       const __half* ds = reinterpret_cast<const __half*>(record_at<C>(p.dVt, rec, true));
 #pragma unroll
@@ -768,10 +770,30 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
                    row < L);
       }
     } else {
-      cp_async_tile<C, D, LDW>(Us, p.U + v_off, p.Hv * D, L);
-      cp_async_tile<C, D, LDW>(dVs, p.dVt + v_off, p.Hv * D, L);
+      cp_async_tile<C, D, LDW>(Us, p.U + off, p.Hv * D, L);
+      cp_async_tile<C, D, LDW>(dVs, p.dVt + off, p.Hv * D, L);
     }
     cp_async_commit();
+  };
+
+  float dq[4][2][4] = {}, dk[4][2][4] = {};  // rows 16 mt + g (+8), columns nw + 8 nt + 2t (+1)
+  for (int64_t h = hq * group; h < (hq + 1) * group; ++h) {
+    __syncthreads();  // the previous head's scalars and scratch are no longer read
+    // the per-token scalars' loads first (their latency under the copies' issue below)
+    float ld_g = 0.f, ld_glast = 0.f, ld_beta = 0.f, ld_scale = 0.f;
+    if (threadIdx.x < C) {
+      const int r = threadIdx.x;
+      ld_g = p.G[(tok0 + (r < L ? r : L - 1)) * p.Hv + h];
+      ld_glast = p.G[(tok0 + L - 1) * p.Hv + h];
+      ld_beta = r < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + r) * p.Hv + h) : 0.f;
+    }
+    if (kRec16 && threadIdx.x < 32) {
+      const int64_t i = (chunk * p.Hv + h) * 8 + (threadIdx.x & 7);
+      const int w = threadIdx.x >> 3;
+      ld_scale = (w == 0 ? p.h_scale : w == 1 ? p.dh_scale : w == 2 ? p.U_scale : p.dVt_scale)[i];
+    }
+    const int64_t v_off = (tok0 * p.Hv + h) * D;
+    if (h == hq * group) copy_head(h);
     const float* S0 = record_at<D>(p.h, chunk * p.Hv + h, kRec16);
     const float* dSL = record_at<D>(p.dh, chunk * p.Hv + h, kRec16);
     if (h == hq * group) {  // the first head's h, dS and v into L2 (later heads: below)
@@ -808,26 +830,28 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       }
     };
     copy_slice(0);
-    cp_async_commit();  // dO, U, dVt and slice 0
+    cp_async_commit();  // slice 0 (the head's dO, U, dVt: the group before)
     copy_slice(1);
     cp_async_commit();
     if (threadIdx.x < C) {
       const int r = threadIdx.x;
-      const float G = p.G[(tok0 + (r < L ? r : L - 1)) * p.Hv + h];
-      const float Glast = p.G[(tok0 + L - 1) * p.Hv + h];
-      Gs[r] = G;
-      gam[r] = __expf(G);
-      eL[r] = __expf(Glast - G);
-      bs[r] = r < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + r) * p.Hv + h) : 0.f;
+      Gs[r] = ld_g;
+      gam[r] = __expf(ld_g);
+      eL[r] = __expf(ld_glast - ld_g);
+      bs[r] = ld_beta;
       dG[r] = 0.f;
     }
-    if (kRec16 && threadIdx.x < 32) {
-      const int64_t i = (chunk * p.Hv + h) * 8 + (threadIdx.x & 7);
-      const int w = threadIdx.x >> 3;
-      const float* sc = w == 0 ? p.h_scale : w == 1 ? p.dh_scale : w == 2 ? p.U_scale : p.dVt_scale;
-      recsc[threadIdx.x] = sc[i];
+    if (kRec16 && threadIdx.x < 32) recsc[threadIdx.x] = ld_scale;
+    // the row pass's v (row threadIdx / 4, columns 32 (threadIdx % 4) ..): loads in flight
+    // across the wait below
+    uint4 vrow[4];
+    if ((threadIdx.x >> 2) < L) {
+      const In* src = static_cast<const In*>(p.v) + v_off +
+                      static_cast<int64_t>(threadIdx.x >> 2) * p.Hv * D + 32 * (threadIdx.x & 3);
+#pragma unroll
+      for (int c8 = 0; c8 < 4; ++c8) vrow[c8] = *reinterpret_cast<const uint4*>(src + 8 * c8);
     }
-    cp_async_wait<1>();
+    cp_async_wait<1>();  // (the head's dO, U, dVt group and slice 0: all but slice 1)
     __syncthreads();
 
     // ---- per row (four threads each): dv = beta dVt, v . dVt. fp32 records: U and dVt are
@@ -841,7 +865,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       float vd = 0.f;
       if (r < L) {
         const int64_t off = v_off + static_cast<int64_t>(r) * p.Hv * D + 32 * qq;
-        const In* vrow = static_cast<const In*>(p.v) + off;
         In* dvrow = static_cast<In*>(p.dv) + off;
         const float br = bs[r];
 #pragma unroll
@@ -856,8 +879,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) rd[e] = sd * __half2float(de[e]);
           }
-          const uint4 vv = *reinterpret_cast<const uint4*>(vrow + 8 * c8);
-          const In* ve = reinterpret_cast<const In*>(&vv);
+          const In* ve = reinterpret_cast<const In*>(&vrow[c8]);
           uint4 out;
           In* oe = reinterpret_cast<In*>(&out);
 #pragma unroll
@@ -1168,6 +1190,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
         }
     }
     __syncthreads();
+    // dOs, Us, dVs (RU, RD) are no longer read: the next head's copies run under what follows
+    if (h + 1 < (hq + 1) * group) copy_head(h + 1);
 
     // ---- per row (four threads each): dG += rowsum(E) - colsum(E); dbeta
     {
