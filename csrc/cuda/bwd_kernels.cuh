@@ -851,7 +851,9 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
       for (int c8 = 0; c8 < 4; ++c8) vrow[c8] = *reinterpret_cast<const uint4*>(src + 8 * c8);
     }
-    cp_async_wait<1>();  // (the head's dO, U, dVt group and slice 0: all but slice 1)
+    // the head's dO, U, dVt group (and Q, K): all but slices 0 and 1, which land under the
+    // row pass (the first slice's wait below)
+    cp_async_wait<2>();
     __syncthreads();
 
     // ---- per row (four threads each): dv = beta dVt, v . dVt. fp32 records: U and dVt are
