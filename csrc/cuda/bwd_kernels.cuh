@@ -946,8 +946,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
       for (int w = 0; w < 8; ++w) m = max(m, reinterpret_cast<const uint32_t*>(red)[w]);
       // the largest magnitude's exponent ex: 2^(14 - ex) takes it to [2^14, 2^15); a zero
-      // tile keeps 2^0; kept within +-100 so that dP's factor p.scale 2^-e_do stays normal
-      e_do = m == 0 ? 0 : min(100, max(-100, 14 - (static_cast<int>(m >> 7) - 127)));
+      // tile keeps 2^0. Kept within +-60, so that Y's factor 2^(ye - e_do) and dP's p.scale
+      // 2^-e_do stay normal fp32 for record factors down to 2^-66 (a dO tile below 2^-46
+      // then keeps fewer of fp16's bits, from 2^-74 on it reaches fp16's subnormals)
+      e_do = m == 0 ? 0 : min(60, max(-60, 14 - (static_cast<int>(m >> 7) - 127)));
       const float f = pow2f(e_do);
       __half* row =
           reinterpret_cast<__half*>(dOs) + (threadIdx.x >> 2) * LDH + 32 * (threadIdx.x & 3);
