@@ -1,7 +1,7 @@
 """Gradients (dq, dk, dv, dg, dbeta, dh0) against autograd through the float64 reference."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import pytest
 import torch
@@ -163,6 +163,25 @@ def assert_as_accurate_as_default(label: str, names, other, dflt, refs,
             assert rel_err(a, b.double()) < agree, f"d{n}: {label} and default differ"
 
 
+def switched_as_accurate(monkeypatch, label: str, case: Case, seed: int, do_scale: float,
+                         base: Dict[str, Optional[str]], other: Dict[str, Optional[str]]) -> None:
+    """Gradients under the environment `base`, then `other` (None: unset): the other's as
+    accurate against the float64 reference as the base's, within 2e-3 of them, and finite."""
+    def apply(settings: Dict[str, Optional[str]]) -> None:
+        for k, v in settings.items():
+            if v is None:
+                monkeypatch.delenv(k, raising=False)
+            else:
+                monkeypatch.setenv(k, v)
+    apply(base)
+    names, dflt, refs, _ = run_grads(case, "cuda", seed=seed, do_scale=do_scale)
+    apply(other)
+    _, got, _, _ = run_grads(case, "cuda", seed=seed, do_scale=do_scale)
+    assert_as_accurate_as_default(label, names, got, dflt, refs, agree=2e-3)
+    for n, a in zip(names, got):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("fwd_pass", ["tf32", "f16wu"])
@@ -211,14 +230,8 @@ def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
     against the float64 reference as with the 16/32-column passes' fp32 records, and within
     rounding of them. g == 0 and very negative gates, odd lengths, h0."""
     case = Case("rec_range", [700, 1300, 64], 2, 8, gate="mixed")
-    monkeypatch.setenv("FLASHGDN_BWD_COLS", "0")
-    names, narrow, refs, _ = run_grads(case, "cuda", seed=47, do_scale=do_scale)
-    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
-    _, cols, _, _ = run_grads(case, "cuda", seed=47, do_scale=do_scale)
-    assert_as_accurate_as_default(f"cols (dO x {do_scale:g})", names, cols, narrow, refs,
-                                  agree=2e-3)
-    for n, a in zip(names, cols):
-        assert torch.isfinite(a).all(), f"d{n} not finite"
+    switched_as_accurate(monkeypatch, f"cols (dO x {do_scale:g})", case, 47, do_scale,
+                         {"FLASHGDN_BWD_COLS": "0"}, {"FLASHGDN_BWD_COLS": "1"})
 
 
 @pytest.mark.gpu
@@ -331,14 +344,8 @@ def test_grad_f16y_opt_in(monkeypatch, dtype: torch.dtype, do_scale: float):
     g == 0 and very negative gates, h0."""
     case = Case("f16y", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
     monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
-    monkeypatch.delenv("FLASHGDN_GRAD_F16Y", raising=False)
-    names, dflt, refs, _ = run_grads(case, "cuda", seed=53, do_scale=do_scale)
-    monkeypatch.setenv("FLASHGDN_GRAD_F16Y", "1")
-    _, f16y, _, _ = run_grads(case, "cuda", seed=53, do_scale=do_scale)
-    assert_as_accurate_as_default(f"f16 Y ({dtype}, dO x {do_scale:g})", names, f16y, dflt, refs,
-                                  agree=2e-3)
-    for n, a in zip(names, f16y):
-        assert torch.isfinite(a).all(), f"d{n} not finite"
+    switched_as_accurate(monkeypatch, f"f16 Y ({dtype}, dO x {do_scale:g})", case, 53, do_scale,
+                         {"FLASHGDN_GRAD_F16Y": None}, {"FLASHGDN_GRAD_F16Y": "1"})
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
                                 acc_events=True) as prof:
         run_grads(case, "cuda", seed=53, do_scale=do_scale)
