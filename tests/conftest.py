@@ -168,6 +168,38 @@ def reference(inp: dict, scale: Optional[float] = None):
     return out
 
 
+# The float64 reference's gradients of the last few distinct (inputs, cotangents): the
+# backward tests run one case under several switches in a row, and each would otherwise
+# differentiate the token-by-token reference again. Keyed by the inputs' and cotangents'
+# exact bytes (as the reference's own cache), so a hit returns what the call would compute.
+_GRAD_CACHE: "collections.OrderedDict[bytes, tuple]" = collections.OrderedDict()
+
+
+def reference_grads(inp: dict, do: torch.Tensor, dht: torch.Tensor, names: List[str]) -> tuple:
+    """Gradients of <o, do> + <h_T, dht> through the float64 reference with respect to the
+    inputs `names` (in that order); `inp` as make_inputs returns it (no grad)."""
+    key = _reference_key(inp, None)
+    if key is not None:
+        h = hashlib.blake2b(key + repr(names).encode(), digest_size=32)
+        for x in (do, dht):
+            h.update(f"{x.dtype}:{tuple(x.shape)}".encode())
+            h.update(x.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        key = h.digest()
+        if key in _GRAD_CACHE:
+            _GRAD_CACHE.move_to_end(key)
+            return _GRAD_CACHE[key]
+    leaves = {n: (inp[n].double().clone().requires_grad_() if inp[n] is not None else None)
+              for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    ro, rh = reference({**leaves, "cu_seqlens": inp["cu_seqlens"]})
+    refs = torch.autograd.grad((ro * do.double()).sum() + (rh * dht.double()).sum(),
+                               [leaves[n] for n in names])
+    if key is not None:
+        _GRAD_CACHE[key] = refs
+        while len(_GRAD_CACHE) > _REF_CACHE_SIZE:
+            _GRAD_CACHE.popitem(last=False)
+    return refs
+
+
 CASES = [
     Case("T1_single_token", [1], 1, 1, varlen=False),
     Case("fixed_B2_T100_gva", [100, 100], 2, 4, varlen=False),

@@ -8,7 +8,7 @@ import torch
 
 import flashgdn
 from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, cotangents, make_inputs,
-                      out_of_fp16_range_inputs, reference, rel_err)
+                      out_of_fp16_range_inputs, reference, reference_grads, rel_err)
 
 GRAD_TOL = 8e-3
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
@@ -22,13 +22,8 @@ def run_grads(case: Case, device: str, seed: int = 0, do_scale: float = 1.0):
     do, dht = cotangents(o, ht, seed + 100, do_scale)
     wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
     ours = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
-
-    ref_leaves = {n: (inp[n].double().clone().requires_grad_() if inp[n] is not None else None)
-                  for n in NAMES}
-    ro, rh = reference({**ref_leaves, "cu_seqlens": inp["cu_seqlens"]})
-    ref_wrt = [ref_leaves[n] for n in NAMES if ref_leaves[n] is not None]
-    refs = torch.autograd.grad((ro * do.double()).sum() + (rh * dht.double()).sum(), ref_wrt)
     names = [n for n in NAMES if leaves[n] is not None]
+    refs = reference_grads(inp, do, dht, names)  # (cached across a test's switched runs)
     return names, ours, refs, wrt
 
 
