@@ -979,16 +979,20 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       int ye = 0;
       float yfac = 1.f;
       if constexpr (kRec16) {
-        ze = re = ye = -1000;
+        ze = re = -1000;
 #pragma unroll
         for (int b = 0; b < 8; ++b) {
           ze = max(ze, pair_exp(recsc[b], recsc[24 + b]));
           re = max(re, pair_exp(recsc[8 + b], recsc[16 + b]));
-          ye = max(ye, ((__float_as_int(recsc[b]) >> 23) & 0xff) - 127);
         }
         zmax = pow2f(ze);
         rmax = pow2f(re);
-        if constexpr (kF16Y) yfac = pow2f(ye - e_do);
+      }
+      if constexpr (kF16Y) {
+        ye = -1000;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) ye = max(ye, ((__float_as_int(recsc[b]) >> 23) & 0xff) - 127);
+        yfac = pow2f(ye - e_do);
       }
       float s0ds = 0.f;
 #pragma unroll 1

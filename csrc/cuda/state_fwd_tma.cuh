@@ -417,8 +417,9 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
 
 // kWy: 0 (FLASHGDN_COLS_TMA=1, 3), 2 (=4: T diag(beta) and P formed by the WY warpgroup),
 // 1 (=5: P only), 3 (kWy 1 on bf16 inputs with K converted by the producer's warps 1-3:
-// FLASHGDN_TMA_KCONV=1, opt-in, not yet run on a GPU). kFlat (kWy 1, looped phase 0 without the host's slot count: grid y = 1, the
-// slots walk every head's segments; for_each_segment_block).
+// FLASHGDN_TMA_KCONV=1, opt-in; tested, measured neutral in session 54). kFlat (kWy 1,
+// looped phase 0 without the host's slot count: grid y = 1, the slots walk every head's
+// segments; for_each_segment_block).
 template <typename In, int kStages = 2, bool kSsY = false, int kWy = 0, bool kFlat = false>
 __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     state_fwd_tma_kernel(const __grid_constant__ TmaMaps maps, FwdParams p) {
