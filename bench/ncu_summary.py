@@ -63,7 +63,7 @@ def fwd():
         initial_state=x["h0"], output_final_state=True, cu_seqlens=x["cu32"],
         cu_seqlens_cpu=x["cu_cpu"])
 names = ("q", "k", "v", "g", "beta", "h0")
-leaves = {{n: x[n].clone().requires_grad_() for n in names}}
+leaves = {{n: x[n].clone().requires_grad_() for n in names}} if {mode!r} == "bwd" else {{}}
 gen = torch.Generator(device="cuda").manual_seed(1)
 def bwd():  # forward + backward through (o, final state), cotangents as bench_gdn.py's
     o, ht = flashgdn.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"],

@@ -139,6 +139,11 @@ _REF_CACHE: "collections.OrderedDict[bytes, tuple]" = collections.OrderedDict()
 _REF_CACHE_SIZE = 2
 
 
+def _hash_tensor(h, name: str, x: torch.Tensor) -> None:
+    h.update(f"{name}:{x.dtype}:{tuple(x.shape)}:{x.device.type}".encode())
+    h.update(x.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+
+
 def _reference_key(inp: dict, scale: Optional[float]) -> Optional[bytes]:
     h = hashlib.blake2b(repr(scale).encode(), digest_size=32)
     for name in _REF_KEYS:
@@ -148,8 +153,7 @@ def _reference_key(inp: dict, scale: Optional[float]) -> Optional[bytes]:
             continue
         if x.requires_grad:
             return None
-        h.update(f"{name}:{x.dtype}:{tuple(x.shape)}:{x.device.type}".encode())
-        h.update(x.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        _hash_tensor(h, name, x)
     return h.digest()
 
 
@@ -181,9 +185,8 @@ def reference_grads(inp: dict, do: torch.Tensor, dht: torch.Tensor, names: List[
     key = _reference_key(inp, None)
     if key is not None:
         h = hashlib.blake2b(key + repr(names).encode(), digest_size=32)
-        for x in (do, dht):
-            h.update(f"{x.dtype}:{tuple(x.shape)}".encode())
-            h.update(x.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        _hash_tensor(h, "do", do)
+        _hash_tensor(h, "dht", dht)
         key = h.digest()
         if key in _GRAD_CACHE:
             _GRAD_CACHE.move_to_end(key)
@@ -198,6 +201,15 @@ def reference_grads(inp: dict, do: torch.Tensor, dht: torch.Tensor, names: List[
         while len(_GRAD_CACHE) > _REF_CACHE_SIZE:
             _GRAD_CACHE.popitem(last=False)
     return refs
+
+
+def cuda_kernels_run(fn) -> set:
+    """The names of the CUDA kernels fn() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                acc_events=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 CASES = [

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import flashgdn
-from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, cotangents, make_inputs,
-                      out_of_fp16_range_inputs, reference, reference_grads, rel_err)
+from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, cotangents, cuda_kernels_run,
+                      make_inputs, out_of_fp16_range_inputs, reference, reference_grads,
+                      rel_err)
 
 GRAD_TOL = 8e-3
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
@@ -341,9 +342,5 @@ def test_grad_f16y_opt_in(monkeypatch, dtype: torch.dtype, do_scale: float):
     monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
     switched_as_accurate(monkeypatch, f"f16 Y ({dtype}, dO x {do_scale:g})", case, 53, do_scale,
                          {"FLASHGDN_GRAD_F16Y": None}, {"FLASHGDN_GRAD_F16Y": "1"})
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
-                                acc_events=True) as prof:
-        run_grads(case, "cuda", seed=53, do_scale=do_scale)
-        torch.cuda.synchronize()
-    ran = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=53, do_scale=do_scale))
     assert any("grad_chunk_tc_kernel" in n and "true, true>" in n for n in ran), sorted(ran)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import flashgdn
-from conftest import HAS_GPU, NO_GPU_REASON, Case, make_inputs, reference, rel_err
+from conftest import (HAS_GPU, NO_GPU_REASON, Case, cuda_kernels_run, make_inputs, reference,
+                      rel_err)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)]
 
@@ -1448,15 +1449,6 @@ def test_wy_batched_bit_identical_backward(monkeypatch, case: Case, cols: int):
     monkeypatch.setenv("FLASHGDN_BWD_COLS", str(cols))
     grads_bit_identical(monkeypatch, case, "FLASHGDN_WY_BATCHED", "0", seed=37,
                         what=f"wy batched backward {case.name}")
-
-
-def cuda_kernels_run(fn) -> set:
-    """The names of the CUDA kernels fn() launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
-                                acc_events=True) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
 FUSED_CASES = [  # FLASHGDN_FUSED (the forward's WY part inside the 128-column pass)
