@@ -702,16 +702,8 @@ __device__ __forceinline__ __half2 pow2h(int d) {
 
 // kRec16: h, dS, U and dVt are the 128-column passes' fp16 record blocks (BwdParams::rec16),
 // else fp32 ([key][value], [token][value]).
-//
-// kF16Y (kRec16 only; FLASHGDN_GRAD_F16Y=1, opt-in): Y = dO h^T on fp16 m16n8k16 from the h
-// blocks themselves, as Z and R are, with dO as fp16 times a power of two per tile (bf16
-// inputs: the tile's largest magnitude to [2^14, 2^15); fp16 inputs as they are), in place
-// of two TF32 m16n8k8 a k16 step with per-element conversions. dO U^T then reads the fp16
-// tile (the same products times 2^e, undone in dP's factor).
-template <typename In, bool kRec16, bool kF16Y = false>
+template <typename In, bool kRec16>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
-  static_assert(kRec16 || !kF16Y, "fp16 Y reads the h record blocks");
-  constexpr bool kScaleDO = kF16Y && std::is_same<In, __nv_bfloat16>::value;
   // h / dS slices [128][16] with 24-word rows (8 mod 16), or of fp16 record blocks with
   // 24-half rows (12 words): paired loads conflict free
   constexpr int LDK = 24;
@@ -863,23 +855,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     // row pass (the first slice's wait below)
     cp_async_wait<2>();
     __syncthreads();
-    // kF16Y, bf16 dO: this thread's 32 values of the tile (row threadIdx / 4, columns 32
-    // (threadIdx % 4) ..) and the warp's largest magnitude (bf16 bits without the sign are
-    // ordered as the magnitudes); converted in place after the row pass
-    uint4 dox[4];
-    if constexpr (kScaleDO) {
-      const In* row = dOs + (threadIdx.x >> 2) * LDH + 32 * (threadIdx.x & 3);
-      uint32_t m = 0;
-#pragma unroll
-      for (int c8 = 0; c8 < 4; ++c8) {
-        dox[c8] = *reinterpret_cast<const uint4*>(row + 8 * c8);
-        const uint32_t w[4] = {dox[c8].x, dox[c8].y, dox[c8].z, dox[c8].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) m = max(m, max(w[j] & 0x7fffu, (w[j] >> 16) & 0x7fffu));
-      }
-      m = __reduce_max_sync(0xffffffffu, m);
-      if (lane_id() == 0) reinterpret_cast<uint32_t*>(red)[warp] = m;  // (free until Y's end)
-    }
 
     // ---- per row (four threads each): dv = beta dVt, v . dVt. fp32 records: U and dVt are
     // rounded to tf32 in place in Us, dVs (zero past the chunk), so that the products below
@@ -937,36 +912,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     }
     // (kRec16: the first slice's barrier below orders the row pass before the products)
     if constexpr (!kRec16) __syncthreads();
-    // kF16Y: dOs holds dO x 2^e_do as fp16 from here (the first slice's barrier orders the
-    // stores before the products' reads)
-    int e_do = 0;
-    if constexpr (kScaleDO) {
-      __syncthreads();  // every warp's largest magnitude is in
-      uint32_t m = 0;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) m = max(m, reinterpret_cast<const uint32_t*>(red)[w]);
-      // the largest magnitude's exponent ex: 2^(14 - ex) takes it to [2^14, 2^15); a zero
-      // tile keeps 2^0. Kept within +-60, so that Y's factor 2^(ye - e_do) and dP's p.scale
-      // 2^-e_do stay normal fp32 for record factors down to 2^-66 (a dO tile below 2^-46
-      // then keeps fewer of fp16's bits, from 2^-74 on it reaches fp16's subnormals)
-      e_do = m == 0 ? 0 : min(60, max(-60, 14 - (static_cast<int>(m >> 7) - 127)));
-      const float f = pow2f(e_do);
-      __half* row =
-          reinterpret_cast<__half*>(dOs) + (threadIdx.x >> 2) * LDH + 32 * (threadIdx.x & 3);
-#pragma unroll
-      for (int c8 = 0; c8 < 4; ++c8) {
-        const uint32_t w[4] = {dox[c8].x, dox[c8].y, dox[c8].z, dox[c8].w};
-        uint32_t o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const __half2 h2 = __floats2half2_rn(f * __uint_as_float(w[j] << 16),
-                                               f * __uint_as_float(w[j] & 0xffff0000u));
-          o[j] = *reinterpret_cast<const uint32_t*>(&h2);
-        }
-        *reinterpret_cast<uint4*>(row + 8 * c8) = make_uint4(o[0], o[1], o[2], o[3]);
-      }
-    }
-    const __half* dOh = reinterpret_cast<const __half*>(dOs);  // kF16Y: the fp16 tile
 
     // ---- Y = dO h^T, Z = dVt h^T, R = U dS^T (column strips), <h, dS>
     {
@@ -975,9 +920,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
       // slices (powers of two: the ratios below are exact)
       float zmax = 1.f, rmax = 1.f;
       int ze = 0, re = 0;  // their exponents
-      // kF16Y: the largest h block factor's exponent; Y comes out times 2^-(ye - e_do)
-      int ye = 0;
-      float yfac = 1.f;
       if constexpr (kRec16) {
         ze = re = -1000;
 #pragma unroll
@@ -987,12 +929,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
         }
         zmax = pow2f(ze);
         rmax = pow2f(re);
-      }
-      if constexpr (kF16Y) {
-        ye = -1000;
-#pragma unroll
-        for (int b = 0; b < 8; ++b) ye = max(ye, ((__float_as_int(recsc[b]) >> 23) & 0xff) - 127);
-        yfac = pow2f(ye - e_do);
       }
       float s0ds = 0.f;
 #pragma unroll 1
@@ -1009,7 +945,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           sd = recsc[8 + sl];
         }
 #pragma unroll
-        for (int half = 0; half < (kF16Y ? 0 : 2); ++half) {  // two k8 steps of tf32
+        for (int half = 0; half < 2; ++half) {  // two k8 steps of tf32
           const int k0 = 16 * sl + 8 * half, kl = 8 * half;
           uint32_t bS[2][2], bD[2][2];
 #pragma unroll
@@ -1064,24 +1000,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           uint32_t bh[2][2], bd[2][2];
           frag_b16_pair(bh[0], bh[1], reinterpret_cast<const __half*>(Hs), LDK, nw, 0);
           frag_b16_pair(bd[0], bd[1], reinterpret_cast<const __half*>(Ds), LDK, nw, 0);
-          uint32_t by[2][2];  // kF16Y: Y's B, h times its factor relative to the largest
-          if constexpr (kF16Y) {
-            // <h, dS> over the blocks' raw values (the same elements in bh and bd), then
-            // their two factors
-            float hd = 0.f;
-            const __half2 ry = pow2h(((__float_as_int(sh) >> 23) & 0xff) - 127 - ye);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&bh[nt][e]));
-                const float2 y = __half22float2(*reinterpret_cast<const __half2*>(&bd[nt][e]));
-                hd += x.x * y.x + x.y * y.y;
-                const __half2 z = __hmul2(*reinterpret_cast<const __half2*>(&bh[nt][e]), ry);
-                by[nt][e] = *reinterpret_cast<const uint32_t*>(&z);
-              }
-            s0ds += hd * (sh * sd);
-          }
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -1101,12 +1019,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
               mma_f16(Z[mt][nt], aV, bh[nt]);
               mma_f16(R[mt][nt], aU, bd[nt]);
             }
-            if constexpr (kF16Y) {
-              uint32_t aO[4];
-              frag_a16(aO, dOh, LDH, 16 * mt, 16 * sl);
-#pragma unroll
-              for (int nt = 0; nt < 2; ++nt) mma_f16(Y[mt][nt], aO, by[nt]);
-            }
           }
         }
       }
@@ -1116,7 +1028,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int r = 16 * mt + g + 8 * hf;
-          const float sg = p.scale * gam[r] * yfac, bg = bs[r] * gam[r] * zmax, el = eL[r] * rmax;
+          const float sg = p.scale * gam[r], bg = bs[r] * gam[r] * zmax, el = eL[r] * rmax;
           float qy = 0.f, kz = 0.f, kr = 0.f;
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt)
@@ -1137,7 +1049,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
             kr += __shfl_xor_sync(0xffffffffu, kr, m);
           }
           if (t == 0) {
-            part[(0 * 8 + warp) * C + r] = qy * yfac;
+            part[(0 * 8 + warp) * C + r] = qy;
             part[(1 * 8 + warp) * C + r] = kz * zmax;
             part[(2 * 8 + warp) * C + r] = kr * rmax;
           }
@@ -1169,7 +1081,6 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     // products) -> M1, M1^T, M2 + M2^T, E, row sums for dbeta
     {
       float t1[2][2][4] = {}, t2[2][2][4] = {}, t3[2][2][4] = {}, t4[2][2][4] = {};
-      const float dp_scale = kScaleDO ? p.scale * pow2f(-e_do) : p.scale;  // t2 x 2^-e_do
       // kRec16: dVt U^T on fp16 from the blocks, one k16 step per block pair, U's blocks times
       // their pair's factor relative to the largest (t1 comes out times 1 / tmax)
       float tmax = 1.f;
@@ -1219,8 +1130,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           uint32_t aO[4];
-          if constexpr (kF16Y) frag_a(aO, dOh, LDH, wm + 16 * i, k0);  // dO x 2^e_do, exact
-          else frag_a(aO, dOs, LDH, wm + 16 * i, k0);
+          frag_a(aO, dOs, LDH, wm + 16 * i, k0);
 #pragma unroll
           for (int j = 0; j < 2; ++j) mma_tf32(t2[i][j], aO, bU[j]);
           if constexpr (!kRec16) {
@@ -1263,7 +1173,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
               const int s = wn + 8 * j + 2 * t + (e & 1);
               const float dec = s <= r ? __expf(gr - Gs[s]) : 0.f;
               const float dA = s < r ? -tmax * t1[i][j][e] : 0.f;
-              const float dP = s <= r ? dp_scale * t2[i][j][e] : 0.f;
+              const float dP = s <= r ? p.scale * t2[i][j][e] : 0.f;
               const float A = s < r ? br * t3[i][j][e] * dec : 0.f;
               const float P = t4[i][j][e] * dec;
               const float m1 = round_tf32(dP * dec), m2 = round_tf32(br * dA * dec);

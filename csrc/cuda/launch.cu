@@ -579,10 +579,6 @@ bool bwd_simt() { return env_int_or("FLASHGDN_BWD_SIMT", 0) == 1; }
 // The per-chunk gradients on TF32 tensor cores (grad_chunk_tc_kernel); FLASHGDN_GRAD_TC=0
 // keeps the fp32 SIMT kernel for A/B comparisons.
 bool grad_tc() { return !bwd_simt() && env_int_or("FLASHGDN_GRAD_TC", 1) != 0; }
-// FLASHGDN_GRAD_F16Y=1 (opt-in, session 54, NOT YET RUN ON A GPU): where the per-chunk
-// gradients read fp16 record blocks, Y = dO h^T on fp16 mma with dO scaled per tile
-// (grad_chunk_tc_kernel's kF16Y).
-bool grad_f16y() { return env_int_or("FLASHGDN_GRAD_F16Y", 0) == 1; }
 
 // The backward's sequential passes in the one-block-per-head kernels (the reverse pass in
 // state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_cols_kernel,
@@ -1802,7 +1798,6 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
     set_smem(grad_chunk_kernel<In>, kGradSmem);
     set_smem(grad_chunk_tc_kernel<In, false>, GradSmem<In, false>::kBytes);
     set_smem(grad_chunk_tc_kernel<In, true>, GradSmem<In, true>::kBytes);
-    set_smem(grad_chunk_tc_kernel<In, true, true>, GradSmem<In, true>::kBytes);
   });
   const bool simt = bwd_simt(), tc = grad_tc();
   const SegmentPlan plan = plan_forward(p, true);
@@ -1879,9 +1874,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
-    if (tc && g.rec16 && grad_f16y())
-      grad_chunk_tc_kernel<In, true, true><<<grid, NT, GradSmem<In, true>::kBytes, st>>>(g);
-    else if (tc && g.rec16)
+    if (tc && g.rec16)
       grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In, true>::kBytes, st>>>(g);
     else if (tc)
       grad_chunk_tc_kernel<In, false><<<grid, NT, GradSmem<In, false>::kBytes, st>>>(g);
