@@ -381,6 +381,22 @@ inline bool backward_cols(int64_t Hv, int64_t total_chunks, int64_t longest, int
          longest >= 320 || total_chunks >= 480;
 }
 
+// The backward's short split: segments of this many chunks (0: none, the cost model's plan)
+// for short work of long-enough sequences, where the reverse pass's steps, costlier than
+// the forward's that the cost model counts, make shorter segments than it picks pay.
+// Measured (H200, 2026-11-27, session 55; bwd ms, the cost model's plan -> 12-chunk segments
+// in the 128-column passes, first forced by switches, then by this rule): 4/8 x 8k 0.654 ->
+// 0.550, 2/4 x 8k 0.521 -> 0.461; forced, also 8/16 x 8k in four packed sequences 0.929 ->
+// 0.839 and 2/4 x 8k in four 0.507 -> 0.440, which this rule does not reach (a packed
+// batch's `total_chunks` is max_chunks, a partial chunk counted for every sequence: 129+).
+// Forced outside the region it lost: 2/4 x 32k in eight sequences 0.805 -> 0.889, eight
+// sequences of 8k tokens in all 0.363 -> 0.445, every 16/32-head row.
+// `longest`: the longest sequence's chunks, known (0: unknown, no short split).
+inline int64_t backward_short_split(int64_t Hv, int64_t total_chunks, int64_t longest) {
+  constexpr int64_t kSeg = 12;
+  return longest >= 32 && total_chunks <= 128 && Hv * total_chunks <= 2048 ? kSeg : 0;
+}
+
 // What the cost model needs of the sequences: the longest one's chunks, all chunks, and
 // (split plans) the number of segments and the most segments of one sequence.
 struct LoadStats {

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import flashgdn
-from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, cotangents, make_inputs,
-                      out_of_fp16_range_inputs, reference, reference_grads, rel_err)
+from conftest import (CASES, HAS_GPU, NO_GPU_REASON, Case, cotangents, cuda_kernels_run,
+                      make_inputs, out_of_fp16_range_inputs, reference, reference_grads,
+                      rel_err)
 
 GRAD_TOL = 8e-3
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
@@ -213,8 +214,6 @@ def test_reverse_pass_cols_kernel(monkeypatch, cp: str, dtype: torch.dtype):
                                   agree=2e-3)
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("do_scale", [1e-8, 1e6])
@@ -227,6 +226,32 @@ def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
     case = Case("rec_range", [700, 1300, 64], 2, 8, gate="mixed")
     switched_as_accurate(monkeypatch, f"cols (dO x {do_scale:g})", case, 47, do_scale,
                          {"FLASHGDN_BWD_COLS": "0"}, {"FLASHGDN_BWD_COLS": "1"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("case", [
+    Case("short_split_one", [2500], 2, 8, gate="mixed"),
+    Case("short_split_batch", [2048, 2048], 2, 4, varlen=False, gate="mixed",
+         dtype=torch.float16),
+], ids=lambda c: c.name)
+def test_backward_short_split(monkeypatch, case: Case):
+    """The backward's short split (planner.h backward_short_split: 12-chunk segments in the
+    128-column passes where the work is short and the longest sequence has 32 chunks or
+    more) runs by default on these shapes, where the cost model's plan keeps the 16/32-column
+    passes unsplit (FLASHGDN_BWD_SHORT=0): every gradient as accurate against the float64
+    reference as that plan's, within 2e-3 of it, finite. Warm-started segments on decaying
+    heads, exact ones on g == 0 heads, very negative gates, h0, grouped heads; one sequence
+    of 40 chunks (its last one partial), a batch of two."""
+    for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG"):
+        monkeypatch.delenv(k, raising=False)
+    switched_as_accurate(monkeypatch, "short split", case, 71, 1.0,
+                         {"FLASHGDN_BWD_SHORT": "0"}, {"FLASHGDN_BWD_SHORT": None})
+    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=71))
+    assert any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
+    monkeypatch.setenv("FLASHGDN_BWD_SHORT", "0")
+    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=71))
+    assert not any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
 
 
 @pytest.mark.gpu

@@ -77,6 +77,17 @@ def test_kept_backward_fixed_length_and_default_plan(monkeypatch, dtype: torch.d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_kept_backward_short_split(monkeypatch):
+    """A shape the backward's short split takes (planner.h backward_short_split: one sequence
+    of 40 chunks, 8 value heads): the kept forward records for that plan, and the backward
+    on its workspace matches the recomputing one."""
+    for key in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT"):
+        monkeypatch.delenv(key, raising=False)
+    check_against_recomputation(Case("kept_short", [2500], 2, 8, gate="mixed"), seed=9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_kept_workspace_of_another_problem_gives_nan():
     """The backward compares the kept workspace's tag with its own problem on the device:
     inputs of other shapes (fewer tokens) or another scale give NaN gradients, the same

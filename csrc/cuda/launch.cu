@@ -586,15 +586,33 @@ bool grad_tc() { return !bwd_simt() && env_int_or("FLASHGDN_GRAD_TC", 1) != 0; }
 // FLASHGDN_BWD_COLS=0 / 1 overrides. Both write fp16 record blocks, which only
 // grad_chunk_tc_kernel reads: not with the SIMT reference kernels, and only with the
 // default f16 forward pass (whose kernel records them).
+int64_t bwd_short_seg(const Problem& p);
 bool bwd_cols(const Problem& p) {
   if (fwd_pass() != FwdPass::F16 || !grad_tc()) return false;
   const int v = env_int_or("FLASHGDN_BWD_COLS", -1);
   if (v == 0 || v == 1) return v == 1;
+  if (bwd_short_seg(p) > 0) return true;  // the short split runs in the 128-column passes
   const SegmentQuery q = sequence_query(p);
   int64_t longest = q.fixed_chunks;  // varlen: all chunks, or the hint where it is smaller
   if (p.varlen())
     longest = q.longest_hint > 0 ? std::min(q.total_chunks, q.longest_hint) : q.total_chunks;
   return backward_cols(q.Hv, q.total_chunks, longest, q.sms);
+}
+
+// The backward's short split (planner.h backward_short_split): its segment length, or 0.
+// Only where the planner would choose (FLASHGDN_CP, FLASHGDN_CP_SEG unset), the backward's
+// passes may take 128 columns (FLASHGDN_BWD_COLS not 0) and the longest sequence is known
+// (fixed length, one packed sequence, or the max_seqlen / cu_seqlens_cpu hint);
+// FLASHGDN_BWD_SHORT=0: never.
+int64_t bwd_short_seg(const Problem& p) {
+  if (fwd_pass() != FwdPass::F16 || !grad_tc() || env_int_or("FLASHGDN_BWD_SHORT", 1) == 0 ||
+      env_int_or("FLASHGDN_BWD_COLS", -1) == 0 || cp_mode_from_env() != CpMode::Auto ||
+      cp_seg_chunks_from_env() != 0)
+    return 0;
+  const SegmentQuery q = sequence_query(p);
+  int64_t longest = q.fixed_chunks;  // varlen of one sequence: its exact chunks
+  if (p.varlen() && p.N > 1) longest = q.longest_hint > 0 ? q.longest_hint : 0;
+  return backward_short_split(q.Hv, q.total_chunks, longest);
 }
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments
@@ -766,6 +784,13 @@ SegmentPlan plan_forward_uncached(const Problem& p, bool backward) {
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
   q.forced_col_block = col_block_from_env();
+  if (backward) {  // the backward's short split (bwd_short_seg)
+    const int64_t s = bwd_short_seg(p);
+    if (s > 0) {
+      q.mode = CpMode::On;
+      q.forced_seg_chunks = s;
+    }
+  }
   SegmentPlan plan = plan_segments(q, plan_cost(backward));
   if (!backward) plan = host_split_plan(p, q, plan);
   // Where the host makes the device's choice and it is a sequential split, the overlapped

@@ -628,6 +628,21 @@ TEST(Planner, BackwardColumnBlockRule) {
   EXPECT_TRUE(backward_cols(8, 160, 64, 66));
 }
 
+TEST(Planner, BackwardShortSplitRule) {
+  using flashgdn::backward_short_split;
+  // (value heads, chunks of all sequences, chunks of the longest): 8192 tokens of 4, 8 or 16
+  // value heads in sequences of 32 chunks or more (session 55, H200: 12-chunk segments won
+  // on such rows when forced) ...
+  const int64_t win[][3] = {{4, 128, 128}, {4, 128, 64}, {4, 128, 32}, {8, 128, 128},
+                            {8, 128, 64},  {8, 128, 32}, {16, 128, 64}, {16, 128, 32}};
+  for (const auto& r : win) EXPECT_EQ(backward_short_split(r[0], r[1], r[2]), 12) << r[0];
+  // ... and where they lost or were not measured: eight sequences of 16 chunks, 32768 tokens,
+  // 32 heads, an unknown longest sequence (0)
+  const int64_t lose[][3] = {{4, 128, 16}, {4, 512, 64}, {4, 512, 512}, {32, 128, 128},
+                             {16, 512, 512}, {8, 128, 0}};
+  for (const auto& r : lose) EXPECT_EQ(backward_short_split(r[0], r[1], r[2]), 0) << r[0];
+}
+
 // The forward's log-depth scan (seg_scan_kernel): ceil(log2(segments - 1)) levels, the walk
 // (0) for one step or more levels than allowed.
 TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
