@@ -32,6 +32,12 @@
 // choice is a sequential split in the overlapped launches, plan_forward's host schedule
 // (--no-host-schedule: FLASHGDN_HOST_SCHEDULE=0).
 //
+// --backward: the backward's plan (launch.cu plan_forward(p, true)) instead: the cost model
+// as plan_cost(true) builds it (no overlapped schedule, no correction, no kWy term, the tf32
+// pass's wave steps), 128 columns where backward_cols allows them, and the short split
+// (planner.h backward_short_split) where it applies, e.g. flashgdn_plan --backward --hv 8
+// --chunks 128 (4/8 heads x 8192 tokens: 12-chunk segments).
+//
 // --estimates also prints the plan's estimate with each schedule left out in turn (no
 // overlapped schedule, no saturated one, without ForwardCost::unfused_wy_us): what the
 // model puts each at, for calibrating it against bench_cp's switches.
@@ -51,10 +57,20 @@ int main(int argc, char** argv) {
   int64_t chunks = 0;
   bool varlen = false, hint = true, host_split = true, host_schedule = true, estimates = false;
   std::vector<int64_t> seq_chunks;  // --tokens: each sequence's chunks
+  bool backward = false;
+  for (int i = 1; i < argc; ++i) backward = backward || !std::strcmp(argv[i], "--backward");
   ForwardCost c;
-  c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
-  c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
-  c.corr = true;  // plan_cost's default (FLASHGDN_CP_CORR unset, the fp16 pass)
+  if (backward) {  // plan_cost(true)
+    c.overlap = false;
+    c.exact_p0 = c.p0_list = false;
+    c.corr = false;
+    c.unfused_wy_us = 0.0;
+    c.fused_wy = false;
+  } else {
+    c.step_us_bw16_wave = ForwardCost::kFp16Bw16Wave;
+    c.step_us_bw32_wave = ForwardCost::kFp16Bw32Wave;
+    c.corr = true;  // plan_cost's default (FLASHGDN_CP_CORR unset, the fp16 pass)
+  }
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
     const bool has_value = i + 1 < argc;
@@ -77,6 +93,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--no-host-split")) host_split = false;
     else if (!std::strcmp(a, "--no-host-schedule")) host_schedule = false;
     else if (!std::strcmp(a, "--estimates")) estimates = true;
+    else if (!std::strcmp(a, "--backward")) continue;  // (read above)
     else if (!std::strcmp(a, "--tokens") && has_value) {
       for (const char* t = argv[++i]; *t != '\0';) {
         char* end = nullptr;
@@ -118,6 +135,29 @@ int main(int argc, char** argv) {
   }
   q.total_chunks = varlen ? chunks : q.N * chunks;
   q.fixed_chunks = varlen && q.N > 1 ? -1 : chunks;
+  if (backward) {  // launch.cu bwd_cols, bwd_short_seg and plan_forward_uncached
+    const bool packed = varlen && q.N > 1;
+    const int64_t known = packed ? std::max<int64_t>(0, q.longest_hint) : q.fixed_chunks;
+    const int64_t bound = packed ? (q.longest_hint > 0 ? std::min(q.total_chunks, q.longest_hint)
+                                                        : q.total_chunks)
+                                 : q.fixed_chunks;
+    const int64_t short_seg = q.mode == CpMode::Auto && q.forced_seg_chunks == 0
+                                  ? backward_short_split(q.Hv, q.total_chunks, known)
+                                  : 0;
+    q.allow_cols = short_seg > 0 || backward_cols(q.Hv, q.total_chunks, bound, q.sms);
+    if (short_seg > 0) {
+      q.mode = CpMode::On;
+      q.forced_seg_chunks = short_seg;
+      std::printf("the backward's short split: segments of %lld chunks\n",
+                  static_cast<long long>(short_seg));
+    }
+    host_split = host_schedule = false;  // the forward's host plans only
+    // (launch.cu: with 128 columns allowed both passes run in the 128-column kernels on fp16
+    // record blocks, whatever column block the plan's estimate counted)
+    std::printf("the backward's passes: %s\n", q.allow_cols
+                                                  ? "128-column kernels, fp16 record blocks"
+                                                  : "16 / 32 columns, fp32 records");
+  }
   SegmentPlan p = plan_segments(q, c);
   // --tokens with the host copy (not --no-hint): launch.cu host_split_plan, the device-choice
   // plan where the worst-case estimates keep the sequences unsplit and the choice at these
