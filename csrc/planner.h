@@ -397,6 +397,22 @@ inline int64_t backward_short_split(int64_t Hv, int64_t total_chunks, int64_t lo
   return longest >= 32 && total_chunks <= 128 && Hv * total_chunks <= 2048 ? kSeg : 0;
 }
 
+// FLASHGDN_BWD_SHORT=2 (opt-in, session 55, NOT YET RUN ON A GPU): the short split's region
+// by the token count and the average sequence, `token_chunks` = ceil(tokens / 64) of all
+// sequences, n of them: at most 128 chunks of tokens, value heads x those <= 2048, and 32
+// chunks or more a sequence on average. It takes the packed 8k rows of 2, 4 and 8 q/k heads
+// in two and four sequences, where the forced 12-chunk split measured 5-15% faster (bwd ms,
+// 2/4 0.500 -> 0.476 and 0.507 -> 0.440, 4/8 0.601 -> 0.575 and 0.607 -> 0.540, 8/16 0.913 ->
+// 0.863 and 0.929 -> 0.839), which backward_short_split misses (a partial chunk counted per
+// sequence), and leaves out eight sequences of 8k tokens in all (16 chunks on average), where
+// it lost.
+inline int64_t backward_short_split_avg(int64_t Hv, int64_t token_chunks, int64_t n) {
+  constexpr int64_t kSeg = 12;
+  return n > 0 && token_chunks <= 128 && Hv * token_chunks <= 2048 && token_chunks >= 32 * n
+             ? kSeg
+             : 0;
+}
+
 // What the cost model needs of the sequences: the longest one's chunks, all chunks, and
 // (split plans) the number of segments and the most segments of one sequence.
 struct LoadStats {

@@ -256,6 +256,28 @@ def test_backward_short_split(monkeypatch, case: Case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_backward_short_split_by_average(monkeypatch):
+    """FLASHGDN_BWD_SHORT=2 (opt-in; NOT YET RUN ON A GPU when written, session 55): the short
+    split's region by the tokens and the average sequence (planner.h
+    backward_short_split_avg) takes packed sequences the default rule cannot judge (no host
+    lengths: 2 x ~2000 tokens, 65 chunks of tokens, 8 value heads), whose backward then runs
+    in the 128-column passes in 12-chunk segments: every gradient as accurate against the
+    float64 reference as the default plan's (16/32 columns, unsplit), within 2e-3 of it,
+    finite. g == 0 and very negative gates, h0, grouped heads, odd lengths."""
+    case = Case("short_avg", [2100, 2001], 2, 8, gate="mixed")
+    for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG"):
+        monkeypatch.delenv(k, raising=False)
+    switched_as_accurate(monkeypatch, "short split by average", case, 73, 1.0,
+                         {"FLASHGDN_BWD_SHORT": None}, {"FLASHGDN_BWD_SHORT": "2"})
+    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=73))
+    assert any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
+    monkeypatch.delenv("FLASHGDN_BWD_SHORT")
+    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=73))
+    assert not any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_cols_row_scale_keeps_small_columns(monkeypatch):
     """FLASHGDN_BWD_ROWSCALE=1 (opt-in; NOT YET RUN ON A GPU when written): the 128-column
     reverse pass scales each value column by its own power of two, so value columns whose

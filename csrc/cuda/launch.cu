@@ -603,12 +603,15 @@ bool bwd_cols(const Problem& p) {
 // Only where the planner would choose (FLASHGDN_CP, FLASHGDN_CP_SEG unset), the backward's
 // passes may take 128 columns (FLASHGDN_BWD_COLS not 0) and the longest sequence is known
 // (fixed length, one packed sequence, or the max_seqlen / cu_seqlens_cpu hint);
-// FLASHGDN_BWD_SHORT=0: never.
+// FLASHGDN_BWD_SHORT=0: never; =2 (opt-in, NOT YET RUN ON A GPU): the region by the tokens
+// and the average sequence instead (backward_short_split_avg), which needs no host lengths.
 int64_t bwd_short_seg(const Problem& p) {
-  if (fwd_pass() != FwdPass::F16 || !grad_tc() || env_int_or("FLASHGDN_BWD_SHORT", 1) == 0 ||
+  const int mode = env_int_or("FLASHGDN_BWD_SHORT", 1);
+  if (fwd_pass() != FwdPass::F16 || !grad_tc() || mode == 0 ||
       env_int_or("FLASHGDN_BWD_COLS", -1) == 0 || cp_mode_from_env() != CpMode::Auto ||
       cp_seg_chunks_from_env() != 0)
     return 0;
+  if (mode == 2) return backward_short_split_avg(p.Hv, (p.TT + C - 1) / C, p.N);
   const SegmentQuery q = sequence_query(p);
   int64_t longest = q.fixed_chunks;  // varlen of one sequence: its exact chunks
   if (p.varlen() && p.N > 1) longest = q.longest_hint > 0 ? q.longest_hint : 0;

@@ -36,7 +36,8 @@
 // as plan_cost(true) builds it (no overlapped schedule, no correction, no kWy term, the tf32
 // pass's wave steps), 128 columns where backward_cols allows them, and the short split
 // (planner.h backward_short_split) where it applies, e.g. flashgdn_plan --backward --hv 8
-// --chunks 128 (4/8 heads x 8192 tokens: 12-chunk segments).
+// --chunks 128 (4/8 heads x 8192 tokens: 12-chunk segments); with --short-avg the short
+// split's opt-in region (FLASHGDN_BWD_SHORT=2, backward_short_split_avg).
 //
 // --estimates also prints the plan's estimate with each schedule left out in turn (no
 // overlapped schedule, no saturated one, without ForwardCost::unfused_wy_us): what the
@@ -57,7 +58,8 @@ int main(int argc, char** argv) {
   int64_t chunks = 0;
   bool varlen = false, hint = true, host_split = true, host_schedule = true, estimates = false;
   std::vector<int64_t> seq_chunks;  // --tokens: each sequence's chunks
-  bool backward = false;
+  bool backward = false, short_avg = false;
+  int64_t tokens = 0;  // --tokens: all of them
   for (int i = 1; i < argc; ++i) backward = backward || !std::strcmp(argv[i], "--backward");
   ForwardCost c;
   if (backward) {  // plan_cost(true)
@@ -94,12 +96,14 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--no-host-schedule")) host_schedule = false;
     else if (!std::strcmp(a, "--estimates")) estimates = true;
     else if (!std::strcmp(a, "--backward")) continue;  // (read above)
+    else if (!std::strcmp(a, "--short-avg")) short_avg = true;
     else if (!std::strcmp(a, "--tokens") && has_value) {
       for (const char* t = argv[++i]; *t != '\0';) {
         char* end = nullptr;
         const long long n = std::strtoll(t, &end, 10);
         if (end == t || n <= 0) break;
         seq_chunks.push_back((n + 63) / 64);
+        tokens += n;
         t = *end == ',' ? end + 1 : end;
       }
     }
@@ -141,9 +145,11 @@ int main(int argc, char** argv) {
     const int64_t bound = packed ? (q.longest_hint > 0 ? std::min(q.total_chunks, q.longest_hint)
                                                         : q.total_chunks)
                                  : q.fixed_chunks;
-    const int64_t short_seg = q.mode == CpMode::Auto && q.forced_seg_chunks == 0
-                                  ? backward_short_split(q.Hv, q.total_chunks, known)
-                                  : 0;
+    const int64_t token_chunks = tokens > 0 ? (tokens + 63) / 64 : q.N * chunks;
+    const int64_t short_seg =
+        q.mode != CpMode::Auto || q.forced_seg_chunks != 0 ? 0
+        : short_avg ? backward_short_split_avg(q.Hv, token_chunks, q.N)
+                    : backward_short_split(q.Hv, q.total_chunks, known);
     q.allow_cols = short_seg > 0 || backward_cols(q.Hv, q.total_chunks, bound, q.sms);
     if (short_seg > 0) {
       q.mode = CpMode::On;

@@ -643,6 +643,19 @@ TEST(Planner, BackwardShortSplitRule) {
   for (const auto& r : lose) EXPECT_EQ(backward_short_split(r[0], r[1], r[2]), 0) << r[0];
 }
 
+TEST(Planner, BackwardShortSplitByAverageRule) {
+  using flashgdn::backward_short_split_avg;
+  // (value heads, ceil(tokens / 64), sequences): the session-55 H200 rows the forced 12-chunk
+  // split won, packed ones included (8192 tokens in 1, 2 or 4 sequences; 4, 8, 16 heads) ...
+  const int64_t win[][3] = {{4, 128, 1}, {4, 128, 2}, {4, 128, 4}, {8, 128, 2},
+                            {8, 128, 4}, {16, 128, 4}, {8, 40, 1}};
+  for (const auto& r : win) EXPECT_EQ(backward_short_split_avg(r[0], r[1], r[2]), 12) << r[0];
+  // ... and where it lost or was not measured: eight sequences of 8k tokens in all, 32k
+  // tokens, 32 heads, 16 chunks of tokens
+  const int64_t lose[][3] = {{4, 128, 8}, {16, 128, 8}, {4, 512, 1}, {32, 128, 1}, {8, 16, 1}};
+  for (const auto& r : lose) EXPECT_EQ(backward_short_split_avg(r[0], r[1], r[2]), 0) << r[0];
+}
+
 // The forward's log-depth scan (seg_scan_kernel): ceil(log2(segments - 1)) levels, the walk
 // (0) for one step or more levels than allowed.
 TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
