@@ -381,9 +381,12 @@ inline bool backward_cols(int64_t Hv, int64_t total_chunks, int64_t longest, int
          longest >= 320 || total_chunks >= 480;
 }
 
-// The backward's short split: segments of this many chunks (0: none, the cost model's plan)
-// for short work of long-enough sequences, where the reverse pass's steps, costlier than
-// the forward's that the cost model counts, make shorter segments than it picks pay.
+// The backward's short split's segments (chunks): backward_short_split, _avg.
+constexpr int64_t kBackwardShortSeg = 12;
+// The backward's short split: segments of kBackwardShortSeg chunks (0: none, the cost
+// model's plan) for short work of long-enough sequences, where the reverse pass's steps,
+// costlier than the forward's that the cost model counts, make shorter segments than it
+// picks pay.
 // Measured (H200, 2026-11-27, session 55; bwd ms, the cost model's plan -> 12-chunk segments
 // in the 128-column passes, first forced by switches, then by this rule): 4/8 x 8k 0.654 ->
 // 0.550, 2/4 x 8k 0.521 -> 0.461; forced, also 8/16 x 8k in four packed sequences 0.929 ->
@@ -393,8 +396,8 @@ inline bool backward_cols(int64_t Hv, int64_t total_chunks, int64_t longest, int
 // sequences of 8k tokens in all 0.363 -> 0.445, every 16/32-head row.
 // `longest`: the longest sequence's chunks, known (0: unknown, no short split).
 inline int64_t backward_short_split(int64_t Hv, int64_t total_chunks, int64_t longest) {
-  constexpr int64_t kSeg = 12;
-  return longest >= 32 && total_chunks <= 128 && Hv * total_chunks <= 2048 ? kSeg : 0;
+  return longest >= 32 && total_chunks <= 128 && Hv * total_chunks <= 2048 ? kBackwardShortSeg
+                                                                          : 0;
 }
 
 // FLASHGDN_BWD_SHORT=2 (opt-in, session 55, NOT YET RUN ON A GPU): the short split's region
@@ -407,9 +410,8 @@ inline int64_t backward_short_split(int64_t Hv, int64_t total_chunks, int64_t lo
 // sequence), and leaves out eight sequences of 8k tokens in all (16 chunks on average), where
 // it lost.
 inline int64_t backward_short_split_avg(int64_t Hv, int64_t token_chunks, int64_t n) {
-  constexpr int64_t kSeg = 12;
   return n > 0 && token_chunks <= 128 && Hv * token_chunks <= 2048 && token_chunks >= 32 * n
-             ? kSeg
+             ? kBackwardShortSeg
              : 0;
 }
 
