@@ -14,6 +14,7 @@
 // transition and local state) and a sequential combine over the segments.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace flashgdn {
@@ -413,6 +414,28 @@ inline int64_t backward_short_split_avg(int64_t Hv, int64_t token_chunks, int64_
   return n > 0 && token_chunks <= 128 && Hv * token_chunks <= 2048 && token_chunks >= 32 * n
              ? kBackwardShortSeg
              : 0;
+}
+
+// The longest sequence's chunks as the backward's rules take them from a query: a bound
+// (backward_cols: the hint where it is smaller than all chunks, else all of them), and the
+// known count (the short split: fixed lengths and one packed sequence exactly, packed ones by
+// the hint; 0 unknown).
+inline int64_t longest_chunks_bound(const SegmentQuery& q) {
+  if (q.longest_hint > 0) return std::min(q.total_chunks, q.longest_hint);
+  return q.fixed_chunks >= 0 ? q.fixed_chunks : q.total_chunks;
+}
+inline int64_t longest_chunks_known(const SegmentQuery& q) {
+  return q.fixed_chunks >= 0 ? q.fixed_chunks : std::max<int64_t>(0, q.longest_hint);
+}
+
+// The backward's short split for a query (its segment length, or 0): `mode` 1
+// backward_short_split, 2 backward_short_split_avg (`token_chunks` = ceil(tokens / 64)), else
+// none; none where the query forces a mode or a length (FLASHGDN_CP, FLASHGDN_CP_SEG).
+inline int64_t backward_short_seg(const SegmentQuery& q, int mode, int64_t token_chunks) {
+  if (q.mode != CpMode::Auto || q.forced_seg_chunks != 0) return 0;
+  if (mode == 1) return backward_short_split(q.Hv, q.total_chunks, longest_chunks_known(q));
+  if (mode == 2) return backward_short_split_avg(q.Hv, token_chunks, q.N);
+  return 0;
 }
 
 // What the cost model needs of the sequences: the longest one's chunks, all chunks, and

@@ -593,10 +593,7 @@ bool bwd_cols(const Problem& p) {
   if (v == 0 || v == 1) return v == 1;
   if (bwd_short_seg(p) > 0) return true;  // the short split runs in the 128-column passes
   const SegmentQuery q = sequence_query(p);
-  int64_t longest = q.fixed_chunks;  // varlen: all chunks, or the hint where it is smaller
-  if (p.varlen())
-    longest = q.longest_hint > 0 ? std::min(q.total_chunks, q.longest_hint) : q.total_chunks;
-  return backward_cols(q.Hv, q.total_chunks, longest, q.sms);
+  return backward_cols(q.Hv, q.total_chunks, longest_chunks_bound(q), q.sms);
 }
 
 // The backward's short split (planner.h backward_short_split): its segment length, or 0.
@@ -608,14 +605,12 @@ bool bwd_cols(const Problem& p) {
 int64_t bwd_short_seg(const Problem& p) {
   const int mode = env_int_or("FLASHGDN_BWD_SHORT", 1);
   if (fwd_pass() != FwdPass::F16 || !grad_tc() || mode == 0 ||
-      env_int_or("FLASHGDN_BWD_COLS", -1) == 0 || cp_mode_from_env() != CpMode::Auto ||
-      cp_seg_chunks_from_env() != 0)
+      env_int_or("FLASHGDN_BWD_COLS", -1) == 0)
     return 0;
-  if (mode == 2) return backward_short_split_avg(p.Hv, (p.TT + C - 1) / C, p.N);
-  const SegmentQuery q = sequence_query(p);
-  int64_t longest = q.fixed_chunks;  // varlen of one sequence: its exact chunks
-  if (p.varlen() && p.N > 1) longest = q.longest_hint > 0 ? q.longest_hint : 0;
-  return backward_short_split(q.Hv, q.total_chunks, longest);
+  SegmentQuery q = sequence_query(p);
+  q.mode = cp_mode_from_env();
+  q.forced_seg_chunks = cp_seg_chunks_from_env();
+  return backward_short_seg(q, mode == 2 ? 2 : 1, (p.TT + C - 1) / C);
 }
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments

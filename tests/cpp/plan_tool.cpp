@@ -140,17 +140,10 @@ int main(int argc, char** argv) {
   q.total_chunks = varlen ? chunks : q.N * chunks;
   q.fixed_chunks = varlen && q.N > 1 ? -1 : chunks;
   if (backward) {  // launch.cu bwd_cols, bwd_short_seg and plan_forward_uncached
-    const bool packed = varlen && q.N > 1;
-    const int64_t known = packed ? std::max<int64_t>(0, q.longest_hint) : q.fixed_chunks;
-    const int64_t bound = packed ? (q.longest_hint > 0 ? std::min(q.total_chunks, q.longest_hint)
-                                                        : q.total_chunks)
-                                 : q.fixed_chunks;
     const int64_t token_chunks = tokens > 0 ? (tokens + 63) / 64 : q.N * chunks;
-    const int64_t short_seg =
-        q.mode != CpMode::Auto || q.forced_seg_chunks != 0 ? 0
-        : short_avg ? backward_short_split_avg(q.Hv, token_chunks, q.N)
-                    : backward_short_split(q.Hv, q.total_chunks, known);
-    q.allow_cols = short_seg > 0 || backward_cols(q.Hv, q.total_chunks, bound, q.sms);
+    const int64_t short_seg = backward_short_seg(q, short_avg ? 2 : 1, token_chunks);
+    q.allow_cols = short_seg > 0 ||
+                   backward_cols(q.Hv, q.total_chunks, longest_chunks_bound(q), q.sms);
     if (short_seg > 0) {
       q.mode = CpMode::On;
       q.forced_seg_chunks = short_seg;

@@ -643,6 +643,37 @@ TEST(Planner, BackwardShortSplitRule) {
   for (const auto& r : lose) EXPECT_EQ(backward_short_split(r[0], r[1], r[2]), 0) << r[0];
 }
 
+TEST(Planner, BackwardShortSplitFromQuery) {
+  using flashgdn::SegmentQuery;
+  SegmentQuery q;  // one sequence of 128 chunks, 8 value heads
+  q.N = 1;
+  q.Hv = 8;
+  q.total_chunks = q.fixed_chunks = 128;
+  EXPECT_EQ(flashgdn::longest_chunks_known(q), 128);
+  EXPECT_EQ(flashgdn::longest_chunks_bound(q), 128);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 128), flashgdn::kBackwardShortSeg);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 0, 128), 0);
+  q.forced_seg_chunks = 20;  // FLASHGDN_CP_SEG: the planner does not choose
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 128), 0);
+  q.forced_seg_chunks = 0;
+  q.mode = flashgdn::CpMode::Off;
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 128), 0);
+  q.mode = flashgdn::CpMode::Auto;
+  // two packed sequences (max_chunks counts a partial chunk each): without a hint the
+  // longest is unknown (no short split by the default rule; the average rule needs none)
+  q.N = 2;
+  q.fixed_chunks = -1;
+  q.total_chunks = 66;
+  EXPECT_EQ(flashgdn::longest_chunks_known(q), 0);
+  EXPECT_EQ(flashgdn::longest_chunks_bound(q), 66);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 64), 0);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 2, 64), flashgdn::kBackwardShortSeg);
+  q.longest_hint = 40;  // cu_seqlens_cpu / max_seqlen
+  EXPECT_EQ(flashgdn::longest_chunks_known(q), 40);
+  EXPECT_EQ(flashgdn::longest_chunks_bound(q), 40);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 64), flashgdn::kBackwardShortSeg);
+}
+
 TEST(Planner, BackwardShortSplitByAverageRule) {
   using flashgdn::backward_short_split_avg;
   // (value heads, ceil(tokens / 64), sequences): the session-55 H200 rows the forced 12-chunk
