@@ -56,7 +56,7 @@ CHILD = """
 import sys, torch, flashgdn
 sys.path.insert(0, {bench!r})
 import bench_gdn as bg
-row = bg.build_rows({row_mode!r}, [{model!r}], [{seqs!r}], seed=0)[0]
+row = bg.build_rows({mode!r}, [{model!r}], [{seqs!r}], seed=0)[0]
 x = bg.make_inputs(row, seed=0)
 def fwd():
     return flashgdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
@@ -218,7 +218,7 @@ def main() -> None:
             report(parse(f.read().splitlines()))
         return
     child = CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)), model=args.model,
-                         seqs=args.seqs, mode=args.mode, row_mode=args.mode)
+                         seqs=args.seqs, mode=args.mode)
     if args.source:
         run_source(args, child)
         return

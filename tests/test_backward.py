@@ -228,6 +228,24 @@ def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
                          {"FLASHGDN_BWD_COLS": "0"}, {"FLASHGDN_BWD_COLS": "1"})
 
 
+def short_split_as_accurate(monkeypatch, label: str, case: Case, seed: int,
+                            off: Optional[str], on: Optional[str]) -> None:
+    """FLASHGDN_BWD_SHORT `off`, then `on` (None: unset), the planner's own choices otherwise:
+    switched_as_accurate, the reverse pass in state_bwd_cols_kernel under `on` and not under
+    `off` (the short split taken, and only by the switch)."""
+    for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG"):
+        monkeypatch.delenv(k, raising=False)
+    switched_as_accurate(monkeypatch, label, case, seed, 1.0,
+                         {"FLASHGDN_BWD_SHORT": off}, {"FLASHGDN_BWD_SHORT": on})
+    for value, taken in ((on, True), (off, False)):
+        if value is None:
+            monkeypatch.delenv("FLASHGDN_BWD_SHORT", raising=False)
+        else:
+            monkeypatch.setenv("FLASHGDN_BWD_SHORT", value)
+        ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=seed))
+        assert any("state_bwd_cols_kernel" in n for n in ran) == taken, (value, sorted(ran))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("case", [
@@ -243,15 +261,7 @@ def test_backward_short_split(monkeypatch, case: Case):
     reference as that plan's, within 2e-3 of it, finite. Warm-started segments on decaying
     heads, exact ones on g == 0 heads, very negative gates, h0, grouped heads; one sequence
     of 40 chunks (its last one partial), a batch of two."""
-    for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG"):
-        monkeypatch.delenv(k, raising=False)
-    switched_as_accurate(monkeypatch, "short split", case, 71, 1.0,
-                         {"FLASHGDN_BWD_SHORT": "0"}, {"FLASHGDN_BWD_SHORT": None})
-    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=71))
-    assert any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
-    monkeypatch.setenv("FLASHGDN_BWD_SHORT", "0")
-    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=71))
-    assert not any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
+    short_split_as_accurate(monkeypatch, "short split", case, 71, off="0", on=None)
 
 
 @pytest.mark.gpu
@@ -265,15 +275,7 @@ def test_backward_short_split_by_average(monkeypatch):
     float64 reference as the default plan's (16/32 columns, unsplit), within 2e-3 of it,
     finite. g == 0 and very negative gates, h0, grouped heads, odd lengths."""
     case = Case("short_avg", [2100, 2001], 2, 8, gate="mixed")
-    for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG"):
-        monkeypatch.delenv(k, raising=False)
-    switched_as_accurate(monkeypatch, "short split by average", case, 73, 1.0,
-                         {"FLASHGDN_BWD_SHORT": None}, {"FLASHGDN_BWD_SHORT": "2"})
-    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=73))
-    assert any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
-    monkeypatch.delenv("FLASHGDN_BWD_SHORT")
-    ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=73))
-    assert not any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
+    short_split_as_accurate(monkeypatch, "short split by average", case, 73, off=None, on="2")
 
 
 @pytest.mark.gpu
