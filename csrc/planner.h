@@ -401,15 +401,16 @@ inline int64_t backward_short_split(int64_t Hv, int64_t total_chunks, int64_t lo
                                                                           : 0;
 }
 
-// FLASHGDN_BWD_SHORT=2 (opt-in, session 55, NOT YET RUN ON A GPU): the short split's region
-// by the token count and the average sequence, `token_chunks` = ceil(tokens / 64) of all
+// The short split's region by the token count and the average sequence (FLASHGDN_BWD_SHORT=2
+// alone; with backward_short_split, the default): `token_chunks` = ceil(tokens / 64) of all
 // sequences, n of them: at most 128 chunks of tokens, value heads x those <= 2048, and 32
-// chunks or more a sequence on average. It takes the packed 8k rows of 2, 4 and 8 q/k heads
-// in two and four sequences, where the forced 12-chunk split measured 5-15% faster (bwd ms,
-// 2/4 0.500 -> 0.476 and 0.507 -> 0.440, 4/8 0.601 -> 0.575 and 0.607 -> 0.540, 8/16 0.913 ->
-// 0.863 and 0.929 -> 0.839), which backward_short_split misses (a partial chunk counted per
-// sequence), and leaves out eight sequences of 8k tokens in all (16 chunks on average), where
-// it lost.
+// chunks or more a sequence on average. It needs no host lengths and takes the packed 8k rows
+// in two and four sequences, which backward_short_split misses (a partial chunk counted per
+// sequence); it leaves out eight sequences of 8k tokens in all (16 chunks on average), where
+// the forced split lost. Measured (H200, 2026-11-27, session 56; bwd ms, two rounds
+// alternated, backward_short_split alone -> this rule): 2/4 x 8k in 2 and 4 packed sequences
+// 0.500 -> 0.482, 0.506 -> 0.443; 4/8 0.601 -> 0.572, 0.607 -> 0.538; 8/16 0.914 -> 0.864,
+// 0.933 -> 0.836; the other 26 rows within 0.5% (docs/session56-bwd-short-h200.json).
 inline int64_t backward_short_split_avg(int64_t Hv, int64_t token_chunks, int64_t n) {
   return n > 0 && token_chunks <= 128 && Hv * token_chunks <= 2048 && token_chunks >= 32 * n
              ? kBackwardShortSeg
@@ -428,13 +429,20 @@ inline int64_t longest_chunks_known(const SegmentQuery& q) {
   return q.fixed_chunks >= 0 ? q.fixed_chunks : std::max<int64_t>(0, q.longest_hint);
 }
 
-// The backward's short split for a query (its segment length, or 0): `mode` 1
-// backward_short_split, 2 backward_short_split_avg (`token_chunks` = ceil(tokens / 64)), else
-// none; none where the query forces a mode or a length (FLASHGDN_CP, FLASHGDN_CP_SEG).
+// FLASHGDN_BWD_SHORT's modes: 0 none, 1 backward_short_split, 2 backward_short_split_avg,
+// kBackwardShortEither (unset, the default since session 56) where either rule applies.
+constexpr int kBackwardShortEither = 3;
+// The backward's short split for a query (its segment length, or 0) in `mode`
+// (`token_chunks` = ceil(tokens / 64)); none where the query forces a mode or a length
+// (FLASHGDN_CP, FLASHGDN_CP_SEG).
 inline int64_t backward_short_seg(const SegmentQuery& q, int mode, int64_t token_chunks) {
   if (q.mode != CpMode::Auto || q.forced_seg_chunks != 0) return 0;
-  if (mode == 1) return backward_short_split(q.Hv, q.total_chunks, longest_chunks_known(q));
-  if (mode == 2) return backward_short_split_avg(q.Hv, token_chunks, q.N);
+  const bool by_longest = mode == 1 || mode == kBackwardShortEither;
+  const bool by_average = mode == 2 || mode == kBackwardShortEither;
+  if (by_longest && backward_short_split(q.Hv, q.total_chunks, longest_chunks_known(q)) > 0)
+    return kBackwardShortSeg;
+  if (by_average && backward_short_split_avg(q.Hv, token_chunks, q.N) > 0)
+    return kBackwardShortSeg;
   return 0;
 }
 

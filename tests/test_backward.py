@@ -267,15 +267,15 @@ def test_backward_short_split(monkeypatch, case: Case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_backward_short_split_by_average(monkeypatch):
-    """FLASHGDN_BWD_SHORT=2 (opt-in; NOT YET RUN ON A GPU when written, session 55): the short
-    split's region by the tokens and the average sequence (planner.h
-    backward_short_split_avg) takes packed sequences the default rule cannot judge (no host
-    lengths: 2 x ~2000 tokens, 65 chunks of tokens, 8 value heads), whose backward then runs
-    in the 128-column passes in 12-chunk segments: every gradient as accurate against the
-    float64 reference as the default plan's (16/32 columns, unsplit), within 2e-3 of it,
-    finite. g == 0 and very negative gates, h0, grouped heads, odd lengths."""
+    """The short split's region by the tokens and the average sequence (planner.h
+    backward_short_split_avg, part of the default since session 56) takes packed sequences
+    the longest-sequence rule alone (FLASHGDN_BWD_SHORT=1) cannot judge (no host lengths:
+    2 x ~2000 tokens, 65 chunks of tokens, 8 value heads), whose backward then runs in the
+    128-column passes in 12-chunk segments: every gradient as accurate against the float64
+    reference as that rule's plan (16/32 columns, unsplit), within 2e-3 of it, finite.
+    g == 0 and very negative gates, h0, grouped heads, odd lengths."""
     case = Case("short_avg", [2100, 2001], 2, 8, gate="mixed")
-    short_split_as_accurate(monkeypatch, "short split by average", case, 73, off=None, on="2")
+    short_split_as_accurate(monkeypatch, "short split by average", case, 73, off="1", on=None)
 
 
 @pytest.mark.gpu

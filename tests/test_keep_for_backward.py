@@ -8,6 +8,8 @@ reference like the plain forward's. A kept workspace of another problem gives Na
 """
 from __future__ import annotations
 
+from typing import List
+
 import pytest
 import torch
 
@@ -77,13 +79,15 @@ def test_kept_backward_fixed_length_and_default_plan(monkeypatch, dtype: torch.d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-def test_kept_backward_short_split(monkeypatch):
-    """A shape the backward's short split takes (planner.h backward_short_split: one sequence
-    of 40 chunks, 8 value heads): the kept forward records for that plan, and the backward
-    on its workspace matches the recomputing one."""
+@pytest.mark.parametrize("lens", [[2500], [2100, 2001]], ids=["one", "packed"])
+def test_kept_backward_short_split(monkeypatch, lens: List[int]):
+    """Shapes the backward's short split takes (planner.h backward_short_seg, the default:
+    one sequence of 40 chunks by the longest-sequence rule; two packed ones of ~33 chunks,
+    no host lengths, by the average rule; 8 value heads): the kept forward records for that
+    plan, and the backward on its workspace matches the recomputing one."""
     for key in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT"):
         monkeypatch.delenv(key, raising=False)
-    check_against_recomputation(Case("kept_short", [2500], 2, 8, gate="mixed"), seed=9)
+    check_against_recomputation(Case("kept_short", lens, 2, 8, gate="mixed"), seed=9)
 
 
 @pytest.mark.gpu

@@ -596,21 +596,22 @@ bool bwd_cols(const Problem& p) {
   return backward_cols(q.Hv, q.total_chunks, longest_chunks_bound(q), q.sms);
 }
 
-// The backward's short split (planner.h backward_short_split): its segment length, or 0.
-// Only where the planner would choose (FLASHGDN_CP, FLASHGDN_CP_SEG unset), the backward's
-// passes may take 128 columns (FLASHGDN_BWD_COLS not 0) and the longest sequence is known
-// (fixed length, one packed sequence, or the max_seqlen / cu_seqlens_cpu hint);
-// FLASHGDN_BWD_SHORT=0: never; =2 (opt-in, NOT YET RUN ON A GPU): the region by the tokens
-// and the average sequence instead (backward_short_split_avg), which needs no host lengths.
+// The backward's short split (planner.h backward_short_seg): its segment length, or 0.
+// Only where the planner would choose (FLASHGDN_CP, FLASHGDN_CP_SEG unset) and the backward's
+// passes may take 128 columns (FLASHGDN_BWD_COLS not 0). FLASHGDN_BWD_SHORT unset: where
+// either rule applies (backward_short_split: the longest sequence known, from a fixed length,
+// one packed sequence or the max_seqlen / cu_seqlens_cpu hint; backward_short_split_avg: by
+// the tokens and the average sequence, no host lengths); =1, =2 that rule alone; =0 never.
 int64_t bwd_short_seg(const Problem& p) {
-  const int mode = env_int_or("FLASHGDN_BWD_SHORT", 1);
+  int mode = env_int_or("FLASHGDN_BWD_SHORT", kBackwardShortEither);
+  if (mode != 1 && mode != 2) mode = mode == 0 ? 0 : kBackwardShortEither;
   if (fwd_pass() != FwdPass::F16 || !grad_tc() || mode == 0 ||
       env_int_or("FLASHGDN_BWD_COLS", -1) == 0)
     return 0;
   SegmentQuery q = sequence_query(p);
   q.mode = cp_mode_from_env();
   q.forced_seg_chunks = cp_seg_chunks_from_env();
-  return backward_short_seg(q, mode == 2 ? 2 : 1, (p.TT + C - 1) / C);
+  return backward_short_seg(q, mode, (p.TT + C - 1) / C);
 }
 
 // The cost model of the planner. The overlapped schedule is the forward's (its sub-segments

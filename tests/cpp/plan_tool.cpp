@@ -35,9 +35,10 @@
 // --backward: the backward's plan (launch.cu plan_forward(p, true)) instead: the cost model
 // as plan_cost(true) builds it (no overlapped schedule, no correction, no kWy term, the tf32
 // pass's wave steps), 128 columns where backward_cols allows them, and the short split
-// (planner.h backward_short_split) where it applies, e.g. flashgdn_plan --backward --hv 8
-// --chunks 128 (4/8 heads x 8192 tokens: 12-chunk segments); with --short-avg the short
-// split's opt-in region (FLASHGDN_BWD_SHORT=2, backward_short_split_avg).
+// (planner.h backward_short_seg) where it applies, e.g. flashgdn_plan --backward --hv 8
+// --chunks 128 (4/8 heads x 8192 tokens: 12-chunk segments); --short-mode m as
+// FLASHGDN_BWD_SHORT=m (0 none, 1 backward_short_split alone, 2 backward_short_split_avg
+// alone; default: either).
 //
 // --estimates also prints the plan's estimate with each schedule left out in turn (no
 // overlapped schedule, no saturated one, without ForwardCost::unfused_wy_us): what the
@@ -58,7 +59,8 @@ int main(int argc, char** argv) {
   int64_t chunks = 0;
   bool varlen = false, hint = true, host_split = true, host_schedule = true, estimates = false;
   std::vector<int64_t> seq_chunks;  // --tokens: each sequence's chunks
-  bool backward = false, short_avg = false;
+  bool backward = false;
+  int short_mode = kBackwardShortEither;
   int64_t tokens = 0;  // --tokens: all of them
   for (int i = 1; i < argc; ++i) backward = backward || !std::strcmp(argv[i], "--backward");
   ForwardCost c;
@@ -96,7 +98,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--no-host-schedule")) host_schedule = false;
     else if (!std::strcmp(a, "--estimates")) estimates = true;
     else if (!std::strcmp(a, "--backward")) continue;  // (read above)
-    else if (!std::strcmp(a, "--short-avg")) short_avg = true;
+    else if (!std::strcmp(a, "--short-mode") && has_value) short_mode = static_cast<int>(value());
     else if (!std::strcmp(a, "--tokens") && has_value) {
       for (const char* t = argv[++i]; *t != '\0';) {
         char* end = nullptr;
@@ -141,7 +143,7 @@ int main(int argc, char** argv) {
   q.fixed_chunks = varlen && q.N > 1 ? -1 : chunks;
   if (backward) {  // launch.cu bwd_cols, bwd_short_seg and plan_forward_uncached
     const int64_t token_chunks = tokens > 0 ? (tokens + 63) / 64 : q.N * chunks;
-    const int64_t short_seg = backward_short_seg(q, short_avg ? 2 : 1, token_chunks);
+    const int64_t short_seg = backward_short_seg(q, short_mode, token_chunks);
     q.allow_cols = short_seg > 0 ||
                    backward_cols(q.Hv, q.total_chunks, longest_chunks_bound(q), q.sms);
     if (short_seg > 0) {

@@ -674,6 +674,40 @@ TEST(Planner, BackwardShortSplitFromQuery) {
   EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 64), flashgdn::kBackwardShortSeg);
 }
 
+TEST(Planner, BackwardShortSplitEitherRule) {
+  using flashgdn::SegmentQuery;
+  constexpr int kEither = flashgdn::kBackwardShortEither;  // FLASHGDN_BWD_SHORT unset
+  SegmentQuery q;
+  q.Hv = 8;
+  // four packed sequences of 8192 tokens in all, no hint: max_chunks 131 (> 128), the
+  // longest unknown; only the average rule takes them
+  q.N = 4;
+  q.fixed_chunks = -1;
+  q.total_chunks = 131;
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 128), 0);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 2, 128), flashgdn::kBackwardShortSeg);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, kEither, 128), flashgdn::kBackwardShortSeg);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 0, 128), 0);
+  // eight of them: 16 chunks a sequence on average, neither rule
+  q.N = 8;
+  q.total_chunks = 135;
+  EXPECT_EQ(flashgdn::backward_short_seg(q, kEither, 128), 0);
+  // two sequences of 2000 tokens (32 chunks each, 63 chunks of tokens: < 32 on average):
+  // only the longest-sequence rule takes them, by the hint
+  q.N = 2;
+  q.total_chunks = 64;
+  q.longest_hint = 32;
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 2, 63), 0);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, 1, 63), flashgdn::kBackwardShortSeg);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, kEither, 63), flashgdn::kBackwardShortSeg);
+  // 32/32 heads x 8192 tokens: too much work for either
+  q.Hv = 32;
+  q.N = 1;
+  q.fixed_chunks = q.total_chunks = 128;
+  q.longest_hint = 0;
+  EXPECT_EQ(flashgdn::backward_short_seg(q, kEither, 128), 0);
+}
+
 TEST(Planner, BackwardShortSplitByAverageRule) {
   using flashgdn::backward_short_split_avg;
   // (value heads, ceil(tokens / 64), sequences): the session-55 H200 rows the forced 12-chunk
