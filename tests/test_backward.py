@@ -280,6 +280,49 @@ def test_backward_short_split_by_average(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("cp", ["off", "on"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_recompute_on_tma_kernel_same_bits(monkeypatch, cp: str, dtype: torch.dtype):
+    """The backward's recomputation in state_fwd_tma_kernel's kRec (TMA producer, wgmma state
+    warpgroups; the default since session 56) records the same states and U as
+    state_fwd_cols_kernel's (FLASHGDN_REC_TMA=0), so the gradients are equal bit for bit; and
+    each setting runs its kernel in the backward. 128-column passes, unsplit and in 5-chunk
+    segments (warm-ups, exact g == 0 heads), packed odd lengths, grouped heads, h0."""
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT"):
+        monkeypatch.delenv(k, raising=False)
+    if cp == "on":
+        monkeypatch.setenv("FLASHGDN_CP", "on")
+        monkeypatch.setenv("FLASHGDN_CP_SEG", "5")
+    case = Case("rec_tma", [700, 1300, 64, 1], 2, 8, gate="mixed", dtype=dtype)
+    inp = make_inputs(case, "cuda", 41)
+    grads, ran = {}, {}
+    for rec in ("0", None):
+        if rec is None:
+            monkeypatch.delenv("FLASHGDN_REC_TMA", raising=False)
+        else:
+            monkeypatch.setenv("FLASHGDN_REC_TMA", rec)
+        leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None)
+                  for n in NAMES}
+        o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                output_final_state=True)
+        do, dht = cotangents(o, ht, 141)
+        wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
+        out = []
+        ran[rec] = cuda_kernels_run(lambda: out.extend(
+            torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)))
+        grads[rec] = out
+    assert any("state_fwd_cols_kernel" in n for n in ran["0"]), sorted(ran["0"])
+    assert not any("state_fwd_tma_kernel" in n for n in ran["0"]), sorted(ran["0"])
+    assert any("state_fwd_tma_kernel" in n for n in ran[None]), sorted(ran[None])
+    assert not any("state_fwd_cols_kernel" in n for n in ran[None]), sorted(ran[None])
+    for n, a, b in zip([n for n in NAMES if inp[n] is not None], grads[None], grads["0"]):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
+        assert torch.equal(a, b), f"d{n}: the TMA recomputation's differs from the cols one's"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 def test_cols_row_scale_keeps_small_columns(monkeypatch):
     """FLASHGDN_BWD_ROWSCALE=1 (opt-in; NOT YET RUN ON A GPU when written): the 128-column
     reverse pass scales each value column by its own power of two, so value columns whose

@@ -157,6 +157,12 @@ bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") >= 1; }
 // folded into the Q tile (kSsY, two stages; docs/perf-notes.md versions 41-42, plan item 1's
 // first step; 7-13% slower than =1 on H100).
 bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
+// The backward's recomputation (records, no outputs) in state_fwd_tma_kernel's kRec
+// (tma_record_pass; the default since session 56) rather than state_fwd_cols_kernel
+// (FLASHGDN_REC_TMA=0). The same records bit for bit; H200 2026-11-27, fwd+bwd 0.990x over the
+// 32 backward rows (0.969x-1.005x; 16/32 x 32768 the recomputation's state pass ~0.60 ->
+// ~0.55 ms), docs/benchmarks.md "Session 56".
+bool rec_tma() { return env_int_or("FLASHGDN_REC_TMA", 1) != 0; }
 // The overlapped schedule of a split sequential pass (the forward's, the backward's
 // recomputation and its reverse pass): the phase-0 blocks of segments that do not start
 // exact (h0 / dht, warm-ups: most of the decaying heads' work) run on the caller's stream
@@ -581,8 +587,8 @@ bool bwd_simt() { return env_int_or("FLASHGDN_BWD_SIMT", 0) == 1; }
 bool grad_tc() { return !bwd_simt() && env_int_or("FLASHGDN_GRAD_TC", 1) != 0; }
 
 // The backward's sequential passes in the one-block-per-head kernels (the reverse pass in
-// state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_cols_kernel,
-// with the f16 pass) where backward_cols (planner.h) says they win;
+// state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_tma_kernel's
+// kRec, or state_fwd_cols_kernel (rec_tma), with the f16 pass) where backward_cols (planner.h) says they win;
 // FLASHGDN_BWD_COLS=0 / 1 overrides. Both write fp16 record blocks, which only
 // grad_chunk_tc_kernel reads: not with the SIMT reference kernels, and only with the
 // default f16 forward pass (whose kernel records them).
@@ -1037,6 +1043,19 @@ bool tma_pass(const Problem& p, const FwdParams& f, TmaMaps& maps) {
          make_tma_map(maps.v, f.v, p.TT, p.Hv, D, in16);
 }
 
+// Whether this launch of the backward's recomputation (records, no outputs: not a kept
+// forward's) is state_fwd_tma_kernel's kRec (rec_tma); maps: k (wy's fp16 copies or the fp16
+// inputs) and v (q is never loaded without outputs).
+bool tma_record_pass(const Problem& p, const FwdParams& f, TmaMaps& maps) {
+  if (!rec_tma() || f.h == nullptr || f.o != nullptr || f.corr || f.fused || f.kq_bf16 ||
+      f.Kh == nullptr || f.Tv16 == nullptr || f.EG == nullptr)
+    return false;
+  const CUtensorMapDataType f16 = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return make_tma_map(maps.k, f.Kh, p.TT, p.Hqk, D, f16) &&
+         make_tma_map(maps.q, f.Kh, p.TT, p.Hqk, D, f16) &&
+         make_tma_map(maps.v, f.v, p.TT, p.Hv, D, tma_in_type(p));
+}
+
 template <typename In>
 void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParams& f,
                        cudaStream_t st, bool pdl = false) {
@@ -1064,11 +1083,13 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     set_smem(state_fwd_tma_kernel<In, 3, false, 1>, StateFwdTmaSmem::wy_bytes(3, false));
     set_smem(state_fwd_tma_kernel<In, 2, false, 2>, StateFwdTmaSmem::wy_bytes(2, true));
     set_smem(state_fwd_tma_kernel<In, 3, false, 1, true>, StateFwdTmaSmem::wy_bytes(3, false));
+    set_smem(state_fwd_tma_kernel<In, 2, false, 0, false, true>, StateFwdTmaSmem::rec_bytes(2));
     if constexpr (kBf16)
       set_smem(state_fwd_tma_kernel<In, 3, false, 3>, StateFwdTmaSmem::wy_bytes(3, false));
   });
   TmaMaps maps;
-  const bool tma = tma_pass(p, f, maps);
+  const bool tma_rec = tma_record_pass(p, f, maps);
+  const bool tma = !tma_rec && tma_pass(p, f, maps);
   // the fused TMA kernel (tma_wy_mode): its maps are the inputs (fused_in_pass checked TMA can
   // read them)
   int wy_mode = f.tma_wy;
@@ -1150,6 +1171,8 @@ void launch_state_cols(const SegmentPlan& plan, const Problem& p, const FwdParam
     else if (f.corr && f.phase == 1)  // exact segments' outputs by correction (the planner
       // takes them at 16 / 32 columns only; here forced: the barrier schedule, as tested)
       go(state_fwd_cols_kernel<In, false, true>, Sm::kBytes);
+    else if (tma_rec)  // the backward's recomputation on the TMA kernel (rec_tma)
+      tgo(state_fwd_tma_kernel<In, 2, false, 0, false, true>, StateFwdTmaSmem::rec_bytes(2));
     else if (f.h != nullptr)  // the backward's recomputation (launch.cu bwd_cols)
       ping ? go(state_fwd_cols_kernel<In, true, false, true>, Sm::ping_bytes(true))
            : go(state_fwd_cols_kernel<In, true>, Sm::kRecordBytes);
@@ -1693,7 +1716,8 @@ void run_state_pass(const Problem& p, const SegmentPlan& plan, const FwdBuffers&
     run_planner(p, f.seqs, b, plan.seg_chunks, choice, st);
     launch_wy<In>(p, f, st);
   }
-  // bwd_cols: the backward's recomputation in state_fwd_cols_kernel too, on the backward's
+  // bwd_cols: the backward's recomputation in the 128-column kernels too (launch_state_cols:
+  // state_fwd_tma_kernel's kRec or state_fwd_cols_kernel, rec_tma), on the backward's
   // segments (whatever column block the plan or the device picked for them)
   const bool recompute_cols = f.h != nullptr && b.p16;
   auto launch = [&](cudaStream_t s, bool pdl) {

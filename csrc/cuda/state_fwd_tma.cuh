@@ -57,7 +57,9 @@
 // warpgroup's gate scan overwrote beta under a lagging warp's reads; tma_wy).
 //   reads  k, q (kq_bf16) or Kh, Qh, v (TMA), Tv16, P16 (lower block triangles; kWy 1: Tv16,
 //          G; kWy 2: g and beta instead), EG, initial state, seg_in
-//   writes o, final state (phase 0); seg_L, seg_M, sub_L, sub_M (phase 1)
+//   writes o, final state (phase 0); seg_L, seg_M, sub_L, sub_M (phase 1); kRec: h, U and
+//          their factors (the backward's recomputation: fp16 record blocks, mma.cuh) instead
+//          of o
 #pragma once
 
 #include "fwd_tma_wy.cuh"
@@ -204,11 +206,15 @@ struct TmaIssueOrder {
 // registers, but in the last group from S^T's fp16 fragments staged in the warpgroup's tile
 // St (stmatrix, 128-byte swizzle) against the Q tile the producer scaled by e^G: 32 fewer
 // registers live through the chunk (ptxas: the state role without spills down to 168).
+// u_rec (kRec's chunks past the warm-up, else null): U's token record block of this warp's
+// value columns, with its factor at u_scale, through the warp's rec_stage (mma.cuh).
 template <typename In, bool kOut, bool kSsY>
 __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][4],
                                           const unsigned char* st, TmaIssueOrder& order,
                                           bool identity, int L, uint64_t* empty_s, __half* Ost,
-                                          int64_t tok0, int64_t h, unsigned char* St) {
+                                          int64_t tok0, int64_t h, unsigned char* St,
+                                          __half* u_rec = nullptr, float* u_scale = nullptr,
+                                          __half* rec_stage = nullptr) {
   constexpr bool kY1 = kOut && !kSsY;  // Y in the first group
   using Sm = StateFwdTmaSmem;
   const int warp = threadIdx.x >> 5, lane = lane_id();
@@ -292,6 +298,8 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
   fence_acc(u);
 #pragma unroll
   for (int kt = 0; kt < 4; ++kt) fence_frag(wa[kt]);
+  // U (zero at token columns past the end: W'^T is, and T's rows there are zero-filled)
+  if (u_rec != nullptr) store_record_cols(u_rec, u_scale, u, rec_stage);
 
   // U^T and U^T diag(e^{G_last - G}) as A fragments, zero at token columns past the end
   uint32_t ua[4][4], ue[4][4];
@@ -371,8 +379,10 @@ __device__ __forceinline__ void tma_chunk(const FwdParams& p, float (&sacc)[16][
   }
 }
 
-// A state warpgroup's part of one segment block.
-template <typename In, int kStages, bool kSsY>
+// A state warpgroup's part of one segment block. kRec (the backward's recomputation, p.h
+// set, phase 0): the state entering every chunk past the warm-up and its U as fp16 record
+// blocks, each warp its 16 value columns (state_fwd_cols_kernel's records, its layout).
+template <typename In, int kStages, bool kSsY, bool kRec = false>
 __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlock& b,
                                             uint32_t n0, unsigned char* base, uint64_t* full,
                                             uint64_t* empty, TmaIssueOrder& order) {
@@ -380,6 +390,9 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
   const int warp = threadIdx.x >> 5;
   const int v0 = 16 * warp;
   const bool want_o = p.phase == 0 && p.o != nullptr && !(p.debug & 1);
+  const bool record = kRec && p.phase == 0 && p.h != nullptr;
+  __half* rec_stage =
+      kRec ? reinterpret_cast<__half*>(base + Sm::rec(kStages) + warp * kRecStageBytes) : nullptr;
   __half* Ost =
       reinterpret_cast<__half*>(base + Sm::ost(kStages, kSsY)) + (warp >> 2) * C * Sm::kLdo;
   unsigned char* St = base + Sm::s_tiles(kStages) + (warp >> 2) * 16384;  // kSsY only
@@ -405,7 +418,16 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
     const unsigned char* st = base + s * Sm::kStage;
     const int64_t tok0 = b.start + ci * C;
     const int L = chunk_rows(b.len, ci);
-    if (want_o && ci >= b.c_begin)
+    if (kRec && record && ci >= b.c_begin) {  // the state entering chunk ci, then (in tma_chunk) U
+      const int64_t rec = (b.chunk0 + ci) * p.Hv + b.h;
+      if (!(p.debug & 4))
+        store_record_cols(reinterpret_cast<__half*>(record_at<D>(p.h, rec, true)) + v0 * D,
+                          p.h_scale + rec * 8 + warp, sacc, rec_stage);
+      __half* u_rec = p.debug & 8 ? nullptr
+                                  : reinterpret_cast<__half*>(record_at<C>(p.U, rec, true)) + v0 * C;
+      tma_chunk<In, false, kSsY>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h,
+                                 St, u_rec, p.U_scale + rec * 8 + warp, rec_stage);
+    } else if (want_o && ci >= b.c_begin)
       tma_chunk<In, true, kSsY>(p, sacc, st, order, b.identity, L, &empty[s], Ost, tok0, b.h,
                                 St);
     else
@@ -413,6 +435,7 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
                                  St);
   }
   if (float* dst = leaving_state(p, b)) store_state_cols(dst, sacc, v0);
+  if (kRec && lane_id() == 0) bulk_wait();  // the records' bulk stores are complete
 }
 
 // kWy: 0 (FLASHGDN_COLS_TMA=1, 3), 2 (=4: T diag(beta) and P formed by the WY warpgroup),
@@ -420,9 +443,15 @@ __device__ __forceinline__ void tma_consume(const FwdParams& p, const SegmentBlo
 // FLASHGDN_TMA_KCONV=1, opt-in; tested, measured neutral in session 54). kFlat (kWy 1,
 // looped phase 0 without the host's slot count: grid y = 1, the slots walk every head's
 // segments; for_each_segment_block).
-template <typename In, int kStages = 2, bool kSsY = false, int kWy = 0, bool kFlat = false>
+// kRec (the backward's recomputation without outputs, launch.cu tma_record_pass; the default,
+// FLASHGDN_REC_TMA=0 state_fwd_cols_kernel's instead): the plain pass (kWy 0, two stages)
+// recording the state entering every chunk and U (tma_consume), ~197 KB smem.
+template <typename In, int kStages = 2, bool kSsY = false, int kWy = 0, bool kFlat = false,
+          bool kRec = false>
 __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     state_fwd_tma_kernel(const __grid_constant__ TmaMaps maps, FwdParams p) {
+  static_assert(!kRec || (kWy == 0 && kStages == 2 && !kSsY && !kFlat),
+                "kRec: the plain pass, two stages");
   static_assert(!kWy || (kStages == (kWy == 2 ? 2 : 3) && !kSsY),
                 "kWy 2: two stages, 1 and 3: three; Y from registers");
   static_assert(kWy != 3 || !std::is_same<In, __half>::value, "kWy 3: bf16 inputs (K converted)");
@@ -499,7 +528,7 @@ __global__ void __launch_bounds__(kWy ? kTmaWyThreads : kTmaThreads, 1)
     setmaxnreg_inc<kWy ? tma_wy_regs(kWy, 0) : kTmaStateRegs>();
     TmaIssueOrder order{warp < 4};
     for_each_segment_block<D, kFlat>(p, false, [&](const SegmentBlock& b) {
-      tma_consume<In, kStages, kSsY>(p, b, n_used, base, full, empty, order);
+      tma_consume<In, kStages, kSsY, kRec>(p, b, n_used, base, full, empty, order);
       if (b.ss.c_first < b.c_end) n_used += static_cast<uint32_t>(b.c_end - b.ss.c_first);
     }, pre);
     // warpgroup 1's last arrival on barrier 1 taken, so the barrier is empty at exit

@@ -59,6 +59,14 @@ struct StateFwdTmaSmem {
   static constexpr size_t bytes(int stages, bool ssy = false) {
     return ost(stages, ssy) + 2 * sizeof(__half) * C * kLdo + 1024;  // + the alignment's slack
   }
+  // kRec (the backward's recomputation, two stages): after the output staging, each state
+  // warp's staging of its records (mma.cuh kRecStageBytes)
+  static constexpr size_t rec(int stages) {
+    return (ost(stages) + 2 * sizeof(__half) * C * kLdo + 127) / 128 * 128;
+  }
+  static constexpr size_t rec_bytes(int stages) {
+    return rec(stages) + 8 * static_cast<size_t>(kRecStageBytes) + 1024;
+  }
   // kWy: after the output staging, the WY warpgroup's chunk G and beta; then (kWy 2, from a
   // 1024-byte boundary) its two A tiles (swizzled [64][64] fp16: A's blocks (1,0) and (3,2), and
   // its lower left 32 x 32), A's and T's diagonal 16 x 16 blocks and T's blocks (1,0), (3,2)
@@ -76,6 +84,7 @@ static_assert(StateFwdTmaSmem::wy_bytes(2, true) <= 227 * 1024 &&
                   StateFwdTmaSmem::wy_bytes(3, false) <= 227 * 1024,
               "kWy: two stages (2) or three (1) fit");
 static_assert(StateFwdTmaSmem::bytes(2, true) <= 227 * 1024, "kSsY: two stages fit");
+static_assert(StateFwdTmaSmem::rec_bytes(2) <= 227 * 1024, "kRec: two stages and records fit");
 static_assert(StateFwdTmaSmem::bytes(3) <= 227 * 1024, "one block an SM");
 
 // one box of a 3-D map (x: value offset, y: head, z: token) into shared memory, signalling bar
