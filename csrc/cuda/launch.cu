@@ -159,9 +159,9 @@ bool cols_tma() { return env_int("FLASHGDN_COLS_TMA") >= 1; }
 bool cols_tma_ssy() { return env_int("FLASHGDN_COLS_TMA") == 3; }
 // The backward's recomputation (records, no outputs) in state_fwd_tma_kernel's kRec
 // (tma_record_pass; the default since session 56) rather than state_fwd_cols_kernel
-// (FLASHGDN_REC_TMA=0). The same records bit for bit; H200 2026-11-27, fwd+bwd 0.990x over the
-// 32 backward rows (0.969x-1.005x; 16/32 x 32768 the recomputation's state pass ~0.60 ->
-// ~0.55 ms), docs/benchmarks.md "Session 56".
+// (FLASHGDN_REC_TMA=0). The same records bit for bit; 2026-11-27, fwd+bwd over the 32
+// backward rows 0.989x on an H200 (0.970x-1.002x; 16/32 x 32768 the recomputation's state
+// pass ~0.60 -> ~0.55 ms), 0.992x on an H100; docs/benchmarks.md "Session 56".
 bool rec_tma() { return env_int_or("FLASHGDN_REC_TMA", 1) != 0; }
 // The overlapped schedule of a split sequential pass (the forward's, the backward's
 // recomputation and its reverse pass): the phase-0 blocks of segments that do not start
@@ -588,7 +588,8 @@ bool grad_tc() { return !bwd_simt() && env_int_or("FLASHGDN_GRAD_TC", 1) != 0; }
 
 // The backward's sequential passes in the one-block-per-head kernels (the reverse pass in
 // state_bwd_cols_kernel, state_bwd_cols.cuh; the recomputation in state_fwd_tma_kernel's
-// kRec, or state_fwd_cols_kernel (rec_tma), with the f16 pass) where backward_cols (planner.h) says they win;
+// kRec, or state_fwd_cols_kernel (rec_tma), with the f16 pass) where backward_cols
+// (planner.h) says they win;
 // FLASHGDN_BWD_COLS=0 / 1 overrides. Both write fp16 record blocks, which only
 // grad_chunk_tc_kernel reads: not with the SIMT reference kernels, and only with the
 // default f16 forward pass (whose kernel records them).
