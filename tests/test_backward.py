@@ -40,6 +40,30 @@ def test_gradients_match_reference(case: Case, device: str):
         assert e < GRAD_TOL, f"d{n} relative error {e:.3e}"
 
 
+def test_reference_checkpointing_keeps_its_gradients(monkeypatch):
+    """The float64 reference checkpoints blocks of CKPT_TOKENS tokens under autograd (its
+    saved states ran the GPU tests out of memory side by side): outputs and every gradient
+    equal bit for bit to the reference without checkpointing, across block boundaries
+    (partial last blocks, packed sequences, h0, grouped heads). CPU, no GPU needed."""
+    import flashgdn.reference as R
+    case = Case("ckpt", [150, 64, 29], 2, 4, gate="mixed")
+    inp = make_inputs(case, "cpu", 11)
+    monkeypatch.setattr(R, "CKPT_TOKENS", 32)
+    results = []
+    for plain in (False, True):
+        if plain:  # the recurrence as before: every step's tensors saved
+            monkeypatch.setattr(R, "checkpoint", lambda fn, *a, **kw: fn(*a))
+        leaves = {n: (inp[n].double().clone().requires_grad_() if inp[n] is not None else None)
+                  for n in NAMES}
+        o, ht = R.recurrent_gated_delta_rule_ref(**leaves, cu_seqlens=inp["cu_seqlens"])
+        do, dht = cotangents(o, ht, 12)
+        wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
+        results.append((o, ht) + torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt))
+    assert len(results[0]) == 2 + len([n for n in NAMES if inp[n] is not None])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"output {i}: {(a - b).abs().max().item():.3e}"
+
+
 def test_backward_without_final_state_grad(device: str):
     inp = make_inputs(Case("nf", [80], 1, 2), device, seed=7)
     q = inp["q"].clone().requires_grad_()
