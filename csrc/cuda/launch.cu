@@ -1440,28 +1440,23 @@ void launch_state_bwd_tc(const SegmentPlan& plan, const Problem& p, const BwdPar
 // FLASHGDN_BWD_ROWSCALE=1 (opt-in; tested on the H100, 1-2% slower, docs/benchmarks.md
 // session 26): the reverse pass's power of two
 // per value column instead of per warp (state_bwd_cols.cuh, kRow).
-// The 128-column reverse pass runs on wgmma (state_bwd_wg_kernel) unless FLASHGDN_BWD_WG=0
-// or ROWSCALE (state_bwd_cols_kernel, mma.sync).
 template <typename In>
 void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdParams& g,
                            cudaStream_t st) {
-  constexpr size_t smem = StateBwdColsSmem<In>::kBytes, smem_wg = StateBwdWgSmem::kBytes;
+  constexpr size_t smem = StateBwdColsSmem<In>::kBytes;
   static std::once_flag once;
   std::call_once(once, [] {
     set_smem(state_bwd_cols_kernel<In, false>, smem);
     set_smem(state_bwd_cols_kernel<In, true>, smem);
-    set_smem(state_bwd_wg_kernel<In>, smem_wg);
   });
   const bool rows = env_int_or("FLASHGDN_BWD_ROWSCALE", 0) == 1;
-  const bool wg = !rows && env_int_or("FLASHGDN_BWD_WG", 1) != 0;
   const int64_t blocks_x = g.phase == 1 ? 2 : 1;
   for_each_z_slice(g, plan.max_segments, blocks_x * p.Hv, sm_count(p.device_id),
                    [&](const BwdParams& gz, unsigned z) {
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
-    if (wg) state_bwd_wg_kernel<In><<<grid, NT, smem_wg, st>>>(gz);
-    else if (rows) state_bwd_cols_kernel<In, true><<<grid, NT, smem, st>>>(gz);
+    if (rows) state_bwd_cols_kernel<In, true><<<grid, NT, smem, st>>>(gz);
     else state_bwd_cols_kernel<In, false><<<grid, NT, smem, st>>>(gz);
-    check_cuda(cudaGetLastError(), wg ? "state_bwd_wg_kernel launch" : "state_bwd_cols_kernel launch");
+    check_cuda(cudaGetLastError(), "state_bwd_cols_kernel launch");
   });
 }
 

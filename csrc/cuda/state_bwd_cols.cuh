@@ -30,8 +30,6 @@
 #pragma once
 
 #include "bwd_kernels.cuh"
-#include "state_fwd_tma_layout.cuh"
-#include "wgmma.cuh"
 
 namespace flashgdn {
 namespace cuda {
@@ -44,19 +42,6 @@ struct StateBwdColsSmem {
   // and each warp's staging of its records (mma.cuh)
   static constexpr size_t kBytes = 2 * kStage + (NT / 32) * kRecStageBytes;
 };
-// kWg (state_bwd_wg_kernel): a stage holds Q and K as [64][128] fp16 tiles in two 128-byte-
-// swizzled 64-column halves (state_fwd_tma_layout.cuh swz128), P and T as swizzled [64][64]
-// fp16 tiles (their lower block triangles copied, the blocks above zeroed once), dO as the
-// cols kernel's padded tile (A fragments only, by ldmatrix.trans) and the factors; stages
-// 1024-byte aligned from the block's aligned base, then each warp's record staging.
-struct StateBwdWgSmem {
-  static constexpr int kOffQ = 0, kOffK = 16384, kOffP = 32768, kOffT = 40960, kOffO = 49152;
-  static constexpr int kOffF = kOffO + 2 * C * LDH;  // 66560
-  static constexpr int kStage = kOffF + 16 * C;      // 67584 = 66 x 1024
-  static constexpr size_t kBytes = 2 * kStage + (NT / 32) * kRecStageBytes + 1024;
-};
-static_assert(StateBwdWgSmem::kStage % 1024 == 0 && StateBwdWgSmem::kBytes <= 227 * 1024,
-              "kWg: two 1024-byte-aligned stages and the records fit");
 
 // The larger magnitude of the two 16-bit values (bf16 or fp16 bits, sign bits cleared) of m,
 // as a float.
@@ -128,45 +113,14 @@ __device__ __forceinline__ int bwd_scale_shift(float ms, float mo, int e) {
   return min(max(132 - b, -120 - e), 120 - e);  // biased 132: [2^5, 2^6)
 }
 
-// kWg's copies into 128-byte-swizzled tiles (swz128), 16 bytes per cp.async over the block's
-// NT threads, rows r >= L zero-filled. A [64][128] tile (two 64-column halves):
-__device__ __forceinline__ void cp_async_sw128_tile(__half* dst, const __half* src,
-                                                    int64_t stride, int L) {
-  unsigned char* d = reinterpret_cast<unsigned char*>(dst);
-  for (int i = threadIdx.x; i < C * D / 8; i += NT) {
-    const int r = i >> 4, c = (i & 15) * 8;
-    cp_async16(d + swz128(r, c), r < L ? src + r * stride + c : src, r < L);
-  }
-}
-// the lower block triangle (the 16 x 16 blocks on and below the diagonal: 32, 64, 96, 128
-// pieces in row blocks 0-3) of a [64][64] tile whose upper blocks hold zeros already:
-__device__ __forceinline__ void cp_async_sw128_tri(__half* dst, const __half* src,
-                                                   int64_t stride, int L) {
-  unsigned char* d = reinterpret_cast<unsigned char*>(dst);
-  for (int i = threadIdx.x; i < 320; i += NT) {
-    const int rb = i < 32 ? 0 : i < 96 ? 1 : i < 192 ? 2 : 3;
-    const int first = 16 * rb * (rb + 1), per = 2 * (rb + 1);
-    const int r = 16 * rb + (i - first) / per, c = 8 * ((i - first) % per);
-    cp_async16(d + swz128(r, c), r < L ? src + r * stride + c : src, r < L);
-  }
-}
-
 // One segment block of state_bwd_cols_kernel (for_each_segment_block). kRow (opt-in,
 // FLASHGDN_BWD_ROWSCALE=1, tested, 1-2% slower): a power of two per value column (rows g
 // and g + 8 of a thread each their own) instead of one per warp, so that a column far
 // smaller than its 15 neighbours keeps its bits (bench/precision_study_bwd.py
 // --reverse-pass, "f16row").
-// kWg (state_bwd_wg_kernel): the same chunk step with warps 0-3 and 4-7 as two warpgroups
-// (value rows 0-63, 64-127; each warp's rows and power of two as here), its products as
-// register-A wgmma groups against the stage's swizzled tiles (StateBwdWgSmem), K and Q
-// K-major for KdS^T and MN-major for the state update (as state_fwd_tma_kernel reads K),
-// P and T MN-major; smem base: 1024-byte aligned.
-template <typename In, bool kRow, bool kWg = false>
-__device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const SegmentBlock& b,
-                                                       unsigned char* base = nullptr) {
-  static_assert(!(kRow && kWg), "kWg: one power of two a warp");
+template <typename In, bool kRow>
+__device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const SegmentBlock& b) {
   using SM = StateBwdColsSmem<In>;
-  using WS = StateBwdWgSmem;
   const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
   const int64_t chunk0 = b.chunk0, c_begin = b.c_begin, c_end = b.c_end, j = b.j;
   const bool identity = b.identity;
@@ -174,32 +128,15 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
   const bool outputs = p.phase == 0;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  if constexpr (!kWg) base = smem_raw;
-  constexpr size_t kSt = kWg ? WS::kStage : SM::kStage;
-  auto Qst = [&](int s) {
-    return reinterpret_cast<__half*>(base + s * kSt + (kWg ? WS::kOffQ : 0));
-  };
-  auto Kst = [&](int s) {
-    return kWg ? reinterpret_cast<__half*>(base + s * kSt + WS::kOffK) : Qst(s) + C * LDH;
-  };
-  auto dOst = [&](int s) {
-    return kWg ? reinterpret_cast<In*>(base + s * kSt + WS::kOffO)
-               : reinterpret_cast<In*>(Kst(s) + C * LDH);
-  };
-  auto Pst = [&](int s) {
-    return kWg ? reinterpret_cast<__half*>(base + s * kSt + WS::kOffP)
-               : reinterpret_cast<__half*>(dOst(s) + C * LDH);
-  };
-  auto Tst = [&](int s) {
-    return kWg ? reinterpret_cast<__half*>(base + s * kSt + WS::kOffT) : Pst(s) + C * SM::LDP;
-  };
-  auto Fst = [&](int s) {
-    return kWg ? reinterpret_cast<float4*>(base + s * kSt + WS::kOffF)
-               : reinterpret_cast<float4*>(Tst(s) + C * SM::LDP);
-  };
+  auto Qst = [&](int s) { return reinterpret_cast<__half*>(smem_raw + s * SM::kStage); };
+  auto Kst = [&](int s) { return Qst(s) + C * LDH; };
+  auto dOst = [&](int s) { return reinterpret_cast<In*>(Kst(s) + C * LDH); };
+  auto Pst = [&](int s) { return reinterpret_cast<__half*>(dOst(s) + C * LDH); };
+  auto Tst = [&](int s) { return Pst(s) + C * SM::LDP; };
+  auto Fst = [&](int s) { return reinterpret_cast<float4*>(Tst(s) + C * SM::LDP); };
   const int warp = threadIdx.x >> 5, lane = lane_id();
   const int v0 = 16 * warp, tc = 2 * (lane & 3);
-  __half* rec_stage = reinterpret_cast<__half*>(base + 2 * kSt + warp * kRecStageBytes);
+  __half* rec_stage = reinterpret_cast<__half*>(smem_raw + 2 * SM::kStage + warp * kRecStageBytes);
 
   // per-token factors of the chunk issued last (threads < C), stored after a step's work
   float g_pre = 0.f, gl_pre = 0.f, beta_pre = 0.f;
@@ -208,25 +145,14 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     const int L = chunk_rows(len, ci);
     // the transition (phase 1's M, identity): dO = 0, so neither Q (the dO term of the state
     // update) nor P (dU's) is read, and none of dO, Q, P is loaded
-    if constexpr (kWg) {
-      if (!identity) cp_async_sw128_tile(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-      cp_async_sw128_tile(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-    } else {
-      if (!identity)
-        cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-      cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
-    }
-    if (!identity)
+    if (!identity) {
+      cp_async_tile<C, D, LDH>(Qst(s), p.Qh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
       cp_async_tile<C, D, LDH>(dOst(s), static_cast<const In*>(p.d_o) + (tok0 * p.Hv + h) * D,
                                p.Hv * D, L);
-    if constexpr (kWg) {
-      if (!identity) cp_async_sw128_tri(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
-      cp_async_sw128_tri(Tst(s), p.T16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
-    } else {
-      if (!identity)
-        cp_async_tile<C, C, SM::LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
-      cp_async_tile<C, C, SM::LDP>(Tst(s), p.T16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
+      cp_async_tile<C, C, SM::LDP>(Pst(s), p.P16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
     }
+    cp_async_tile<C, D, LDH>(Kst(s), p.Kh + (tok0 * p.Hqk + hq) * D, p.Hqk * D, L);
+    cp_async_tile<C, C, SM::LDP>(Tst(s), p.T16 + (tok0 * p.Hv + h) * C, p.Hv * C, L);
     cp_async_commit();
     if (threadIdx.x < C) {  // rows past the chunk's end: G_last, beta 0
       const int r = threadIdx.x < L ? threadIdx.x : L - 1;
@@ -263,7 +189,6 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     const int s = static_cast<int>((c_last - ci) & 1);
     const bool out = outputs && ci < c_end;  // not a warm-up chunk
     cp_async_wait<0>();
-    if constexpr (kWg) fence_proxy_async();  // the copies, for the tensor cores' reads
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci > c_begin) issue(ci - 1, s ^ 1);
     const __half* Q = Qst(s);
@@ -302,78 +227,18 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
       sig[q] = exp2i(e[q]);
       back[q] = exp2i(-e[q]);
     }
-    auto store_dh = [&] {
-      if (out && !(p.debug & 4)) {  // dh: dS leaving chunk ci, an fp16 record block
-        const int64_t rec = (chunk0 + ci) * p.Hv + h;
-        __half* dst = reinterpret_cast<__half*>(record_at<D>(p.dh, rec, true)) + v0 * D;
-        if constexpr (kRow)
-          store_record_cols(dst, p.dh_scale + rec * 8 + warp, ds, rec_stage,
-                            warp_amax_rows(ms, back_old), 1.f, back_old);
-        else
-          store_record_cols(dst, p.dh_scale + rec * 8 + warp, ds, rec_stage, ms_bits,
-                            back_old[0]);
-      }
-    };
-    const unsigned char* Kb = reinterpret_cast<const unsigned char*>(K);
-    const unsigned char* Qb = reinterpret_cast<const unsigned char*>(Q);
+    if (out && !(p.debug & 4)) {  // dh: dS leaving chunk ci, an fp16 record block
+      const int64_t rec = (chunk0 + ci) * p.Hv + h;
+      __half* dst = reinterpret_cast<__half*>(record_at<D>(p.dh, rec, true)) + v0 * D;
+      if constexpr (kRow)
+        store_record_cols(dst, p.dh_scale + rec * 8 + warp, ds, rec_stage,
+                          warp_amax_rows(ms, back_old), 1.f, back_old);
+      else
+        store_record_cols(dst, p.dh_scale + rec * 8 + warp, ds, rec_stage, ms_bits, back_old[0]);
+    }
 
     // KdS^T = dS^T K^T: 16 x 64 (token tiles nt), k = 128 keys, A = dS_sc 2^d
     float kd[8][4] = {};
-    // dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}) (times 2^e); P[r][s'] = 0 for s' > r
-    float du[8][4] = {};
-    // scale dO^T's A fragments times 2^e (k step kt: tokens 16 kt ..)
-    auto do_frag = [&](uint32_t(&a)[4], int kt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = pair_to_float2(dor[kt][i], static_cast<const In*>(nullptr));
-        const float sg = sig[(i & 1) ? R1 : 0];  // a1, a3: row g + 8
-        a[i] = pack_half2(sg * f.x, sg * f.y);
-      }
-    };
-    // acc (16 x 64 over token tiles) += A (k step kt of 16 tokens) B, B(r, s) = M[r][s] for a
-    // lower-triangular 64 x 64 token matrix M (P or T): the k step meets only tiles np <= kt
-    // (mma.sync; kWg: whole wgmma tiles against the zeros above the diagonal)
-    auto tri_mma = [](float(&acc)[8][4], const uint32_t(&a)[4], const __half* M, int kt) {
-#pragma unroll
-      for (int np = 0; np <= kt; ++np) {
-        uint32_t b0[2], b1[2];
-        frag_b16_trans2(b0, b1, M, SM::LDP, 16 * np, 16 * kt);
-        mma_f16(acc[2 * np], a, b0);
-        mma_f16(acc[2 * np + 1], a, b1);
-      }
-    };
-    if constexpr (kWg) {
-      // one group: KdS^T (B = K, K-major) and dO^T P (B = P, MN-major: B(r, s) = P[r][s]);
-      // the dh record's stores under it
-      uint32_t sa[8][4], da[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) acc_to_a16(sa[kk], ds[2 * kk], ds[2 * kk + 1], r[0], r[R1]);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) do_frag(da[kt], kt);
-      wgmma_fence();
-      fence_acc(kd);
-      fence_acc(du);
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        wgmma_rs_f16<64>(kd, sa[kk], sw128_desc(Kb + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024),
-                         kk > 0);
-      if (!identity) {
-        const unsigned char* Pb = reinterpret_cast<const unsigned char*>(Pst(s));
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt)
-          wgmma_rs_f16<64, true>(du, da[kt], sw128_desc(Pb + kt * 2048, 8192, 1024), kt > 0);
-      }
-      wgmma_commit();
-      store_dh();
-      wgmma_wait<0>();
-      fence_acc(kd);
-      fence_acc(du);
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) fence_frag(sa[kk]);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) fence_frag(da[kt]);
-    } else {
-    store_dh();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       uint32_t a[4];
@@ -386,15 +251,32 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
         mma_f16(kd[2 * np + 1], a, b1);
       }
     }
+    // acc (16 x 64 over token tiles) += A (k step kt of 16 tokens) B, B(r, s) = M[r][s] for a
+    // lower-triangular 64 x 64 token matrix M (P or T): the k step meets only tiles np <= kt
+    auto tri_mma = [](float(&acc)[8][4], const uint32_t(&a)[4], const __half* M, int kt) {
+#pragma unroll
+      for (int np = 0; np <= kt; ++np) {
+        uint32_t b0[2], b1[2];
+        frag_b16_trans2(b0, b1, M, SM::LDP, 16 * np, 16 * kt);
+        mma_f16(acc[2 * np], a, b0);
+        mma_f16(acc[2 * np + 1], a, b1);
+      }
+    };
+    // dU^T = scale dO^T P + KdS^T diag(e^{G_last - G}) (times 2^e); P[r][s'] = 0 for s' > r
+    float du[8][4] = {};
     if (!identity) {
       const __half* P = Pst(s);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) {
         uint32_t a[4];
-        do_frag(a, kt);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = pair_to_float2(dor[kt][i], static_cast<const In*>(nullptr));
+          const float sg = sig[(i & 1) ? R1 : 0];  // a1, a3: row g + 8
+          a[i] = pack_half2(sg * f.x, sg * f.y);
+        }
         tri_mma(du, a, P, kt);
       }
-    }
     }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -406,22 +288,7 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     }
     // dVt^T = dU^T T (times 2^e); T[r][s] = 0 for s > r
     float dv[8][4] = {};
-    if constexpr (kWg) {  // B = T, MN-major
-      uint32_t ua[4][4];
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) acc_to_a16(ua[kt], du[2 * kt], du[2 * kt + 1]);
-      const unsigned char* Tb = reinterpret_cast<const unsigned char*>(Tst(s));
-      wgmma_fence();
-      fence_acc(dv);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt)
-        wgmma_rs_f16<64, true>(dv, ua[kt], sw128_desc(Tb + kt * 2048, 8192, 1024), kt > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_acc(dv);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) fence_frag(ua[kt]);
-    } else {
+    {
       const __half* T = Tst(s);
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) {
@@ -430,22 +297,19 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
         tri_mma(dv, a, T, kt);
       }
     }
-    auto store_dvt = [&] {
-      if (out && !(p.debug & 8)) {  // dVt: a token record block
-        const int64_t rec = (chunk0 + ci) * p.Hv + h;
-        __half* dst = reinterpret_cast<__half*>(record_at<C>(p.dVt, rec, true)) + v0 * C;
-        if constexpr (kRow) {
-          float mv[2];
-          row_amax(dv, mv);
-          store_record_cols(dst, p.dVt_scale + rec * 8 + warp, dv, rec_stage,
-                            warp_amax_rows(mv, back), 1.f, back);
-        } else {
-          store_record_cols(dst, p.dVt_scale + rec * 8 + warp, dv, rec_stage,
-                            warp_amax_bits(dv), back[0]);
-        }
+    if (out && !(p.debug & 8)) {  // dVt: a token record block
+      const int64_t rec = (chunk0 + ci) * p.Hv + h;
+      __half* dst = reinterpret_cast<__half*>(record_at<C>(p.dVt, rec, true)) + v0 * C;
+      if constexpr (kRow) {
+        float mv[2];
+        row_amax(dv, mv);
+        store_record_cols(dst, p.dVt_scale + rec * 8 + warp, dv, rec_stage,
+                          warp_amax_rows(mv, back), 1.f, back);
+      } else {
+        store_record_cols(dst, p.dVt_scale + rec * 8 + warp, dv, rec_stage, warp_amax_bits(dv),
+                          back[0]);
       }
-    };
-    if constexpr (!kWg) store_dvt();
+    }
     // dS_sc <- e^{G_last} 2^d dS_sc + (scale 2^e dO^T diag(e^G)) Q - (dVt^T diag(beta e^G)) K
     {
       const float egl[2] = {F[C - 1].w * r[0], F[C - 1].w * r[R1]};
@@ -453,15 +317,17 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
       for (int jn = 0; jn < 16; ++jn)
 #pragma unroll
         for (int q = 0; q < 4; ++q) ds[jn][q] *= egl[q < 2 ? 0 : 1];
-      // the A fragments of k step kt (tokens 16 kt + tc (+1) for a0 / a1, + 8 for a2 / a3):
-      // ay = dVt^T diag(-beta e^G), ax = scale 2^e dO^T diag(e^G) (not for the transition)
-      auto ds_frags = [&](uint32_t(&ay)[4], uint32_t(&ax)[4], int kt) {
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        // tokens 16 kt + tc (+1) for a0 / a1, + 8 for a2 / a3
         const float4 f0 = F[16 * kt + tc], f1 = F[16 * kt + tc + 1];
         const float4 f8 = F[16 * kt + tc + 8], f9 = F[16 * kt + tc + 9];
+        uint32_t ay[4];
         ay[0] = pack_half2(f0.y * dv[2 * kt][0], f1.y * dv[2 * kt][1]);
         ay[1] = pack_half2(f0.y * dv[2 * kt][2], f1.y * dv[2 * kt][3]);
         ay[2] = pack_half2(f8.y * dv[2 * kt + 1][0], f9.y * dv[2 * kt + 1][1]);
         ay[3] = pack_half2(f8.y * dv[2 * kt + 1][2], f9.y * dv[2 * kt + 1][3]);
+        uint32_t ax[4];
         if (!identity) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -471,38 +337,6 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
             ax[i] = pack_half2(sg * x0 * f.x, sg * x1 * f.y);
           }
         }
-      };
-      if constexpr (kWg) {  // B = K and Q, MN-major; the dVt record's stores under the group
-        uint32_t ay[4][4], ax[4][4];
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt) ds_frags(ay[kt], ax[kt], kt);
-        wgmma_fence();
-        fence_acc(ds);
-        if (identity) {
-#pragma unroll
-          for (int kt = 0; kt < 4; ++kt)
-            wgmma_rs_f16<128, true>(ds, ay[kt], sw128_desc(Kb + kt * 2048, 8192, 1024), true);
-        } else {
-#pragma unroll
-          for (int kt = 0; kt < 4; ++kt) {
-            wgmma_rs_f16<128, true>(ds, ay[kt], sw128_desc(Kb + kt * 2048, 8192, 1024), true);
-            wgmma_rs_f16<128, true>(ds, ax[kt], sw128_desc(Qb + kt * 2048, 8192, 1024), true);
-          }
-        }
-        wgmma_commit();
-        store_dvt();
-        wgmma_wait<0>();
-        fence_acc(ds);
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt) {
-          fence_frag(ay[kt]);
-          fence_frag(ax[kt]);
-        }
-      } else {
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        uint32_t ay[4], ax[4];
-        ds_frags(ay, ax, kt);
 #pragma unroll
         for (int jp = 0; jp < 8; ++jp) {
           uint32_t bk0[2], bk1[2];
@@ -516,7 +350,6 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
             mma_f16(ds[2 * jp + 1], ax, bq1);
           }
         }
-      }
       }
     }
     if (ci > c_begin) store_factors(s ^ 1);  // chunk ci - 1's, loaded a step ago
@@ -542,33 +375,6 @@ __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
   if (p.seqs.failed()) return;
   for_each_segment_block<D>(p, true, [&](const SegmentBlock& b) {
     state_bwd_cols_segment<In, kRow>(p, b);
-  });
-}
-
-// state_bwd_wg_kernel: state_bwd_cols_kernel's reverse pass (the same grid, segments, phases,
-// reads and writes, the same algebra and powers of two) with its five products a chunk as
-// register-A wgmma groups (kWg above), ~181 KB smem; the default where the 128-column
-// reverse pass runs (launch.cu bwd_wg; FLASHGDN_BWD_WG=0: state_bwd_cols_kernel).
-template <typename In>
-__global__ void __launch_bounds__(NT, 1) state_bwd_wg_kernel(BwdParams p) {
-  if (p.seqs.failed()) return;
-  using WS = StateBwdWgSmem;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  // 1024-byte aligned by an offset from smem_raw (shared state space kept: LDS / STS)
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  unsigned char* base = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
-  // the blocks of P and T above their diagonal, both stages: zero for good (the copies of
-  // the lower blocks come after the first barrier in the segment's loop)
-  for (int i = threadIdx.x; i < 2 * 2 * 512; i += NT) {  // 2 tiles a stage, 512 pieces each
-    const int r = (i & 511) >> 3, cp = i & 7;             // row, 16-byte piece of the row
-    if (cp < 2 * (r / 16 + 1)) continue;                  // at or below the block diagonal
-    unsigned char* tile = base + (i >> 10) * WS::kStage + (((i >> 9) & 1) ? WS::kOffT : WS::kOffP);
-    *reinterpret_cast<uint4*>(tile + swz128(r, 8 * cp)) = make_uint4(0u, 0u, 0u, 0u);
-  }
-  fence_proxy_async();
-  __syncthreads();
-  for_each_segment_block<D>(p, true, [&](const SegmentBlock& b) {
-    state_bwd_cols_segment<In, false, true>(p, b, base);
   });
 }
 
