@@ -182,15 +182,19 @@ bool cp_overlap(const SegmentPlan& plan) {
 // e^G, Lb) before it instead of wy_lean_kernel, where fused_in_pass allows (else as =1);
 // measured correct and 2x slower (H100, version 44).
 // =5: kWy 1, P only (wy_lean_kernel without Q K^T before it); bit-identical to the default
-// kernel's outputs. FLASHGDN_COLS_TMA unset (the default from version 44): kWy 1 at
-// kTmaWyMinHeads or more value heads, unless the plan runs the overlapped schedule (not its
-// saturated form) below kTmaWyOverlapHeads or in two segments: there the warm-started phase 0
+// kernel's outputs. FLASHGDN_COLS_TMA unset (the default from version 44; at every head count
+// since version 57, before at kTmaWyMinHeads or more): kWy 1 unless the plan runs the
+// overlapped schedule (not its saturated form) below kTmaWyOverlapHeads or in two segments:
+// there the warm-started phase 0
 // beside the chain measured slower with it (H100 2026-11-26, ms plain -> kWy 1: 4/16 x 8192
 // 0.194 -> 0.232, 16/16 x 8192 0.208 -> 0.239, 8/24 6144+2048 0.242 -> 0.253, two segments:
 // 16/48 x 4096 0.247 -> 0.263, 8/32 x 4096 0.203 -> 0.212; at 32 heads in three segments
 // faster: 32/32 x 8192 0.331 -> 0.309, 8/32 x 8192 0.304 -> 0.281). Elsewhere faster (16/48
 // x 32768 1.456 -> 1.228, 8/24 x 32768 0.727 -> 0.618, 4/16 8192x4 0.490 -> 0.435, with phase 1
-// plain: tma_wy_phase); at 8 value heads slower (2/8 x 32768 0.302 -> 0.340).
+// plain: tma_wy_phase); at 8 value heads slower on the overlapped schedule (2/8 x 32768
+// 0.302 -> 0.340), faster elsewhere (H100 2026-11-27, 2/8 heads, ms plain -> kWy 1: 4096x8
+// unsplit 0.315 -> 0.265, 8192x4 0.298 -> 0.270, 1024x8 0.100 -> 0.092, 2048x4 0.114 -> 0.113:
+// wy_lean_kernel's Q K^T and P stores, ~20% of the call there, go into the pass).
 // FLASHGDN_COLS_TMA=0 keeps the plain pass.
 // Returns kWy (0: neither).
 // (kTmaWyMinHeads, kTmaWyOverlapHeads: planner.h, whose cost model counts the difference)
@@ -199,7 +203,7 @@ int cols_tma_wy(const Problem& p, const SegmentPlan& plan) {
   if (v >= 0) return v == 4 ? 2 : v == 5 ? 1 : 0;
   const bool overlapped = plan.split && cp_overlap(plan) && !plan.saturated;
   const bool overlap_ok = p.Hv >= kTmaWyOverlapHeads && plan.max_segments >= 3;
-  return p.Hv >= kTmaWyMinHeads && (!overlapped || overlap_ok) ? 1 : 0;
+  return !overlapped || overlap_ok ? 1 : 0;
 }
 // Read once per call, when the workspace is carved (FwdBuffers::pass); the launches follow it.
 FwdPass fwd_pass() {
@@ -1661,7 +1665,7 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // the planner's 128 columns only (not the device's column choice), no records, no T or fp32
 // P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
-// With state_fwd_tma_kernel's kWy (cols_tma_wy: the default at 16+ value heads by plan, or
+// With state_fwd_tma_kernel's kWy (cols_tma_wy: the default by plan, at 16+ value heads or unsplit, or
 // FLASHGDN_COLS_TMA=4|5) the same, where TMA can read k, q and v (tma_can_read);
 // FLASHGDN_FUSED, where set, wins (wy_mode: tma_wy_mode's).
 bool fused_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f, int wy_mode) {

@@ -2,8 +2,8 @@
 // with its tiles loaded by TMA and every product on warpgroup tensor cores, in the shape of
 // FlashInfer's Hopper forward (docs/perf-notes.md version 41; the shape measured first as
 // bench/probe_tma_chain.cu). kWy 1 (the fused forward's WY warpgroup forming P) is the default
-// phase-0 pass at 16 or more value heads (launch.cu cols_tma_wy, version 44); kWy 0, the plain
-// pass, is opt-in (FLASHGDN_COLS_TMA=1), kWy 2 too (=4).
+// phase-0 pass but on the overlapped schedule below 32 value heads (launch.cu cols_tma_wy,
+// versions 44, 57); kWy 0, the plain pass, is opt-in (FLASHGDN_COLS_TMA=1), kWy 2 too (=4).
 //
 // grid as state_fwd_cols_kernel's (1 [x 2 in phase 1], H_v, segments or slots:
 // for_each_segment_block), 384 threads (kWy 512, ~170 KB), ~150 KB smem (kStages = 3,
