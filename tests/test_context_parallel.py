@@ -1568,13 +1568,16 @@ def test_tma_forward(case: Case, split: str, variant: str):
     (Case("default_h24", [2500, 900, 5], 8, 24, gate="zero_heads"), True),
     (Case("default_h16_fp16", [2000, 64], 16, 16, gate="very_negative",
           dtype=torch.float16), True),
-    # 8 value heads: the plain 128-column pass stays the default
+    # 8 value heads: the overlapped schedule the device may take (the plain pass), and since
+    # session 57 kWy 1 elsewhere: unsplit (5 x 7 chunks), g == 0 heads, h0, odd lengths
     (Case("default_h8", [5000, 300], 2, 8, gate="mixed"), False),
+    (Case("default_h8_unsplit", [1000, 700, 300, 64, 1], 2, 8, gate="zero_heads", h0=True),
+     True),
 ], ids=lambda c: c.name if isinstance(c, Case) else None)
 def test_default_forward_kernel(case: Case, wy: bool):
     """The default forward at 128 columns takes state_fwd_tma_kernel's kWy 1 (the WY
-    warpgroup forming P) at 16 or more value heads, but for the overlapped schedule below 32
-    (launch.cu cols_tma_wy), phase 1 of a split plan the plain pass (tma_wy_phase); else the
+    warpgroup forming P) at any head count (from 16 value heads before session 57), but for
+    the overlapped schedule below 32 (launch.cu cols_tma_wy), phase 1 of a split plan the plain pass (tma_wy_phase); else the
     plain 128-column pass: the expected kernels ran, and o and the final state equal
     FLASHGDN_COLS_TMA=0's (the plain pass) bit for bit, eagerly and from a CUDA graph, within
     the float64 reference's tolerance. (FLASHGDN_UNFUSED_WY_US pinned to its default: with
