@@ -308,6 +308,19 @@ struct ForwardCost {
   // 0.423; 16/16 0.559 -> 0.466).
   bool fused_wy = true;
   bool sat_fused_wy = false;
+  // Below kTmaWyMinHeads value heads, where kWy runs on every plan but the overlapped
+  // schedule since session 57 (launch.cu cols_tma_wy), the one-wave overlapped schedule is
+  // no candidate (with fused_wy) from few_heads_seq_work chunk-heads (all chunks x value
+  // heads) on: the sequential split with kWy measured faster there, H100, 2026-11-27, 2/8
+  // heads, ms, overlapped -> sequential (FLASHGDN_CP_OVERLAP=0): 1x32768 0.299 -> 0.276,
+  // 28672+4096 0.301 -> 0.277, 24576+8192 0.297 -> 0.274, 16384+16384 0.296 -> 0.266,
+  // 8192+24576 0.299 -> 0.273, 4096+28672 0.298 -> 0.276 (4096 chunk-heads); not at 2048
+  // (1x16384 0.193 -> 0.194, 12288+4096 0.189 -> 0.202) or fewer (1x8192 0.132 -> 0.182,
+  // 6144+2048 0.145 -> 0.190). The cost model's own estimates keep the overlapped schedule
+  // there (1x32768: 202 against 272 us), its WY term (unfused_wy_term) counted only from
+  // kTmaWyMinHeads. The saturated schedule likewise (unless sat_fused_wy), which FLASHGDN_CP_
+  // OVERLAP=0 left out of those runs too. Measured at 8 heads only.
+  double few_heads_seq_work = 4096;
 };
 
 #ifdef __CUDACC__
@@ -647,6 +660,9 @@ inline FLASHGDN_HD double saturated_from_terms(const ForwardCost& c, const LoadS
   if (!c.overlap || !c.overlap_saturated || s.longest < c.sat_min_longest) return 1e300;
   if (c.fused_wy && !c.sat_fused_wy && heads >= kTmaWyMinHeads && heads < kTmaWyOverlapHeads)
     return 1e300;  // ForwardCost::fused_wy
+  if (c.fused_wy && !c.sat_fused_wy && heads < kTmaWyMinHeads &&
+      s.total * heads >= c.few_heads_seq_work)
+    return 1e300;  // ForwardCost::few_heads_seq_work
   if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
   const double chain = r.crit1 + r.combine + r.len * r.t;
   const double bound = (r.work0 + r.work1) * c.sat_factor;
@@ -680,6 +696,8 @@ inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const Load
   if (bw != 128 || !c.overlap || r.warm_blocks + 2.0 * r.exact_blocks > c.overlap_fit * r.nsm ||
       r.exact_blocks * ns > r.nsm)
     return e;
+  if (c.fused_wy && heads < kTmaWyMinHeads && s.total * heads >= c.few_heads_seq_work)
+    return e;  // ForwardCost::few_heads_seq_work
   double chain = r.crit1 + r.combine + (ns > 1.0 ? c.sub_start_us : 0.0);
   if (r.warm_blocks + r.exact_blocks * ns > r.nsm && chain < crit0) chain = crit0;
   chain += ceil_pos(r.len / ns) * r.t;

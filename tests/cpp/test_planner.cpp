@@ -174,9 +174,15 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
   EXPECT_TRUE(p.cols);
   EXPECT_TRUE(p.split);
   EXPECT_EQ(p.seg_chunks, 64);
-  q = query(1, 512, 8);  // 2/8 heads: 13 segments of 40 chunks, overlapped (see below)
-  q.allow_cols = true;
+  q = query(1, 512, 8);  // 2/8 heads: 16 segments of 32, sequential (kWy; see FewHeads...),
+  q.allow_cols = true;    // on the plain pass 13 segments of 40 chunks, overlapped (below)
   p = plan_segments(q);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_EQ(p.seg_chunks, 32);
+  EXPECT_FALSE(p.overlap);
+  flashgdn::ForwardCost plain_pass;  // ForwardCost::fused_wy off (FLASHGDN_COLS_TMA=0)
+  plain_pass.fused_wy = false;
+  p = plan_segments(q, plain_pass);
   EXPECT_EQ(p.col_block, 128);
   EXPECT_EQ(p.seg_chunks, 40);
   EXPECT_TRUE(p.overlap);
@@ -351,11 +357,16 @@ TEST(Planner, OverlappedScheduleOnlyWhereItFitsOneWave) {
   // SMs and the schedule's extra blocks would take a second wave (measured slower); in 13
   // segments of 40 chunks (78 warm-started blocks beside 24 exact segments' 48 summaries)
   // it fits, and since its chain's kernels start as programmatic dependents it wins
-  // (H100, 2026-11-25: 0.338 ms against 0.381 sequential in 16 segments)
+  // (H100, 2026-11-25: 0.338 ms against 0.381 sequential in 16 segments) on the plain pass;
+  // with kWy in the sequential split (the default since session 57) that one wins instead
+  // (ForwardCost::few_heads_seq_work)
   q = query(1, 512, 8);
   q.allow_cols = true;
-  EXPECT_TRUE(plan_segments(q).overlap);
-  EXPECT_EQ(plan_segments(q).seg_chunks, 40);
+  flashgdn::ForwardCost plain_pass;
+  plain_pass.fused_wy = false;
+  EXPECT_TRUE(plan_segments(q, plain_pass).overlap);
+  EXPECT_EQ(plan_segments(q, plain_pass).seg_chunks, 40);
+  EXPECT_FALSE(plan_segments(q).overlap);
   q = query(1, 512, 16);  // 4/16 heads: 6 segments of 86 overlapped, 0.611 against 0.616:
   q.allow_cols = true;    // the model does not take it (with sub-segments, in one wave);
   flashgdn::ForwardCost no_sat;  // since session 35 the saturated schedule at 32 chunks
@@ -478,9 +489,13 @@ TEST(Planner, DeviceOverlapForFewPackedSequences) {
   EXPECT_FALSE(plan_segments(q).device_overlap);
   EXPECT_EQ(plan_segments(q).nsub, 1);
   q = query(2, 256, 8, /*varlen=*/true);  // 28672 + 4096 tokens: fits, and one sequence of
-  q.allow_cols = true;                     // 514 chunks runs overlapped: launched
+  q.allow_cols = true;                     // 514 chunks runs overlapped on the plain pass:
+  flashgdn::ForwardCost plain_pass;        // launched; with kWy sequential, not launched
+  plain_pass.fused_wy = false;             // (ForwardCost::few_heads_seq_work)
+  EXPECT_TRUE(plan_segments(q, plain_pass).device_choice);
+  EXPECT_TRUE(plan_segments(q, plain_pass).device_overlap);
   EXPECT_TRUE(plan_segments(q).device_choice);
-  EXPECT_TRUE(plan_segments(q).device_overlap);
+  EXPECT_FALSE(plan_segments(q).device_overlap);
   q = query(4, 24, 16, /*varlen=*/true);  // 4/16 heads, 4 sequences: 5 x 16 + 12 = 92
   q.allow_cols = true;
   EXPECT_TRUE(plan_segments(q).device_overlap);
@@ -752,10 +767,12 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q, on).overlap);
   // where the plan fits one wave the one-wave schedule is unchanged (2/8 x 32768: 13
-  // segments of 40, 4 sub-segments)
+  // segments of 40, 4 sub-segments) on the plain pass
   q = query(1, 512, 8);
   q.allow_cols = true;
-  EXPECT_EQ(plan_segments(q, on).nsub, 4);
+  flashgdn::ForwardCost on_plain = on;
+  on_plain.fused_wy = false;
+  EXPECT_EQ(plan_segments(q, on_plain).nsub, 4);
   // packed sequences: the device's choice, never the host's saturated schedule
   q = query(2, 256, 16, /*varlen=*/true);
   q.allow_cols = true;
@@ -776,9 +793,11 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   EXPECT_TRUE(plan_segments(q).split);
   EXPECT_FALSE(plan_segments(q).overlap);
   EXPECT_TRUE(plan_segments(q, on).saturated);  // FLASHGDN_CP_SAT=1 (force_saturated)
-  q = query(1, 512, 8);  // the one-wave overlapped plan is not the saturated one
-  q.allow_cols = true;
-  EXPECT_TRUE(plan_segments(q).overlap);
+  q = query(1, 512, 8);  // the one-wave overlapped plan is not the saturated one (the plain
+  q.allow_cols = true;   // pass; with kWy neither: ForwardCost::few_heads_seq_work)
+  EXPECT_TRUE(plan_segments(q, plain_pass).overlap);
+  EXPECT_FALSE(plan_segments(q, plain_pass).saturated);
+  EXPECT_FALSE(plan_segments(q).overlap);
   EXPECT_FALSE(plan_segments(q).saturated);
   for (const int hv : {32, 24}) {
     q = query(1, 512, hv);
@@ -1031,7 +1050,7 @@ struct DeviceChoice {
 };
 DeviceChoice device_choice_for(int64_t Hv, const std::vector<int64_t>& chunks,
                                bool exact_counts = false, bool anyway = false,
-                               bool exact_p0 = true) {
+                               bool exact_p0 = true, bool plain_pass = false) {
   int64_t total = 0, longest = 0;
   for (const int64_t n : chunks) total += n, longest = std::max(longest, n);
   auto q = query(static_cast<int64_t>(chunks.size()), 1, Hv, /*varlen=*/true);
@@ -1042,6 +1061,7 @@ DeviceChoice device_choice_for(int64_t Hv, const std::vector<int64_t>& chunks,
   DeviceChoice d;
   flashgdn::ForwardCost cost = fp16_cost();
   cost.exact_p0 = exact_p0;
+  if (plain_pass) cost.fused_wy = false;  // FLASHGDN_COLS_TMA=0 (launch.cu plan_cost)
   d.plan = flashgdn::plan_segments(q, cost);
   const auto params = flashgdn::device_choice_params(
       d.plan, cost, /*forward=*/true, d.plan.device_overlap,
@@ -1072,11 +1092,13 @@ TEST(Planner, HostChoiceTriesExactSegmentCounts) {
   EXPECT_EQ(host.out[1], 128);
   EXPECT_EQ(host.out[2], 0);
   // where the overlapped launches are made the device's candidates are the host's: 2/8
-  // heads, 16384 + 16384 tokens, segments of 40 either way
-  dev = device_choice_for(8, {256, 256});
-  host = device_choice_for(8, {256, 256}, /*exact_counts=*/true);
+  // heads, 16384 + 16384 tokens on the plain pass, segments of 40 either way (with kWy the
+  // sequential split, no overlapped launches: ForwardCost::few_heads_seq_work)
+  dev = device_choice_for(8, {256, 256}, false, false, true, /*plain_pass=*/true);
+  host = device_choice_for(8, {256, 256}, /*exact_counts=*/true, false, true, true);
   EXPECT_TRUE(dev.plan.device_overlap);
   EXPECT_EQ(host.out[0], dev.out[0]);
+  EXPECT_FALSE(device_choice_for(8, {256, 256}).plan.device_overlap);
 }
 
 TEST(Planner, DeviceChoiceAnywayForKnownLengths) {
@@ -1125,13 +1147,20 @@ TEST(Planner, DeviceChoiceOfMeasuredPackedRows) {
   EXPECT_EQ(d.out[0], 32);
   EXPECT_EQ(d.out[2], 0);
   EXPECT_EQ(d.out[3], 2);
-  // 2/8 heads, 28672 + 4096: the one-wave overlapped schedule in segments of 40, four
-  // sub-segments (0.315 ms, 2.74x FLA)
-  d = device_choice_for(8, {448, 64});
+  // 2/8 heads, 28672 + 4096: on the plain pass the one-wave overlapped schedule in segments
+  // of 40, four sub-segments (0.315 ms, 2.74x FLA); with kWy (session 57) the sequential
+  // split in segments of 32 (H100, 2026-11-27: 0.301 -> 0.277 ms under FLASHGDN_CP_OVERLAP=0)
+  d = device_choice_for(8, {448, 64}, false, false, true, /*plain_pass=*/true);
   EXPECT_TRUE(d.plan.device_overlap);
   EXPECT_EQ(d.plan.nsub, 4);
   EXPECT_EQ(d.out[0], 40);
   EXPECT_EQ(d.out[2], 1);
+  d = device_choice_for(8, {448, 64});
+  EXPECT_FALSE(d.plan.device_overlap);
+  EXPECT_EQ(d.plan.nsub, 1);
+  EXPECT_EQ(d.out[0], 32);
+  EXPECT_EQ(d.out[1], 128);
+  EXPECT_EQ(d.out[2], 0);
   // 8/24 heads, 28672 + 4096: segments of 24, sequential, merged pairs (0.914 ms against
   // 0.722 for one sequence of 32768 in 11 of 47: perf-notes version 35's open question)
   d = device_choice_for(24, {448, 64});
@@ -1349,4 +1378,35 @@ TEST(Planner, ListScheduleManyShortWaves) {
   // 2000 short ones: 525
   EXPECT_DOUBLE_EQ(flashgdn::list_schedule_steps(1, 4, 1, 100, 1000, 1), 275.0);
   EXPECT_DOUBLE_EQ(flashgdn::list_schedule_steps(1, 4, 1, 100, 2000, 1), 525.0);
+}
+
+TEST(Planner, FewHeadsSequentialWithTheWyWarpgroup) {
+  // Below kTmaWyMinHeads value heads the pass forms the WY part inside (kWy) on every plan
+  // but the overlapped schedule (launch.cu cols_tma_wy, session 57), so from
+  // ForwardCost::few_heads_seq_work chunk-heads the overlapped (and saturated) schedules are
+  // no candidates and the sequential split is the plan. H100, 2026-11-27, 2/8 heads, ms,
+  // overlapped -> sequential: 1x32768 0.299 -> 0.276, 16384+16384 0.296 -> 0.266; at 256
+  // chunks (2048 chunk-heads) not: 1x16384 0.193 -> 0.194, 12288+4096 0.189 -> 0.202.
+  flashgdn::ForwardCost plain_pass;
+  plain_pass.fused_wy = false;
+  auto q = query(1, 512, 8);
+  q.allow_cols = true;
+  auto p = plan_segments(q);
+  EXPECT_TRUE(p.split);
+  EXPECT_FALSE(p.overlap);
+  EXPECT_FALSE(p.saturated);
+  EXPECT_EQ(p.col_block, 128);
+  EXPECT_TRUE(plan_segments(q, plain_pass).overlap);
+  q = query(1, 256, 8);  // 2048 chunk-heads: overlapped as before
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).overlap);
+  q = query(1, 1024, 4);  // 4096 chunk-heads at 4 heads: the same rule (unmeasured there)
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q).overlap);
+  // the device's choice at the actual lengths: 12288 + 4096 (258 chunks) keeps the
+  // overlapped launches; 8192 x 4 (516) runs sequential, as measured
+  EXPECT_TRUE(device_choice_for(8, {192, 64}).plan.device_overlap);
+  const auto d = device_choice_for(8, {128, 128, 128, 128});
+  EXPECT_FALSE(d.plan.device_overlap);
+  EXPECT_EQ(d.out[2], 0);
 }
