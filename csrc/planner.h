@@ -319,8 +319,12 @@ struct ForwardCost {
   // 6144+2048 0.145 -> 0.190). The cost model's own estimates keep the overlapped schedule
   // there (1x32768: 202 against 272 us), its WY term (unfused_wy_term) counted only from
   // kTmaWyMinHeads. The saturated schedule likewise (unless sat_fused_wy), which FLASHGDN_CP_
-  // OVERLAP=0 left out of those runs too. Measured at 8 heads only.
+  // OVERLAP=0 left out of those runs too. Measured at 8 heads only. Only where the longest
+  // sequence is under few_heads_seq_longest chunks: 2/8 x 65536 (1024 chunks, before one-wave
+  // overlapped) 0.515 -> 0.458 ms, 65536+65536 0.736 -> 0.740, but 2/8 x 131072 (2048 chunks,
+  // before saturated) 0.727 -> 0.768 (H100, 2026-11-27).
   double few_heads_seq_work = 4096;
+  double few_heads_seq_longest = 2048;
 };
 
 #ifdef __CUDACC__
@@ -661,7 +665,7 @@ inline FLASHGDN_HD double saturated_from_terms(const ForwardCost& c, const LoadS
   if (c.fused_wy && !c.sat_fused_wy && heads >= kTmaWyMinHeads && heads < kTmaWyOverlapHeads)
     return 1e300;  // ForwardCost::fused_wy
   if (c.fused_wy && !c.sat_fused_wy && heads < kTmaWyMinHeads &&
-      s.total * heads >= c.few_heads_seq_work)
+      s.total * heads >= c.few_heads_seq_work && s.longest < c.few_heads_seq_longest)
     return 1e300;  // ForwardCost::few_heads_seq_work
   if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
   const double chain = r.crit1 + r.combine + r.len * r.t;
@@ -696,7 +700,8 @@ inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const Load
   if (bw != 128 || !c.overlap || r.warm_blocks + 2.0 * r.exact_blocks > c.overlap_fit * r.nsm ||
       r.exact_blocks * ns > r.nsm)
     return e;
-  if (c.fused_wy && heads < kTmaWyMinHeads && s.total * heads >= c.few_heads_seq_work)
+  if (c.fused_wy && heads < kTmaWyMinHeads && s.total * heads >= c.few_heads_seq_work &&
+      s.longest < c.few_heads_seq_longest)
     return e;  // ForwardCost::few_heads_seq_work
   double chain = r.crit1 + r.combine + (ns > 1.0 ? c.sub_start_us : 0.0);
   if (r.warm_blocks + r.exact_blocks * ns > r.nsm && chain < crit0) chain = crit0;

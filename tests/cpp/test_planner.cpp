@@ -1384,7 +1384,8 @@ TEST(Planner, FewHeadsSequentialWithTheWyWarpgroup) {
   // Below kTmaWyMinHeads value heads the pass forms the WY part inside (kWy) on every plan
   // but the overlapped schedule (launch.cu cols_tma_wy, session 57), so from
   // ForwardCost::few_heads_seq_work chunk-heads the overlapped (and saturated) schedules are
-  // no candidates and the sequential split is the plan. H100, 2026-11-27, 2/8 heads, ms,
+  // no candidates and the sequential split is the plan, for sequences under
+  // few_heads_seq_longest chunks. H100, 2026-11-27, 2/8 heads, ms,
   // overlapped -> sequential: 1x32768 0.299 -> 0.276, 16384+16384 0.296 -> 0.266; at 256
   // chunks (2048 chunk-heads) not: 1x16384 0.193 -> 0.194, 12288+4096 0.189 -> 0.202.
   flashgdn::ForwardCost plain_pass;
@@ -1403,6 +1404,16 @@ TEST(Planner, FewHeadsSequentialWithTheWyWarpgroup) {
   q = query(1, 1024, 4);  // 4096 chunk-heads at 4 heads: the same rule (unmeasured there)
   q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q).overlap);
+  q = query(1, 1024, 8);  // 65536 tokens: sequential (0.515 -> 0.458 ms)
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).split);
+  EXPECT_FALSE(plan_segments(q).overlap);
+  // from few_heads_seq_longest (2048 chunks) on, the plan as before: 131072 tokens saturated
+  // (0.727 ms against 0.768 sequential)
+  q = query(1, 2048, 8);
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).overlap);
+  EXPECT_TRUE(plan_segments(q).saturated);
   // the device's choice at the actual lengths: 12288 + 4096 (258 chunks) keeps the
   // overlapped launches; 8192 x 4 (516) runs sequential, as measured
   EXPECT_TRUE(device_choice_for(8, {192, 64}).plan.device_overlap);
