@@ -1577,8 +1577,8 @@ def test_tma_forward(case: Case, split: str, variant: str):
 def test_default_forward_kernel(case: Case, wy: bool):
     """The default forward at 128 columns takes state_fwd_tma_kernel's kWy 1 (the WY
     warpgroup forming P) at any head count (from 16 value heads before session 57), but for
-    the overlapped schedule below 32 (launch.cu cols_tma_wy), phase 1 of a split plan the plain pass (tma_wy_phase); else the
-    plain 128-column pass: the expected kernels ran, and o and the final state equal
+    the overlapped schedule below 32 (launch.cu cols_tma_wy), phase 1 of a split plan the
+    plain pass (tma_wy_phase); else the plain 128-column pass: the expected kernels ran, and o and the final state equal
     FLASHGDN_COLS_TMA=0's (the plain pass) bit for bit, eagerly and from a CUDA graph, within
     the float64 reference's tolerance. (FLASHGDN_UNFUSED_WY_US pinned to its default: with
     FLASHGDN_COLS_TMA set the planner drops that term, which would change the plan.)"""

@@ -185,8 +185,8 @@ bool cp_overlap(const SegmentPlan& plan) {
 // kernel's outputs. FLASHGDN_COLS_TMA unset (the default from version 44; at every head count
 // since version 57, before at kTmaWyMinHeads or more): kWy 1 unless the plan runs the
 // overlapped schedule (not its saturated form) below kTmaWyOverlapHeads or in two segments:
-// there the warm-started phase 0
-// beside the chain measured slower with it (H100 2026-11-26, ms plain -> kWy 1: 4/16 x 8192
+// there the warm-started phase 0 beside the chain measured slower with it (H100 2026-11-26,
+// ms plain -> kWy 1: 4/16 x 8192
 // 0.194 -> 0.232, 16/16 x 8192 0.208 -> 0.239, 8/24 6144+2048 0.242 -> 0.253, two segments:
 // 16/48 x 4096 0.247 -> 0.263, 8/32 x 4096 0.203 -> 0.212; at 32 heads in three segments
 // faster: 32/32 x 8192 0.331 -> 0.309, 8/32 x 8192 0.304 -> 0.281). Elsewhere faster (16/48
@@ -1665,8 +1665,8 @@ bool kq_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f) {
 // the planner's 128 columns only (not the device's column choice), no records, no T or fp32
 // P kept, no correction, the default ping-pong kernel (no three stages of its own, no output
 // warpgroup, no wgmma).
-// With state_fwd_tma_kernel's kWy (cols_tma_wy: the default by plan, at 16+ value heads or unsplit, or
-// FLASHGDN_COLS_TMA=4|5) the same, where TMA can read k, q and v (tma_can_read);
+// With state_fwd_tma_kernel's kWy (cols_tma_wy: the default by plan, but the overlapped
+// schedule below 32 value heads, or FLASHGDN_COLS_TMA=4|5) the same, where TMA can read k, q and v (tma_can_read);
 // FLASHGDN_FUSED, where set, wins (wy_mode: tma_wy_mode's).
 bool fused_in_pass(const Problem& p, const SegmentPlan& plan, const FwdParams& f, int wy_mode) {
   const bool tma_wy =
