@@ -159,11 +159,17 @@ def _pick(items: Sequence[Any], key: Callable[[Any], str], wanted: Optional[List
 
 def parse_seqs(label: str) -> Optional[Tuple[int, ...]]:
     """Lengths of a forward row named outside the table: "NxL" (N sequences of L tokens) or
-    "A+B+..." (one sequence each), e.g. 1x24576 or 12288+512+512; None if it is neither."""
+    "A+B+..." (one sequence each), e.g. 1x24576 or 12288+512+512; None if it is neither.
+    The table's own "8192x4" and its kin are FlashQLA's names, L x N (4 sequences of 8192):
+    an unknown "NxL" whose L is under a chunk but whose N is not is read as written, with a
+    warning, since "16384x4" (16384 sequences of 4 tokens) was meant as 4 of 16384 once."""
     try:
         if "x" in label:
             n, length = label.split("x")
             lens = (int(length),) * int(n)
+            if int(length) < 64 <= int(n):
+                print(f"bench_gdn: --seqs {label}: {n} sequences of {length} tokens (N x L); "
+                      f"for {length} sequences of {n} write {length}x{n}", file=sys.stderr)
         else:
             lens = tuple(int(x) for x in label.split("+"))
     except ValueError:

@@ -84,3 +84,15 @@ def test_ncu_source_report(capsys):
     listed = out.split("most-sampled")[1]
     assert listed.index("BRA 0x20") < listed.index("HMMA")  # 75% before 20%
     assert "TRYWAIT" in out.split("before the instruction at 0x30")[1]  # its predecessor
+
+
+def test_unknown_row_labels(capsys):
+    """--seqs names outside the table: "NxL" is N sequences of L tokens ("A+B" one each);
+    where L is under a chunk and N is not (e.g. 16384x4, the table's 8192x4 read the other
+    way), the lengths are as written and a warning names the other reading."""
+    assert bg.parse_seqs("4x16384") == (16384,) * 4
+    assert bg.parse_seqs("12288+512+512") == (12288, 512, 512)
+    assert capsys.readouterr().err == ""
+    assert bg.parse_seqs("16384x4") == (4,) * 16384
+    assert "for 4 sequences of 16384 write 4x16384" in capsys.readouterr().err
+    assert bg.parse_seqs("2x0") is None and bg.parse_seqs("axb") is None
