@@ -497,6 +497,16 @@ inline FLASHGDN_HD double unfused_wy_term(const ForwardCost& c, const LoadStats&
   return c.unfused_wy_us * s.total * heads / nsm;
 }
 
+// Whether ForwardCost::few_heads_seq_work leaves the overlapped schedules out (the one-wave
+// one; the saturated one too unless sat_fused_wy): the pass forms the WY part, under
+// kTmaWyMinHeads value heads, from few_heads_seq_work chunk-heads, the longest sequence under
+// few_heads_seq_longest chunks.
+inline FLASHGDN_HD bool few_heads_sequential(const ForwardCost& c, const LoadStats& s,
+                                             double heads) {
+  return c.fused_wy && heads < kTmaWyMinHeads && s.total * heads >= c.few_heads_seq_work &&
+         s.longest < c.few_heads_seq_longest;
+}
+
 // The terms of a split state pass's estimate shared by its schedules (estimate_state_pass_us,
 // estimate_saturated_overlap_us): column block bw, segments of seg chunks (> 0).
 struct SplitTerms {
@@ -664,9 +674,7 @@ inline FLASHGDN_HD double saturated_from_terms(const ForwardCost& c, const LoadS
   if (!c.overlap || !c.overlap_saturated || s.longest < c.sat_min_longest) return 1e300;
   if (c.fused_wy && !c.sat_fused_wy && heads >= kTmaWyMinHeads && heads < kTmaWyOverlapHeads)
     return 1e300;  // ForwardCost::fused_wy
-  if (c.fused_wy && !c.sat_fused_wy && heads < kTmaWyMinHeads &&
-      s.total * heads >= c.few_heads_seq_work && s.longest < c.few_heads_seq_longest)
-    return 1e300;  // ForwardCost::few_heads_seq_work
+  if (!c.sat_fused_wy && few_heads_sequential(c, s, heads)) return 1e300;
   if (r.warm_blocks + 2.0 * r.exact_blocks <= c.overlap_fit * r.nsm) return 1e300;  // one wave
   const double chain = r.crit1 + r.combine + r.len * r.t;
   const double bound = (r.work0 + r.work1) * c.sat_factor;
@@ -700,9 +708,7 @@ inline FLASHGDN_HD SplitEstimate estimate_split(const ForwardCost& c, const Load
   if (bw != 128 || !c.overlap || r.warm_blocks + 2.0 * r.exact_blocks > c.overlap_fit * r.nsm ||
       r.exact_blocks * ns > r.nsm)
     return e;
-  if (c.fused_wy && heads < kTmaWyMinHeads && s.total * heads >= c.few_heads_seq_work &&
-      s.longest < c.few_heads_seq_longest)
-    return e;  // ForwardCost::few_heads_seq_work
+  if (few_heads_sequential(c, s, heads)) return e;
   double chain = r.crit1 + r.combine + (ns > 1.0 ? c.sub_start_us : 0.0);
   if (r.warm_blocks + r.exact_blocks * ns > r.nsm && chain < crit0) chain = crit0;
   chain += ceil_pos(r.len / ns) * r.t;
