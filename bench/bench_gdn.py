@@ -186,16 +186,16 @@ def build_rows(mode: str, models: Optional[List[str]], seqs: Optional[List[str]]
         extra = list(PACKED_SEQS) if seqs else []
         known = {s for s, _ in list(FWD_SEQS) + extra}
         for label in seqs or []:
-            lens = parse_seqs(label)
-            if label not in known and lens is not None:
+            lens = None if label in known else parse_seqs(label)  # (a table's label: no warning)
+            if lens is not None:
                 extra.append((label, lens))
         tables.append(("fwd", FWD_MODELS, list(FWD_SEQS) + extra))
     if mode in ("bwd", "both"):
         bwd_seqs = _bwd_seqs(seed)
         known = {s for s, _ in bwd_seqs}
         for label in seqs or []:
-            lens = parse_seqs(label)
-            if label not in known and lens is not None:
+            lens = None if label in known else parse_seqs(label)
+            if lens is not None:
                 bwd_seqs.append((label, lens))
         tables.append(("bwd", BWD_MODELS, bwd_seqs))
     rows: List[Row] = []

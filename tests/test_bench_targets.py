@@ -96,3 +96,12 @@ def test_unknown_row_labels(capsys):
     assert bg.parse_seqs("16384x4") == (4,) * 16384
     assert "for 4 sequences of 16384 write 4x16384" in capsys.readouterr().err
     assert bg.parse_seqs("2x0") is None and bg.parse_seqs("axb") is None
+
+
+def test_table_row_labels_do_not_warn(capsys):
+    """The table's own labels ("8192x4": 4 sequences of 8192) are its rows, read without the
+    unknown-label warning, with the table's lengths."""
+    rows = bg.build_rows("fwd", ["2/8"], ["8192x4", "1024x8"], 0)
+    assert capsys.readouterr().err == ""
+    lens = {r.seq_label: r.lens for r in rows}
+    assert lens["8192x4"] == (8192,) * 4 and lens["1024x8"] == (1024,) * 8
