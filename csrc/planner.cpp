@@ -214,12 +214,14 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     u.est_us = estimate_us(q, u, cost);
     if (u.est_us < best_unsplit.est_us) best_unsplit = u;
     // overlapped_only: a length below kMinSegChunks, whose sequential plan is not a candidate
-    auto consider = [&](int64_t seg, bool overlapped_only = false) {
+    // sequential_only: a kReachSegChunks split (exact_reach), no overlapped estimate
+    auto consider = [&](int64_t seg, bool overlapped_only = false, bool sequential_only = false) {
       SegmentPlan s = with_length(q, seg, bw);
       if (!s.split) return;
+      s.exact_reach = sequential_only;
       s.est_us = estimate_us(q, s, sequential);
       if (!overlapped_only && s.est_us < best_split.est_us) best_split = s;
-      if (!cost.overlap) return;
+      if (!cost.overlap || sequential_only) return;
       s.est_us = estimate_schedule_us(q, s, cost);
       if (s.overlap && s.est_us < best_overlapped.est_us) best_overlapped = s;
     };
@@ -232,6 +234,12 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
     for (int64_t seg = kMinSegChunks; seg < longest_est; seg = next_seg_candidate(seg))
       if (seg_candidate_for(bw, seg, longest_est, cost.overlap, cost.short_seg_longest))
         consider(seg);
+    // lengths the host knows, 128 columns, sequences of at most reach_seg_longest chunks:
+    // the sequential split in kReachSegChunks-chunk segments, started exactly where a
+    // warm-up would reach the sequence's start (ForwardCost::reach_seg_longest)
+    if (bw == 128 && q.fixed_chunks > 0 && longest_est > kReachSegChunks &&
+        longest_est <= cost.reach_seg_longest)
+      consider(kReachSegChunks, /*overlapped_only=*/false, /*sequential_only=*/true);
     // lengths the host knows (fixed length, one packed sequence), 128 columns (one block per
     // SM), plans that may run overlapped (seg_candidate_for's `fine`): also the length of
     // every segment count, the shortest that cuts the sequence into n segments, so that a
@@ -275,7 +283,7 @@ static SegmentPlan plan_segments_any(const SegmentQuery& q, const ForwardCost& g
   // where fewer, longer segments would make the exact chain the bound, the estimate is
   // unmeasured.
   if (cost.overlap && best_split.split && !best_split.overlap && best_split.col_block == 128 &&
-      q.fixed_chunks > 0) {
+      q.fixed_chunks > 0 && !best_split.exact_reach) {
     best_saturated = best_split;
     best_saturated.est_us = estimate_saturated_overlap_us(
         cost, load_stats(q, best_split), static_cast<double>(q.Hv), q.sms,

@@ -64,6 +64,10 @@ struct SegmentPlan {
   // Without it, the device's splits run sequentially. (H100, 2/8 heads, 6144 + 2048
   // tokens: sequential split 0.298 ms, overlapped 0.221.)
   bool device_overlap = false;
+  // A sequential 128-column split in kReachSegChunks-chunk segments (ForwardCost::
+  // reach_seg_longest): a segment whose warm-up would reach the sequence's start starts exact
+  // from the chain instead of from h0 (SegParams::exact_reach)
+  bool exact_reach = false;
   // device_col_block: the column blocks the device may pick (col_block_bit), the others'
   // kernels are not launched. A column block is left out when its least possible cost (the
   // work term at the fewest chunks the tokens make) exceeds a bound on the cost of what the
@@ -114,6 +118,8 @@ struct SegmentQuery {
 // small part of a segment's work. (Measured at 2/8 x 8192, column block 128: segments of
 // 24 chunks 0.286 ms, 32 0.321, 16 0.311.)
 constexpr int64_t kMinSegChunks = 24;
+// ... and the sequential 128-column splits' shorter length (ForwardCost::reach_seg_longest)
+constexpr int64_t kReachSegChunks = 16;
 // ... and on the overlapped schedule, for sequences of at least kMinOverlapLongest chunks
 // (H200, 2026-11-26, 2/8 heads: 8192 tokens in segments of 18 or 20 chunks 0.140 ms, of 24
 // 0.152; 16384 tokens in 20 chunks 0.195, 24 0.197; segments of 16 no longer fit the
@@ -325,6 +331,17 @@ struct ForwardCost {
   // before saturated) 0.727 -> 0.768 (H100, 2026-11-27).
   double few_heads_seq_work = 4096;
   double few_heads_seq_longest = 2048;
+  // Sequential 128-column splits in segments of kReachSegChunks (below kMinSegChunks) where
+  // the host knows the lengths and the longest sequence has at most reach_seg_longest chunks
+  // (0: none), planned with SegmentPlan::exact_reach: the second segment's warm-up would
+  // reach the sequence's start, which made it start from h0 and run those chunks again in
+  // its phase-1 block, the chain's longest (16/32 x 8192 in 16-chunk segments: phase 1 86 us
+  // as at 32-chunk ones; exact, 62 us). H100, 2026-11-27, forced 16-chunk segments with the
+  // exact start against the default plan: 1x8192 at 16/16 heads 0.202 -> 0.171 ms, 4/16
+  // 0.186 -> 0.161, 16/32 0.278 -> 0.262, 8/32 0.269 -> 0.255, 32/32 0.281 -> 0.264; 16/64 x
+  // 4096 0.275 -> 0.250, the rows the cost model takes them on; 1x16384 (256 chunks) at
+  // 4/16 and 16/16 heads, where the model would take them too, 1-2% slower: hence the bound.
+  int64_t reach_seg_longest = 128;
 };
 
 #ifdef __CUDACC__

@@ -612,6 +612,38 @@ def test_cp_auto_engages_on_long_single_sequence():
         assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
 
 
+@pytest.mark.parametrize("case", [
+    Case("reach_h32", [8192], 8, 32, gate="mixed"),
+    Case("reach_h16", [8192], 4, 16, varlen=False, gate="zero_heads"),  # fixed length
+    Case("reach_h64", [4096], 16, 64, gate="mixed", dtype=torch.float16),
+], ids=lambda c: c.name)
+def test_reach_segments_default(case: Case):
+    """The planner's 16-chunk sequential splits (ForwardCost::reach_seg_longest, SegmentPlan::
+    exact_reach; test_planner.cpp ReachSegments): one sequence of 64-128 chunks at 16-64
+    value heads plans them by default, and a segment whose warm-up would reach the
+    sequence's start (the second, on the g == 0 heads) starts exact from the chain. The
+    default's bits are those of the same split forced (FLASHGDN_CP_SEG=16 with
+    FLASHGDN_EXACT_REACH=1: the default took it), not those of the plan before it
+    (FLASHGDN_REACH_SEG=0); eager equals a CUDA graph's replay; the float64 reference's
+    accuracy, the g == 0 heads as exact as unsplit."""
+    inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=58)
+    with env_vars({"FLASHGDN_CP_SEG": "16", "FLASHGDN_EXACT_REACH": "1"}):
+        o_f, h_f = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    with env_vars({"FLASHGDN_REACH_SEG": "0"}):
+        o_b, h_b = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
+    o_g, h_g = forward_from_graph(inp, replays=2)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_f) and torch.equal(ht, h_f), "the default is not the 16-chunk split"
+    assert not torch.equal(ht, h_b), "the plan before the 16-chunk splits gave the same bits"
+    assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
+    ro, rh = reference(inp)
+    print(f"{case.name}: o {rel_err(o, ro):.2e} state {rel_err(ht, rh):.2e} (before: "
+          f"{rel_err(o_b, ro):.2e} {rel_err(h_b, rh):.2e})")
+    assert rel_err(o, ro) < O_TOL and rel_err(ht, rh) < STATE_TOL
+    for h in range(0, case.hv, 4):
+        assert_as_exact(h, o, ht, o_ref, h_ref, ro, rh)
+
+
 def test_saturated_overlap_opt_in():
     """FLASHGDN_CP_SAT=1 (planner.h estimate_saturated_overlap_us): on 132 SMs 8/32 heads x
     8192 tokens keep the sequential plan's 4 segments of 32 chunks (128 blocks of 128 columns
@@ -621,8 +653,11 @@ def test_saturated_overlap_opt_in():
     default's bits (where the SM count gives both the same segments) and the float64
     reference's accuracy, as exact as unsplit on the g == 0 heads, also from a CUDA graph."""
     case = Case("saturated", [8192], 8, 32, gate="mixed")
-    inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=31)
-    with env_vars({"FLASHGDN_CP_SAT": "1"}):
+    # (without the planner's 16-chunk splits, which take this row since session 58 and are
+    # never made saturated: test_reach_segments_default)
+    with env_vars({"FLASHGDN_REACH_SEG": "0"}):
+        inp, o_ref, h_ref, o, ht = off_and_auto(case, seed=31)
+    with env_vars({"FLASHGDN_CP_SAT": "1", "FLASHGDN_REACH_SEG": "0"}):
         o_s, h_s = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
         o_g, h_g = forward_from_graph(inp, replays=2)
     torch.cuda.synchronize()
@@ -1583,7 +1618,8 @@ def test_default_forward_kernel(case: Case, wy: bool):
     the float64 reference's tolerance. (FLASHGDN_UNFUSED_WY_US pinned to its default: with
     FLASHGDN_COLS_TMA set the planner drops that term, which would change the plan.)"""
     inp = make_inputs(case, "cuda", seed=89)
-    base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_UNFUSED_WY_US": "2"}
+    # (the 8192-token cases' plans before the planner's 16-chunk splits: test_reach_segments_default)
+    base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_UNFUSED_WY_US": "2", "FLASHGDN_REACH_SEG": "0"}
     if 16 <= case.hv < 32:
         # FLASHGDN_COLS_TMA clears ForwardCost::fused_wy too, which brings the saturated
         # schedule back as a candidate: CP_SAT=0 keeps both runs on the default's plan

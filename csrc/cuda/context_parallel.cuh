@@ -113,6 +113,11 @@ struct SegParams {
   bool slow_lookup;
   const int64_t* p0_merge_dev;  // the device's merge (its plan's, DeviceSegChoice::chosen[3]),
                                 //   in place of p0_merge; null: the host's
+  // A forward segment whose warm-up walk reaches the sequence's start without the gates
+  // forgetting: false, it starts from h0 at chunk 0 (up to kWarmupMax chunks before it, run
+  // again by its phase-1 and phase-0 blocks); true (launch.cu exact_reach), it starts exact
+  // from the chain like the segments after it (segment_start_of).
+  bool exact_reach;
 };
 
 // Phase 0's merge factor (SegParams::p0_merge, p0_merge_dev), at least 1.
@@ -190,7 +195,7 @@ __device__ __forceinline__ SegStart segment_start_of(const SegParams& p, int64_t
       }
     }
     if (bound <= kLogEps) return {c == 0 ? SegSource::H0 : SegSource::Warmup, c};
-    if (c == 0) return {SegSource::H0, 0};
+    if (c == 0 && !p.exact_reach) return {SegSource::H0, 0};
     return {SegSource::Exact, c_begin};
   }
   const int64_t c_last = (j + 1) * seg < nch ? (j + 1) * seg - 1 : nch - 1;

@@ -684,6 +684,9 @@ ForwardCost plan_cost(bool backward) {
     c.p0_list = list != 0;
     if (list == 2) c.p0_list_margin = 0.0;
   }
+  // FLASHGDN_REACH_SEG=<chunks>: ForwardCost::reach_seg_longest (0: no kReachSegChunks
+  // splits; the forward only, the backward's plans never take them)
+  c.reach_seg_longest = backward ? 0 : env_int_or("FLASHGDN_REACH_SEG", 128);
   // FLASHGDN_UNFUSED_WY_LONGEST=<chunks>: from which longest sequence the term counts
   // (ForwardCost::unfused_wy_longest; measurements)
   if (const int l = env_int_or("FLASHGDN_UNFUSED_WY_LONGEST", 0); l > 0 && !backward)
@@ -1628,6 +1631,13 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   f.q_eff = b.q_eff;
   f.corr_ld = p.TT;
   f.corr_ht = f.corr ? f.ht : nullptr;
+  // SegmentPlan::exact_reach (the planner's kReachSegChunks splits; FLASHGDN_EXACT_REACH=1 also
+  // the forward's other host-planned sequential 128-column splits, for measurements with
+  // FLASHGDN_CP_SEG): a segment whose warm-up would reach the sequence's start starts exact
+  f.exact_reach = (plan.exact_reach ||
+                   (env_int_or("FLASHGDN_EXACT_REACH", 0) == 1 && f.h == nullptr)) &&
+                  !f.corr && !plan.overlap && plan.col_block == 128 &&
+                  f.seg_chunks_dev == nullptr && !dev_schedule;
   return choice;
 }
 

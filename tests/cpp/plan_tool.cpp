@@ -17,6 +17,7 @@
 // FLASHGDN_UNFUSED_WY_US), --no-overlap
 // (FLASHGDN_CP_OVERLAP=0), --sat (FLASHGDN_CP_SAT=1), --no-sat (FLASHGDN_CP_SAT=0), --nsub n
 // (FLASHGDN_CP_SUB), --no-merge (ForwardCost::p0_merge off: phase 0 in the plan's segments),
+// --no-reach (ForwardCost::reach_seg_longest 0: FLASHGDN_REACH_SEG=0),
 // --no-p0-list / --p0-list-any (ForwardCost::p0_list off / without its margin:
 // FLASHGDN_P0_LIST=0 / =2), --no-exact-p0 / --exact-p0-any (ForwardCost::exact_p0:
 // FLASHGDN_HOST_EXACT_P0=0 / =2), --plain-pass (no kWy: ForwardCost::fused_wy off),
@@ -114,6 +115,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(a, "--no-sat")) c.overlap_saturated = false;
     else if (!std::strcmp(a, "--plain-pass")) c.fused_wy = false;  // no kWy (FLASHGDN_COLS_TMA=0)
     else if (!std::strcmp(a, "--no-merge")) c.p0_merge = false;
+    else if (!std::strcmp(a, "--no-reach")) c.reach_seg_longest = 0;
     else if (!std::strcmp(a, "--no-p0-list")) c.p0_list = false;
     else if (!std::strcmp(a, "--p0-list-any")) c.p0_list_margin = 0.0;
     else if (!std::strcmp(a, "--no-exact-p0")) c.exact_p0 = false;
@@ -184,7 +186,8 @@ int main(int argc, char** argv) {
   if (p.split && !p.device_choice)
     std::printf(", %s%s, nsub %d, phase 0 merge %d",
                 p.saturated ? "saturated" : p.overlap ? "overlapped" : "sequential",
-                p.corr ? " with correction" : "", p.nsub, p.p0_merge);
+                p.corr ? " with correction" : p.exact_reach ? " (exact reach)" : "", p.nsub,
+                p.p0_merge);
   if (p.device_choice) std::printf(", the device picks the segments");
   if (p.device_overlap)
     std::printf(" and may take the overlapped schedule (nsub %d)", p.nsub);

@@ -189,8 +189,10 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
   // 2/8 and 4/16 heads, 8192 tokens, sequential schedule: segments of 24 chunks (6 x 8 or
   // 6 x 16 blocks, one wave; measured on H100: 0.286 ms vs 0.321 at 32 chunks, 4/16: 0.333
   // vs 0.366). (The overlapped one is taken there by default: OverlappedSchedule... below.)
+  // (Without the kReachSegChunks candidate, ForwardCost::reach_seg_longest: ReachSegments.)
   flashgdn::ForwardCost sequential;
   sequential.overlap = false;
+  sequential.reach_seg_longest = 0;
   for (int64_t hv : {8, 16}) {
     q = query(1, 128, hv);
     q.allow_cols = true;
@@ -214,10 +216,14 @@ TEST(Planner, ColumnBlock128WhereAllowed) {
   fused_everywhere.unfused_wy_us = 0.0;
   EXPECT_EQ(plan_segments(q, fused_everywhere).seg_chunks, 43);
   EXPECT_TRUE(plan_segments(q, fused_everywhere).overlap);
-  // 128 chunks at 16 heads stay overlapped (4/16 x 8192: 0.192 against 0.202 sequential)
+  // 128 chunks at 16 heads stayed overlapped (4/16 x 8192: 0.192 against 0.202 sequential);
+  // since ForwardCost::reach_seg_longest sequential in 16-chunk segments (ReachSegments)
   q = query(1, 128, 16);
   q.allow_cols = true;
-  EXPECT_TRUE(plan_segments(q).overlap);
+  flashgdn::ForwardCost no_reach;
+  no_reach.reach_seg_longest = 0;
+  EXPECT_TRUE(plan_segments(q, no_reach).overlap);
+  EXPECT_TRUE(plan_segments(q).exact_reach);
   q = query(1, 32, 8);  // 2/8 heads, 2048 tokens: too short to split, 16 columns fill more SMs
   q.allow_cols = true;
   EXPECT_EQ(plan_segments(q).col_block, 16);
@@ -808,7 +814,11 @@ TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
   q = query(1, 128, 32);
   q.allow_cols = true;
   EXPECT_FALSE(plan_segments(q).overlap);
-  EXPECT_TRUE(plan_segments(q, on).overlap);
+  EXPECT_TRUE(plan_segments(q).exact_reach);  // (ReachSegments: never made saturated)
+  EXPECT_FALSE(plan_segments(q, on).overlap);
+  flashgdn::ForwardCost on_no_reach = on;
+  on_no_reach.reach_seg_longest = 0;
+  EXPECT_TRUE(plan_segments(q, on_no_reach).overlap);
   // packed, 4/16 heads: one sequence of all the chunks would take it, so the device may
   // (the overlapped launches without sub-segments), unless the hint on the longest sequence
   // is below 384 chunks (8192 x 4: the device's sequential split, looped)
@@ -874,14 +884,17 @@ TEST(Planner, OverlapTriesShorterSegments) {
   EXPECT_EQ(p.col_block, 128);
   EXPECT_EQ(p.seg_chunks, 19);
   EXPECT_GE(p.seg_chunks, flashgdn::kMinOverlapSegChunks);
-  // the sequential schedule never goes below kMinSegChunks
+  // the sequential schedule never goes below kMinSegChunks but for the kReachSegChunks
+  // splits (ReachSegments), from at most reach_seg_longest chunks
   flashgdn::ForwardCost sequential;
   sequential.overlap = false;
   for (int64_t chunks : {128, 192, 256, 512}) {
     q = query(1, chunks, 8);
     q.allow_cols = true;
     p = plan_segments(q, sequential);
-    if (p.split) EXPECT_GE(p.seg_chunks, kMinSegChunks) << chunks;
+    if (p.split && !p.exact_reach) EXPECT_GE(p.seg_chunks, kMinSegChunks) << chunks;
+    if (p.exact_reach) EXPECT_EQ(p.seg_chunks, flashgdn::kReachSegChunks) << chunks;
+    if (chunks > sequential.reach_seg_longest) EXPECT_FALSE(p.exact_reach) << chunks;
   }
   // from kMinShortSegLongest (64) chunks as well (H100, 2026-11-26, 2/8 x 7168 tokens: 0.161
   // -> 0.132 ms); shorter sequences keep kMinSegChunks
@@ -894,7 +907,7 @@ TEST(Planner, OverlapTriesShorterSegments) {
   q = query(1, 63, 8);
   q.allow_cols = true;
   p = plan_segments(q);
-  if (p.split) EXPECT_GE(p.seg_chunks, kMinSegChunks);
+  if (p.split && !p.exact_reach) EXPECT_GE(p.seg_chunks, kMinSegChunks);
 }
 
 TEST(Planner, ShortSegmentsFromAnotherLength) {
@@ -962,9 +975,19 @@ TEST(Planner, FourThousandTokensAtManyHeadsSplitAtTheFasterStep) {
     auto q = query(1, 64, hv);
     q.allow_cols = true;
     const auto now = plan_segments(q, fp16);
-    EXPECT_TRUE(now.split && now.overlap) << hv;
+    EXPECT_TRUE(now.split) << hv;
     EXPECT_EQ(now.col_block, 128) << hv;
-    EXPECT_EQ(now.seg_chunks, 22) << hv;
+    // 32 heads: the kReachSegChunks split since ForwardCost::reach_seg_longest (H100,
+    // 2026-11-27: 16/32 0.182 -> 0.173 ms, 8/32 0.178 -> 0.168, 32/32 0.184 -> 0.176)
+    EXPECT_EQ(now.overlap, hv == 24) << hv;
+    EXPECT_EQ(now.seg_chunks, hv == 24 ? 22 : flashgdn::kReachSegChunks) << hv;
+  }
+  fp16.reach_seg_longest = 0;  // (the plans before it)
+  for (int64_t hv : {24, 32}) {
+    auto q = query(1, 64, hv);
+    q.allow_cols = true;
+    EXPECT_TRUE(plan_segments(q, fp16).overlap) << hv;
+    EXPECT_EQ(plan_segments(q, fp16).seg_chunks, 22) << hv;
   }
   fp16.short_seg_longest = flashgdn::kMinOverlapLongest;
   fp16.unfused_wy_us = 0.0;  // as then (24 heads: before ForwardCost::unfused_wy_us)
@@ -1420,4 +1443,42 @@ TEST(Planner, FewHeadsSequentialWithTheWyWarpgroup) {
   const auto d = device_choice_for(8, {128, 128, 128, 128});
   EXPECT_FALSE(d.plan.device_overlap);
   EXPECT_EQ(d.out[2], 0);
+}
+
+TEST(Planner, ReachSegments) {
+  // ForwardCost::reach_seg_longest: host-known lengths of at most 128 chunks, 128 columns,
+  // the sequential split in kReachSegChunks-chunk segments with SegmentPlan::exact_reach where
+  // the cost model takes it (H100, 2026-11-27, forced 16-chunk segments with the exact start
+  // against the default plan: 1x8192 at 16/16 heads 0.202 -> 0.171 ms, 16/32 0.278 -> 0.262,
+  // 16/64 x 4096 0.275 -> 0.250); never at 256 chunks (4/16, 16/16 x 16384 1-2% slower).
+  for (const int64_t hv : {16, 32}) {
+    auto q = query(1, 128, hv);
+    q.allow_cols = true;
+    const auto p = plan_segments(q);
+    EXPECT_TRUE(p.split && p.exact_reach) << hv;
+    EXPECT_FALSE(p.overlap || p.saturated) << hv;
+    EXPECT_EQ(p.col_block, 128) << hv;
+    EXPECT_EQ(p.seg_chunks, flashgdn::kReachSegChunks) << hv;
+    q = query(1, 256, hv);
+    q.allow_cols = true;
+    EXPECT_FALSE(plan_segments(q).exact_reach) << hv;
+  }
+  auto q = query(1, 64, 64);  // 16/64 x 4096
+  q.allow_cols = true;
+  EXPECT_TRUE(plan_segments(q).exact_reach);
+  EXPECT_EQ(plan_segments(q).seg_chunks, flashgdn::kReachSegChunks);
+  // not where the model keeps the other plans (2/8 x 8192: overlapped in 19-chunk segments),
+  // not for packed sequences the host does not know, and never off (reach_seg_longest 0)
+  q = query(1, 128, 8);
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q).exact_reach);
+  q = query(4, 128, 32, /*varlen=*/true);
+  q.allow_cols = true;
+  EXPECT_FALSE(plan_segments(q).exact_reach);
+  q = query(1, 128, 32);
+  q.allow_cols = true;
+  flashgdn::ForwardCost off;
+  off.reach_seg_longest = 0;
+  EXPECT_FALSE(plan_segments(q, off).exact_reach);
+  EXPECT_GE(plan_segments(q, off).seg_chunks, kMinSegChunks);
 }
