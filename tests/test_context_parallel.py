@@ -633,8 +633,9 @@ def test_reach_segments_default(case: Case):
         o_b, h_b = flashgdn.chunk_gated_delta_rule(**inp, output_final_state=True)
     o_g, h_g = forward_from_graph(inp, replays=2)
     torch.cuda.synchronize()
-    assert torch.equal(o, o_f) and torch.equal(ht, h_f), "the default is not the 16-chunk split"
-    assert not torch.equal(ht, h_b), "the plan before the 16-chunk splits gave the same bits"
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # (the plans' SMs)
+        assert torch.equal(o, o_f) and torch.equal(ht, h_f), "the default is not the 16-chunk split"
+        assert not torch.equal(ht, h_b), "the plan before the 16-chunk splits gave the same bits"
     assert torch.equal(o, o_g) and torch.equal(ht, h_g), "graph replay differs"
     ro, rh = reference(inp)
     print(f"{case.name}: o {rel_err(o, ro):.2e} state {rel_err(ht, rh):.2e} (before: "
