@@ -1619,8 +1619,10 @@ def test_default_forward_kernel(case: Case, wy: bool):
     the float64 reference's tolerance. (FLASHGDN_UNFUSED_WY_US pinned to its default: with
     FLASHGDN_COLS_TMA set the planner drops that term, which would change the plan.)"""
     inp = make_inputs(case, "cuda", seed=89)
-    # (the 8192-token cases' plans before the planner's 16-chunk splits: test_reach_segments_default)
-    base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_UNFUSED_WY_US": "2", "FLASHGDN_REACH_SEG": "0"}
+    # (the 8192-token cases' plans before the planner's 16-chunk splits, which
+    # test_reach_segments_default covers)
+    base = {"FLASHGDN_FWD_BW": "128", "FLASHGDN_UNFUSED_WY_US": "2",
+            "FLASHGDN_REACH_SEG": "0"}
     if 16 <= case.hv < 32:
         # FLASHGDN_COLS_TMA clears ForwardCost::fused_wy too, which brings the saturated
         # schedule back as a candidate: CP_SAT=0 keeps both runs on the default's plan
