@@ -304,6 +304,32 @@ def test_backward_short_split_by_average(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("case", [
+    Case("reach_bwd_one", [2500], 2, 8, gate="mixed"),
+    Case("reach_bwd_batch", [2048, 2048], 2, 4, varlen=False, gate="zero_heads",
+         dtype=torch.float16),
+], ids=lambda c: c.name)
+def test_backward_exact_reach(monkeypatch, case: Case):
+    """FLASHGDN_BWD_EXACT_REACH=1 (opt-in, written after session 58's device time): in the
+    backward's short split (12-chunk segments), the recomputation's second segment and the
+    reverse pass's second-to-last, whose warm-up walks reach the sequence's start / end on
+    the g == 0 heads, start exact from the chain instead of from h0 / dht: the switch changes
+    the gradients' rounding (not every one bit-equal to the default's), and every gradient
+    is as accurate against the float64 reference as the default's, within 2e-3 of it."""
+    for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT",
+              "FLASHGDN_BWD_EXACT_REACH"):
+        monkeypatch.delenv(k, raising=False)
+    names, dflt, refs, _ = run_grads(case, "cuda", seed=79)
+    monkeypatch.setenv("FLASHGDN_BWD_EXACT_REACH", "1")
+    _, got, _, _ = run_grads(case, "cuda", seed=79)
+    assert not all(torch.equal(a, b) for a, b in zip(got, dflt)), "the switch changed nothing"
+    assert_as_accurate_as_default("backward exact reach", names, got, dflt, refs, agree=2e-3)
+    for n, a in zip(names, got):
+        assert torch.isfinite(a).all(), f"d{n} not finite"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("cp", ["off", "on"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_recompute_on_tma_kernel_same_bits(monkeypatch, cp: str, dtype: torch.dtype):

@@ -113,10 +113,11 @@ struct SegParams {
   bool slow_lookup;
   const int64_t* p0_merge_dev;  // the device's merge (its plan's, DeviceSegChoice::chosen[3]),
                                 //   in place of p0_merge; null: the host's
-  // A forward segment whose warm-up walk reaches the sequence's start without the gates
-  // forgetting: false, it starts from h0 at chunk 0 (up to kWarmupMax chunks before it, run
-  // again by its phase-1 and phase-0 blocks); true (launch.cu exact_reach), it starts exact
-  // from the chain like the segments after it (segment_start_of).
+  // A segment whose warm-up walk reaches the sequence's start (the reverse pass: its end)
+  // without the gates forgetting: false, it starts from h0 at chunk 0 (dht at the last
+  // chunk; up to kWarmupMax chunks beyond it, run again by its phase-1 and phase-0 blocks);
+  // true (launch.cu state_pass_params), it starts exact from the chain like the segments
+  // after it (segment_start_of).
   bool exact_reach;
 };
 
@@ -214,7 +215,7 @@ __device__ __forceinline__ SegStart segment_start_of(const SegParams& p, int64_t
     }
   }
   if (bound <= kLogEps) return {c == nch - 1 ? SegSource::H0 : SegSource::Warmup, c};
-  if (c == nch - 1) return {SegSource::H0, c};
+  if (c == nch - 1 && !p.exact_reach) return {SegSource::H0, c};
   return {SegSource::Exact, c_last};
 }
 __device__ __forceinline__ SegStart segment_start(const SegParams& p, int64_t chunk0,

@@ -1633,8 +1633,14 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   f.corr_ht = f.corr ? f.ht : nullptr;
   // SegmentPlan::exact_reach (the planner's kReachSegChunks splits; FLASHGDN_EXACT_REACH=1 also
   // the forward's other host-planned sequential 128-column splits, for measurements with
-  // FLASHGDN_CP_SEG): a segment whose warm-up would reach the sequence's start starts exact
-  f.exact_reach = (plan.exact_reach ||
+  // FLASHGDN_CP_SEG): a segment whose warm-up would reach the sequence's start starts exact.
+  // FLASHGDN_BWD_EXACT_REACH=1 (opt-in, built after session 58's device time, NOT yet run on
+  // a GPU): the same for the backward's recomputation, and through the SegParams it hands on,
+  // its reverse pass (segments whose walk reaches the sequence's end start exact instead of
+  // from dht): the short split's 12-chunk segments reach both ends.
+  const bool bwd_reach = env_int_or("FLASHGDN_BWD_EXACT_REACH", 0) == 1 && f.h != nullptr &&
+                         f.o == nullptr;
+  f.exact_reach = (plan.exact_reach || bwd_reach ||
                    (env_int_or("FLASHGDN_EXACT_REACH", 0) == 1 && f.h == nullptr)) &&
                   !f.corr && !plan.overlap && plan.col_block == 128 &&
                   f.seg_chunks_dev == nullptr && !dev_schedule;
