@@ -1,7 +1,7 @@
 """Gradients (dq, dk, dv, dg, dbeta, dh0) against autograd through the float64 reference."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -184,9 +184,11 @@ def assert_as_accurate_as_default(label: str, names, other, dflt, refs,
 
 
 def switched_as_accurate(monkeypatch, label: str, case: Case, seed: int, do_scale: float,
-                         base: Dict[str, Optional[str]], other: Dict[str, Optional[str]]) -> None:
+                         base: Dict[str, Optional[str]], other: Dict[str, Optional[str]]
+                         ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Gradients under the environment `base`, then `other` (None: unset): the other's as
-    accurate against the float64 reference as the base's, within 2e-3 of them, and finite."""
+    accurate against the float64 reference as the base's, within 2e-3 of them, and finite.
+    Returns both sets of gradients (base, other)."""
     def apply(settings: Dict[str, Optional[str]]) -> None:
         for k, v in settings.items():
             if v is None:
@@ -200,6 +202,7 @@ def switched_as_accurate(monkeypatch, label: str, case: Case, seed: int, do_scal
     assert_as_accurate_as_default(label, names, got, dflt, refs, agree=2e-3)
     for n, a in zip(names, got):
         assert torch.isfinite(a).all(), f"d{n} not finite"
+    return dflt, got
 
 
 @pytest.mark.gpu
@@ -270,13 +273,18 @@ def short_split_as_accurate(monkeypatch, label: str, case: Case, seed: int,
         assert any("state_bwd_cols_kernel" in n for n in ran) == taken, (value, sorted(ran))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("case", [
+# Shapes the backward's short split takes by default (12-chunk segments, 128 columns): one
+# sequence of 40 chunks (its last one partial), a batch of two of 32; g == 0 heads among them.
+SHORT_SPLIT_CASES = [
     Case("short_split_one", [2500], 2, 8, gate="mixed"),
     Case("short_split_batch", [2048, 2048], 2, 4, varlen=False, gate="mixed",
          dtype=torch.float16),
-], ids=lambda c: c.name)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("case", SHORT_SPLIT_CASES, ids=lambda c: c.name)
 def test_backward_short_split(monkeypatch, case: Case):
     """The backward's short split (planner.h backward_short_split: 12-chunk segments in the
     128-column passes where the work is short and the longest sequence has 32 chunks or
@@ -304,11 +312,7 @@ def test_backward_short_split_by_average(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-@pytest.mark.parametrize("case", [
-    Case("reach_bwd_one", [2500], 2, 8, gate="mixed"),
-    Case("reach_bwd_batch", [2048, 2048], 2, 4, varlen=False, gate="zero_heads",
-         dtype=torch.float16),
-], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", SHORT_SPLIT_CASES, ids=lambda c: c.name)
 def test_backward_exact_reach(monkeypatch, case: Case):
     """FLASHGDN_BWD_EXACT_REACH=1 (opt-in, written after session 58's device time): in the
     backward's short split (12-chunk segments), the recomputation's second segment and the
@@ -319,13 +323,10 @@ def test_backward_exact_reach(monkeypatch, case: Case):
     for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT",
               "FLASHGDN_BWD_EXACT_REACH"):
         monkeypatch.delenv(k, raising=False)
-    names, dflt, refs, _ = run_grads(case, "cuda", seed=79)
-    monkeypatch.setenv("FLASHGDN_BWD_EXACT_REACH", "1")
-    _, got, _, _ = run_grads(case, "cuda", seed=79)
+    dflt, got = switched_as_accurate(monkeypatch, "backward exact reach", case, 79, 1.0,
+                                     {"FLASHGDN_BWD_EXACT_REACH": None},
+                                     {"FLASHGDN_BWD_EXACT_REACH": "1"})
     assert not all(torch.equal(a, b) for a, b in zip(got, dflt)), "the switch changed nothing"
-    assert_as_accurate_as_default("backward exact reach", names, got, dflt, refs, agree=2e-3)
-    for n, a in zip(names, got):
-        assert torch.isfinite(a).all(), f"d{n} not finite"
 
 
 @pytest.mark.gpu
