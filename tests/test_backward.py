@@ -314,19 +314,20 @@ def test_backward_short_split_by_average(monkeypatch):
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("case", SHORT_SPLIT_CASES, ids=lambda c: c.name)
 def test_backward_exact_reach(monkeypatch, case: Case):
-    """FLASHGDN_BWD_EXACT_REACH=1 (opt-in, written after session 58's device time): in the
-    backward's short split (12-chunk segments), the recomputation's second segment and the
+    """The backward's exact reach (the default since session 59; FLASHGDN_BWD_EXACT_REACH=0
+    not): in the short split (12-chunk segments), the recomputation's second segment and the
     reverse pass's second-to-last, whose warm-up walks reach the sequence's start / end on
-    the g == 0 heads, start exact from the chain instead of from h0 / dht: the switch changes
-    the gradients' rounding (not every one bit-equal to the default's), and every gradient
-    is as accurate against the float64 reference as the default's, within 2e-3 of it."""
+    the g == 0 heads, start exact from the chain instead of from h0 / dht. It changes the
+    gradients' rounding (not every one bit-equal to the switch-off's: the default takes it),
+    and every gradient is as accurate against the float64 reference as with it off, within
+    2e-3 of those."""
     for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT",
               "FLASHGDN_BWD_EXACT_REACH"):
         monkeypatch.delenv(k, raising=False)
-    dflt, got = switched_as_accurate(monkeypatch, "backward exact reach", case, 79, 1.0,
-                                     {"FLASHGDN_BWD_EXACT_REACH": None},
-                                     {"FLASHGDN_BWD_EXACT_REACH": "1"})
-    assert not all(torch.equal(a, b) for a, b in zip(got, dflt)), "the switch changed nothing"
+    off, dflt = switched_as_accurate(monkeypatch, "backward exact reach", case, 79, 1.0,
+                                     {"FLASHGDN_BWD_EXACT_REACH": "0"},
+                                     {"FLASHGDN_BWD_EXACT_REACH": None})
+    assert not all(torch.equal(a, b) for a, b in zip(off, dflt)), "the default is not the reach"
 
 
 @pytest.mark.gpu

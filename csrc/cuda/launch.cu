@@ -1634,15 +1634,20 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   // SegmentPlan::exact_reach (the planner's kReachSegChunks splits; FLASHGDN_EXACT_REACH=1 also
   // the forward's other host-planned sequential 128-column splits, for measurements with
   // FLASHGDN_CP_SEG): a segment whose warm-up would reach the sequence's start starts exact.
-  // FLASHGDN_BWD_EXACT_REACH=1 (opt-in, built after session 58's device time, NOT yet run on
-  // a GPU): the same for the backward's recomputation, and through the SegParams it hands on,
-  // its reverse pass (segments whose walk reaches the sequence's end start exact instead of
-  // from dht): the short split's 12-chunk segments reach both ends.
-  const bool bwd_reach = env_int_or("FLASHGDN_BWD_EXACT_REACH", 0) == 1 && f.h != nullptr &&
-                         f.o == nullptr;
-  f.exact_reach = (plan.exact_reach || bwd_reach ||
-                   (env_int_or("FLASHGDN_EXACT_REACH", 0) == 1 && f.h == nullptr)) &&
-                  !f.corr && !plan.overlap && plan.col_block == 128 &&
+  // The backward (the default since session 59; FLASHGDN_BWD_EXACT_REACH=0 not): the same for
+  // its recomputation (f.h: also the kept forward's, which must record what the
+  // recomputation would) and, through the SegParams it hands on, its reverse pass (segments
+  // whose walk reaches the sequence's end start exact instead of from dht): the short split's
+  // 12-chunk segments reach both ends. Its passes run 128 columns where bwd_cols says so (the
+  // plan's col_block may say 16 or 32). H100 2026-11-27, fwd+bwd ms: 2/4 x 8k_2seq 0.615 ->
+  // 0.508, 4/8 x 8k_2seq 0.730 -> 0.622, 8/16 x 8k_1seq 1.046 -> 0.978; the short split's
+  // other 8k rows 4-13% faster, 2/4 x 32k_1seq 3%, the other 22 rows within 1.2%.
+  const bool fwd_reach = (plan.exact_reach ||
+                          (env_int_or("FLASHGDN_EXACT_REACH", 0) == 1 && f.h == nullptr)) &&
+                         plan.col_block == 128;
+  const bool bwd_reach =
+      env_int_or("FLASHGDN_BWD_EXACT_REACH", 1) == 1 && f.h != nullptr && bwd_cols(p);
+  f.exact_reach = (fwd_reach || bwd_reach) && !f.corr && !plan.overlap &&
                   f.seg_chunks_dev == nullptr && !dev_schedule;
   return choice;
 }
