@@ -1639,9 +1639,10 @@ DeviceSegChoice state_pass_params(const Problem& p, const SegmentPlan& plan, con
   // recomputation would) and, through the SegParams it hands on, its reverse pass (segments
   // whose walk reaches the sequence's end start exact instead of from dht): the short split's
   // 12-chunk segments reach both ends. Its passes run 128 columns where bwd_cols says so (the
-  // plan's col_block may say 16 or 32). H100 2026-11-27, fwd+bwd ms: 2/4 x 8k_2seq 0.615 ->
-  // 0.508, 4/8 x 8k_2seq 0.730 -> 0.622, 8/16 x 8k_1seq 1.046 -> 0.978; the short split's
-  // other 8k rows 4-13% faster, 2/4 x 32k_1seq 3%, the other 22 rows within 1.2%.
+  // plan's col_block may say 16 or 32). H200 2026-11-27, fwd+bwd ms, =0 -> default: 2/4 x
+  // 8k_2seq 0.602 -> 0.494, 4/8 x 8k_2seq 0.708 -> 0.602, 8/16 x 8k_2seq 1.043 -> 0.980; the
+  // short split's other 8k rows 4-12% faster, 2/4 x 32k_1seq 3%, the other 22 rows within
+  // 0.5% (0.969x geomean over the 32).
   const bool fwd_reach = (plan.exact_reach ||
                           (env_int_or("FLASHGDN_EXACT_REACH", 0) == 1 && f.h == nullptr)) &&
                          plan.col_block == 128;
