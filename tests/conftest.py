@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import os
 import warnings
 from typing import List, Optional
 
@@ -33,6 +34,14 @@ def pytest_report_header(config):
 def pytest_configure(config):
     if not HAS_GPU:
         warnings.warn("flashgdn tests: no CUDA device, GPU tests are skipped", stacklevel=1)
+    # Under pytest-xdist (`-n W`) each worker gets its share of the cores for torch's CPU
+    # work (the float64 reference, the CPU backend's comparisons) instead of all of them:
+    # 8 workers x 16 threads on the device's 16 cores is where test_backward's CPU cases had
+    # taken over 10 minutes while its 40 GPU cases took 33 s (session 59; not yet measured
+    # with this setting).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
