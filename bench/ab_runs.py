@@ -35,6 +35,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from bench_gdn import geomean
+
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_gdn.py")
 
 
@@ -110,8 +112,7 @@ def summary(rows: Rows, names: Sequence[str]) -> List[str]:
     for n in names[1:]:
         rs = [d[n][0] / d[base][0] for d in rows.values() if n in d and base in d]
         if rs:
-            g = math.exp(sum(map(math.log, rs)) / len(rs))
-            lines.append(f"{n} / {base}: geometric mean {g:.4f} over {len(rs)} rows, "
+            lines.append(f"{n} / {base}: geometric mean {geomean(rs):.4f} over {len(rs)} rows, "
                          f"{min(rs):.3f} .. {max(rs):.3f}")
     return lines
 
