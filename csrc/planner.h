@@ -451,6 +451,21 @@ inline int64_t backward_short_split_avg(int64_t Hv, int64_t token_chunks, int64_
              : 0;
 }
 
+// The short split for packed sequences of few value heads by the longest one (known: the
+// host's cu_seqlens / max_seqlen): at most 128 chunks of tokens in all, value heads x those
+// <= 1024, and the longest sequence 32 chunks or more, whatever the average. It takes eight
+// packed sequences of 8192 tokens in all at 4 and 8 value heads (the longest 41 chunks),
+// which the two rules above leave out (a partial chunk counted per sequence; 16 chunks on
+// average). Measured (H100, 2026-11-28, session 60; bwd ms = fwd+bwd minus the forward, two
+// rounds alternated, forced `FLASHGDN_CP=on FLASHGDN_CP_SEG=12 FLASHGDN_BWD_COLS=1` against
+// the default plan, 16 / 32 columns unsplit): 4/8 heads 0.580 -> 0.476, 2/4 0.370 -> 0.362;
+// at 8/16 heads it lost (0.733 -> 0.818), hence the 1024. Before the exact reach (session
+// 55) the same forced split had lost at 2/4 (0.363 -> 0.445).
+inline int64_t backward_short_split_packed(int64_t Hv, int64_t token_chunks, int64_t longest) {
+  return longest >= 32 && token_chunks <= 128 && Hv * token_chunks <= 1024 ? kBackwardShortSeg
+                                                                          : 0;
+}
+
 // The longest sequence's chunks as the backward's rules take them from a query: a bound
 // (backward_cols: the hint where it is smaller than all chunks, else all of them), and the
 // known count (the short split: fixed lengths and one packed sequence exactly, packed ones by
@@ -464,18 +479,24 @@ inline int64_t longest_chunks_known(const SegmentQuery& q) {
 }
 
 // FLASHGDN_BWD_SHORT's modes: 0 none, 1 backward_short_split, 2 backward_short_split_avg,
-// kBackwardShortEither (unset, the default since session 56) where either rule applies.
+// kBackwardShortEither (the default of sessions 56-59) where either of those applies,
+// kBackwardShortAll (unset, the default since session 60) where any of the three does
+// (backward_short_split_packed too).
 constexpr int kBackwardShortEither = 3;
+constexpr int kBackwardShortAll = 4;
 // The backward's short split for a query (its segment length, or 0) in `mode`
 // (`token_chunks` = ceil(tokens / 64)); none where the query forces a mode or a length
 // (FLASHGDN_CP, FLASHGDN_CP_SEG).
 inline int64_t backward_short_seg(const SegmentQuery& q, int mode, int64_t token_chunks) {
   if (q.mode != CpMode::Auto || q.forced_seg_chunks != 0) return 0;
-  const bool by_longest = mode == 1 || mode == kBackwardShortEither;
-  const bool by_average = mode == 2 || mode == kBackwardShortEither;
+  const bool all = mode == kBackwardShortAll;
+  const bool by_longest = mode == 1 || mode == kBackwardShortEither || all;
+  const bool by_average = mode == 2 || mode == kBackwardShortEither || all;
   if (by_longest && backward_short_split(q.Hv, q.total_chunks, longest_chunks_known(q)) > 0)
     return kBackwardShortSeg;
   if (by_average && backward_short_split_avg(q.Hv, token_chunks, q.N) > 0)
+    return kBackwardShortSeg;
+  if (all && backward_short_split_packed(q.Hv, token_chunks, longest_chunks_known(q)) > 0)
     return kBackwardShortSeg;
   return 0;
 }

@@ -15,11 +15,15 @@ GRAD_TOL = 8e-3
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
 
 
-def run_grads(case: Case, device: str, seed: int = 0, do_scale: float = 1.0):
+def run_grads(case: Case, device: str, seed: int = 0, do_scale: float = 1.0,
+              host_lengths: bool = False):
+    """host_lengths: also hand flashgdn cu_seqlens_cpu (packed inputs), as bench_gdn.py does."""
     inp = make_inputs(case, device, seed)
     leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None) for n in NAMES}
-    o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
-                                            output_final_state=True)
+    cu = inp["cu_seqlens"]
+    extra = {"cu_seqlens_cpu": cu.cpu()} if host_lengths and cu is not None else {}
+    o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True,
+                                            **extra)
     do, dht = cotangents(o, ht, seed + 100, do_scale)
     wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
     ours = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
@@ -184,7 +188,8 @@ def assert_as_accurate_as_default(label: str, names, other, dflt, refs,
 
 
 def switched_as_accurate(monkeypatch, label: str, case: Case, seed: int, do_scale: float,
-                         base: Dict[str, Optional[str]], other: Dict[str, Optional[str]]
+                         base: Dict[str, Optional[str]], other: Dict[str, Optional[str]],
+                         host_lengths: bool = False
                          ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Gradients under the environment `base`, then `other` (None: unset): the other's as
     accurate against the float64 reference as the base's, within 2e-3 of them, and finite.
@@ -196,9 +201,11 @@ def switched_as_accurate(monkeypatch, label: str, case: Case, seed: int, do_scal
             else:
                 monkeypatch.setenv(k, v)
     apply(base)
-    names, dflt, refs, _ = run_grads(case, "cuda", seed=seed, do_scale=do_scale)
+    names, dflt, refs, _ = run_grads(case, "cuda", seed=seed, do_scale=do_scale,
+                                     host_lengths=host_lengths)
     apply(other)
-    _, got, _, _ = run_grads(case, "cuda", seed=seed, do_scale=do_scale)
+    _, got, _, _ = run_grads(case, "cuda", seed=seed, do_scale=do_scale,
+                             host_lengths=host_lengths)
     assert_as_accurate_as_default(label, names, got, dflt, refs, agree=2e-3)
     for n, a in zip(names, got):
         assert torch.isfinite(a).all(), f"d{n} not finite"
@@ -256,20 +263,23 @@ def test_cols_records_keep_their_range(monkeypatch, do_scale: float):
 
 
 def short_split_as_accurate(monkeypatch, label: str, case: Case, seed: int,
-                            off: Optional[str], on: Optional[str]) -> None:
+                            off: Optional[str], on: Optional[str],
+                            host_lengths: bool = False) -> None:
     """FLASHGDN_BWD_SHORT `off`, then `on` (None: unset), the planner's own choices otherwise:
     switched_as_accurate, the reverse pass in state_bwd_cols_kernel under `on` and not under
     `off` (the short split taken, and only by the switch)."""
     for k in ("FLASHGDN_BWD_COLS", "FLASHGDN_CP", "FLASHGDN_CP_SEG"):
         monkeypatch.delenv(k, raising=False)
     switched_as_accurate(monkeypatch, label, case, seed, 1.0,
-                         {"FLASHGDN_BWD_SHORT": off}, {"FLASHGDN_BWD_SHORT": on})
+                         {"FLASHGDN_BWD_SHORT": off}, {"FLASHGDN_BWD_SHORT": on},
+                         host_lengths=host_lengths)
     for value, taken in ((on, True), (off, False)):
         if value is None:
             monkeypatch.delenv("FLASHGDN_BWD_SHORT", raising=False)
         else:
             monkeypatch.setenv("FLASHGDN_BWD_SHORT", value)
-        ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=seed))
+        ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=seed,
+                                                 host_lengths=host_lengths))
         assert any("state_bwd_cols_kernel" in n for n in ran) == taken, (value, sorted(ran))
 
 
@@ -312,6 +322,23 @@ def test_backward_short_split_by_average(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_backward_short_split_packed(monkeypatch):
+    """The short split for packed sequences of few value heads by the known longest one
+    (planner.h backward_short_split_packed, part of the default since session 60): eight
+    sequences, 8100 tokens in all (127 chunks of tokens, 129 counted with a partial chunk a
+    sequence: over the longest-sequence rule's 128; 16 a sequence on average: under the
+    average rule's 32), the longest 33 chunks, 8 value heads, the host's lengths given.
+    Sessions 56-59's rules (FLASHGDN_BWD_SHORT=3) keep the 16/32-column passes unsplit; the
+    default runs the 128-column passes in 12-chunk segments, every gradient as accurate
+    against the float64 reference, within 2e-3 of it, finite."""
+    case = Case("short_packed", [2100, 1000, 1000, 1000, 1000, 1000, 500, 500], 2, 8,
+                gate="mixed")
+    short_split_as_accurate(monkeypatch, "short split packed", case, 75, off="3", on=None,
+                            host_lengths=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("case", SHORT_SPLIT_CASES, ids=lambda c: c.name)
 def test_backward_exact_reach(monkeypatch, case: Case):
     """The backward's exact reach (the default since session 59; FLASHGDN_BWD_EXACT_REACH=0
@@ -328,6 +355,87 @@ def test_backward_exact_reach(monkeypatch, case: Case):
                                      {"FLASHGDN_BWD_EXACT_REACH": "0"},
                                      {"FLASHGDN_BWD_EXACT_REACH": None})
     assert not all(torch.equal(a, b) for a, b in zip(off, dflt)), "the default is not the reach"
+
+
+# Shapes for the ready queue (128-column passes): the short split's 12-chunk segments (split,
+# warm-ups and exact g == 0 heads, four value heads a q/k head), packed odd lengths with a
+# one-token sequence (fp16, two a q/k head), and one unsplit sequence (one a q/k head).
+QUEUE_CASES = [
+    Case("queue_short_split", [2500], 2, 8, gate="mixed"),
+    Case("queue_packed", [700, 1300, 64, 1, 2600], 2, 4, gate="mixed", dtype=torch.float16),
+    Case("queue_unsplit", [1000], 4, 4, gate="mixed"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
+@pytest.mark.parametrize("case", QUEUE_CASES, ids=lambda c: c.name)
+def test_backward_ready_queue_same_bits(monkeypatch, case: Case, pdl: str):
+    """The ready queue (the default since session 60; FLASHGDN_BWD_QUEUE=0 off): the
+    per-chunk gradients' blocks take (chunk, q/k head) items in the order the reverse pass
+    completes their records, as its programmatic dependent (FLASHGDN_PDL=1) or after it
+    (=0). Each item's arithmetic is the same in any order, so every gradient equals the
+    queue-off run's bit for bit, twice in a row (the default: one signal a reverse-pass block),
+    and with one signal a warp (FLASHGDN_BWD_QUEUE=1) too (no hang: a slot no block fills
+    traps). The default takes the queue on these shapes (value heads x chunks <= 2048): its
+    kernels' instantiations ran."""
+    for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT", "FLASHGDN_BWD_QUEUE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    monkeypatch.setenv("FLASHGDN_PDL", pdl)
+    runs = {}
+    for label, queue in (("off", "0"), ("on", None), ("on again", None), ("per warp", "1")):
+        if queue is None:
+            monkeypatch.delenv("FLASHGDN_BWD_QUEUE", raising=False)
+        else:
+            monkeypatch.setenv("FLASHGDN_BWD_QUEUE", queue)
+        out = []
+        ran = cuda_kernels_run(lambda: out.append(run_grads(case, "cuda", seed=83)))
+        assert any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
+        assert any("grad_chunk_tc_kernel" in n for n in ran), sorted(ran)
+        queued = any("grad_chunk_tc_kernel" in n and "true, true>" in n for n in ran)
+        assert queued == (label != "off"), (label, sorted(ran))
+        names, ours = out[0][0], out[0][1]
+        runs[label] = ours
+    for n, a, b, c, d in zip(names, runs["off"], runs["on"], runs["on again"],
+                             runs["per warp"]):
+        assert torch.isfinite(b).all(), f"d{n} not finite"
+        assert torch.equal(a, b), f"d{n}: the ready queue's differs from the queue-off run's"
+        assert torch.equal(b, c), f"d{n}: the ready queue's differs run to run"
+        assert torch.equal(a, d), f"d{n}: the per-warp signals' differs from the queue-off run's"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_backward_ready_queue_rule(monkeypatch):
+    """The ready queue by default (launch.cu bwd_queue) where value heads x chunks of tokens
+    <= 2048 (2/4 heads x 2048 tokens: 128), not beyond (16/32 heads x 8192 tokens: 4096), in
+    the 128-column passes either way; FLASHGDN_BWD_QUEUE=1 takes it there too."""
+    for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT", "FLASHGDN_BWD_QUEUE",
+              "FLASHGDN_PDL"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+
+    def queued(case: Case) -> bool:
+        inp = make_inputs(case, "cuda", 5)
+        leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None)
+                  for n in NAMES}
+        wrt = [leaves[n] for n in NAMES if leaves[n] is not None]
+
+        def step():
+            o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                    output_final_state=True)
+            torch.autograd.grad(o.float().square().sum() + ht.square().sum(), wrt)
+        ran = cuda_kernels_run(step)
+        assert any("state_bwd_cols_kernel" in n for n in ran), sorted(ran)
+        return any("grad_chunk_tc_kernel" in n and "true, true>" in n for n in ran)
+
+    small, large = Case("q_small", [2048], 2, 4), Case("q_large", [8192], 16, 32)
+    assert queued(small)
+    assert not queued(large)
+    monkeypatch.setenv("FLASHGDN_BWD_QUEUE", "1")
+    assert queued(large)
 
 
 @pytest.mark.gpu

@@ -107,7 +107,15 @@ def test_torch_compile_fullgraph_with_fla_keywords(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
-def test_cuda_graph_capture_forward_backward():
+@pytest.mark.parametrize("bwd_cols", [None, "1"], ids=["default", "cols_queue"])
+def test_cuda_graph_capture_forward_backward(monkeypatch, bwd_cols):
+    """fwd + bwd captured in a CUDA graph, replayed twice on new inputs: equal to eager. With
+    FLASHGDN_BWD_COLS=1 the backward runs its 128-column passes and the ready queue (a memset
+    and a programmatic dependent launch inside the graph)."""
+    if bwd_cols is None:
+        monkeypatch.delenv("FLASHGDN_BWD_COLS", raising=False)
+    else:
+        monkeypatch.setenv("FLASHGDN_BWD_COLS", bwd_cols)
     a = make_inputs(Case("cg", [300, 200, 12], 2, 4, gate="mixed"), "cuda")
     static = {n: (t.clone() if t is not None else None) for n, t in a.items()}
     leaves = {n: static[n].requires_grad_() for n in ("q", "k", "v", "g", "beta",
@@ -134,6 +142,7 @@ def test_cuda_graph_capture_forward_backward():
         for n in leaves:
             leaves[n].copy_(b[n])
     graph.replay()
+    graph.replay()  # the queue's state is reset by the graph itself
     torch.cuda.synchronize()
     fresh = {n: b[n].clone().requires_grad_() for n in leaves}
     o, ht = flashgdn.chunk_gated_delta_rule(**fresh, cu_seqlens=b["cu_seqlens"],

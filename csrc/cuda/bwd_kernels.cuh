@@ -52,7 +52,80 @@ struct BwdParams : SegParams {
   float* dh0;         // [N, Hv, D, D] or null
   void *dq, *dk, *dv, *dg, *dbeta;
   int debug;  // FwdParams::debug (timing experiments only)
+  // The ready queue (null: off; launch.cu bwd_queue): the reverse pass's phase 0
+  // (state_bwd_cols_kernel) counts the warps whose records of a (chunk, q/k head) item are
+  // complete in rq_count[item] (item = chunk * H_qk + q/k head) and, at the last of its
+  // 8 x H_v / H_qk, appends item + 1 to rq_slot at rq_ends[1]; grad_chunk_tc_kernel, its
+  // programmatic dependent, takes slot rq_ends[0]++ per block and works on that item, so
+  // its blocks run on the SMs the reverse pass leaves idle as soon as their records exist,
+  // in the order they came. All zero before the reverse pass (one memset a call).
+  int* rq_count;  // [max_chunks * H_qk]
+  int* rq_slot;   // [max_chunks * H_qk]
+  int* rq_ends;   // [2]: the next slot to take, the next to fill
 };
+
+// The ready queue's two ends (BwdParams::rq_*). ready_signal: called by lane 0 of each
+// warp of a reverse-pass block once its bulk stores of chunk `chunk`'s records have completed
+// (bulk_wait): the writes are made visible at gpu scope before the count (the last warp of
+// the item publishes it with release semantics). ready_take: thread 0 of a gradient block
+// takes the next slot and waits for its item (acquire); a slot unfilled for ~8 s is a bug
+// (an item no reverse-pass block completes): the kernel traps rather than hangs.
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+// (FLASHGDN_DEBUG 16384 / 32768, timing experiments only: without the proxy fence / the gpu
+// fence or release; 8192 in state_bwd_cols_segment: without waiting for the bulk stores)
+__device__ __forceinline__ void ready_signal(const BwdParams& p, int64_t chunk, int64_t hq) {
+  if (!(p.debug & 16384)) fence_proxy_async_global();
+  if (!(p.debug & 32768)) __threadfence();
+  const int64_t item = chunk * p.Hqk + hq;
+  const int need = static_cast<int>(8 * (p.Hv / p.Hqk));
+  if (atomicAdd(p.rq_count + item, 1) == need - 1) {
+    __threadfence();
+    const int slot = atomicAdd(p.rq_ends + 1, 1);
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p.rq_slot + slot),
+                 "r"(static_cast<int>(item) + 1)
+                 : "memory");
+  }
+}
+// ready_signal_block: thread 0 of a reverse-pass block, after a block barrier that every
+// warp's lane 0 reached with its bulk stores of the chunk complete and fenced
+// (fence_proxy_async_global): counts the block's eight warps with one release atomic (the
+// barrier-then-release pattern of a grid barrier's arrival).
+__device__ __forceinline__ void ready_signal_block(const BwdParams& p, int64_t chunk, int64_t hq) {
+  const int64_t item = chunk * p.Hqk + hq;
+  const int need = static_cast<int>(8 * (p.Hv / p.Hqk));
+  int old;
+  if (p.debug & 32768)
+    old = atomicAdd(p.rq_count + item, 8);
+  else
+    asm volatile("atom.add.release.gpu.global.s32 %0, [%1], 8;\n"
+                 : "=r"(old)
+                 : "l"(p.rq_count + item)
+                 : "memory");
+  if (old == need - 8) {
+    __threadfence();
+    const int slot = atomicAdd(p.rq_ends + 1, 1);
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p.rq_slot + slot),
+                 "r"(static_cast<int>(item) + 1)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ int ready_take(const BwdParams& p) {
+  const int slot = atomicAdd(p.rq_ends, 1);
+  int v;
+  unsigned ns = 64;
+  for (uint32_t spins = 0;; ++spins) {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p.rq_slot + slot) : "memory");
+    if (v != 0) break;
+    if (spins > (1u << 24)) __trap();
+    __nanosleep(ns);
+    ns = ns < 512 ? 2 * ns : ns;
+  }
+  return v - 1;
+}
 
 template <int BW>
 constexpr size_t state_bwd_smem() {
@@ -617,6 +690,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_kernel(BwdParams p) {
 
 // ---------------------------------------------------------------------------------------
 // grad_chunk_tc_kernel  grid (max_chunks, H_qk), 256 threads, ~205 KB smem (kRec16 ~187 KB)
+//   (kQueue: block (x, y) works on the ready queue's next (chunk, q/k head) instead, running
+//   beside the reverse pass's phase 0 as its programmatic dependent; BwdParams::rq_slot)
 //   grad_chunk_kernel's gradients (same quantities, same order of the value heads) on TF32
 //   mma.sync with register fragments read by paired loads (mma.cuh), not per element:
 //   * 64 x 128 results (dO h^T, dVt h^T, U dS^T, dq, dk) are column strips: warp w holds
@@ -702,17 +777,37 @@ __device__ __forceinline__ __half2 pow2h(int d) {
 
 // kRec16: h, dS, U and dVt are the 128-column passes' fp16 record blocks (BwdParams::rec16),
 // else fp32 ([key][value], [token][value]).
-template <typename In, bool kRec16>
+// kQueue (kRec16 only): the ready queue's order (BwdParams::rq_slot, launch.cu bwd_queue).
+template <typename In, bool kRec16, bool kQueue = false>
 __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
   // h / dS slices [128][16] with 24-word rows (8 mod 16), or of fp16 record blocks with
   // 24-half rows (12 words): paired loads conflict free
   constexpr int LDK = 24;
   constexpr int kSliceFloats = kRec16 ? D * LDK / 2 : D * LDK;  // one matrix of a stage
   static_assert(3 * 2 * D * LDK <= 4 * C * LDA, "three h / dS slice stages fit in M1 .. E");
-  if (p.seqs.failed()) return;
-  const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
-  if (ck.L == 0) return;
-  const int64_t chunk = blockIdx.x, hq = blockIdx.y, group = p.Hv / p.Hqk;
+  // the ready queue (launched as the reverse pass's programmatic dependent): this grid's
+  // completion must imply that pass's (dh0; the kernels after this one), so block (0, 0)
+  // waits for it before it returns
+  const bool dep_wait = kQueue && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+  if (p.seqs.failed()) {
+    if (dep_wait) pdl_wait();
+    return;
+  }
+  ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
+  if (ck.L == 0) {
+    if (dep_wait) pdl_wait();
+    return;
+  }
+  int64_t chunk = blockIdx.x, hq = blockIdx.y;
+  if constexpr (kQueue) {  // a block whose own (chunk, q/k head) exists takes the next item
+    __shared__ int item;
+    if (threadIdx.x == 0) item = ready_take(p);
+    __syncthreads();
+    chunk = item / p.Hqk;
+    hq = item - chunk * p.Hqk;
+    ck = locate_chunk(p.seqs, chunk);
+  }
+  const int64_t group = p.Hv / p.Hqk;
   const int L = ck.L;
   const int64_t tok0 = ck.tok0;
   const int warp = threadIdx.x >> 5, g = lane_id() >> 2, t = lane_id() & 3;
@@ -1294,6 +1389,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
           *reinterpret_cast<const uint4*>(Ks + r * LDH + c8);
     }
   }
+  if (dep_wait) pdl_wait();
 }
 
 }  // namespace cuda

@@ -253,6 +253,8 @@ struct BwdBuffers {
   // buffers (SegParams::seg_L, seg_M, seg_in) and error flag, in the backward's workspace
   float *rseg_L = nullptr, *rseg_M = nullptr, *rseg_in = nullptr;
   int* error = nullptr;
+  // the ready queue (BwdParams::rq_count, rq_slot, rq_ends), in the backward's own workspace
+  int* ready = nullptr;
 };
 
 // Tv16 and P16 as their lower block triangle (FwdParams::tri16: 37.5% fewer of their bytes
@@ -417,6 +419,7 @@ void carve_bwd_own(const Problem& p, const SegmentPlan& plan, Carver& c, BwdBuff
   b.dh = c.take<float>(recs * D * D / (rec16 ? 2 : 1));
   b.dh_scale = c.take<float>(recs * 8);
   b.dVt_scale = c.take<float>(recs * 8);
+  b.ready = c.take<int>(2 * static_cast<size_t>(p.max_chunks() * p.Hqk) + 2);
   if (!kept) return;
   b.error = c.take<int>(1);
   if (plan.split) {
@@ -610,12 +613,14 @@ bool bwd_cols(const Problem& p) {
 // The backward's short split (planner.h backward_short_seg): its segment length, or 0.
 // Only where the planner would choose (FLASHGDN_CP, FLASHGDN_CP_SEG unset) and the backward's
 // passes may take 128 columns (FLASHGDN_BWD_COLS not 0). FLASHGDN_BWD_SHORT unset: where
-// either rule applies (backward_short_split: the longest sequence known, from a fixed length,
+// any rule applies (backward_short_split: the longest sequence known, from a fixed length,
 // one packed sequence or the max_seqlen / cu_seqlens_cpu hint; backward_short_split_avg: by
-// the tokens and the average sequence, no host lengths); =1, =2 that rule alone; =0 never.
+// the tokens and the average sequence, no host lengths; backward_short_split_packed: few
+// value heads, packed, by the known longest); =1, =2 that rule alone; =3 either of the first
+// two (sessions 56-59); =0 never.
 int64_t bwd_short_seg(const Problem& p) {
-  int mode = env_int_or("FLASHGDN_BWD_SHORT", kBackwardShortEither);
-  if (mode != 1 && mode != 2) mode = mode == 0 ? 0 : kBackwardShortEither;
+  int mode = env_int_or("FLASHGDN_BWD_SHORT", kBackwardShortAll);
+  if (mode < 0 || mode > kBackwardShortAll) mode = kBackwardShortAll;
   if (fwd_pass() != FwdPass::F16 || !grad_tc() || mode == 0 ||
       env_int_or("FLASHGDN_BWD_COLS", -1) == 0)
     return 0;
@@ -1455,13 +1460,24 @@ void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdP
   std::call_once(once, [] {
     set_smem(state_bwd_cols_kernel<In, false>, smem);
     set_smem(state_bwd_cols_kernel<In, true>, smem);
+    set_smem(state_bwd_cols_kernel<In, false, 1>, smem);
+    set_smem(state_bwd_cols_kernel<In, true, 1>, smem);
+    set_smem(state_bwd_cols_kernel<In, false, 2>, smem);
   });
   const bool rows = env_int_or("FLASHGDN_BWD_ROWSCALE", 0) == 1;
+  // the ready queue's signals (state_bwd_cols_segment's kSignal): one a block (2), or one a
+  // warp with FLASHGDN_BWD_QUEUE=1 or the row scale (1)
+  const int signal = g.phase != 0 || g.rq_count == nullptr      ? 0
+                     : env_int_or("FLASHGDN_BWD_QUEUE", -1) == 1 || rows ? 1
+                                                                  : 2;
   const int64_t blocks_x = g.phase == 1 ? 2 : 1;
   for_each_z_slice(g, plan.max_segments, blocks_x * p.Hv, sm_count(p.device_id),
                    [&](const BwdParams& gz, unsigned z) {
     const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(p.Hv), z);
-    if (rows) state_bwd_cols_kernel<In, true><<<grid, NT, smem, st>>>(gz);
+    if (signal == 2) state_bwd_cols_kernel<In, false, 2><<<grid, NT, smem, st>>>(gz);
+    else if (rows && signal) state_bwd_cols_kernel<In, true, 1><<<grid, NT, smem, st>>>(gz);
+    else if (signal) state_bwd_cols_kernel<In, false, 1><<<grid, NT, smem, st>>>(gz);
+    else if (rows) state_bwd_cols_kernel<In, true><<<grid, NT, smem, st>>>(gz);
     else state_bwd_cols_kernel<In, false><<<grid, NT, smem, st>>>(gz);
     check_cuda(cudaGetLastError(), "state_bwd_cols_kernel launch");
   });
@@ -1866,6 +1882,32 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
   }
 }
 
+// The ready queue (BwdParams::rq_count; FLASHGDN_BWD_QUEUE=0 off): grad_chunk_tc_kernel
+// launched as the programmatic dependent of the reverse pass's phase 0, each block taking the
+// next (chunk, q/k head) whose records that pass has completed, so the gradients run on the
+// SMs the reverse pass leaves idle (few heads: 2/4 x 8192 has 44 blocks in its phase 0) while
+// it still runs. Same arithmetic per item: the same bits in any order. Possible where both
+// passes are the 128-column kernels (rec16) and phase 0 is the last launch before the
+// gradients (not the overlapped schedule's two streams). With FLASHGDN_PDL=0 the gradients'
+// kernel starts after the reverse pass, and every item is ready when a block takes it.
+// Taken (FLASHGDN_BWD_QUEUE unset) where value heads x chunks of tokens <= 2048: measured
+// (H100, 2026-11-28, bwd ms, queue against =0, two rounds alternated) 2/4 x 8k 3.4-6.6%
+// faster, 4/8 x 8k 1.3-3.1%, 8/16 x 8k 2.5-10.5%, 2/4 x 32k 0.3-3.0%; beyond it mixed (16/32
+// x 8k in 2 and 4 sequences 7-10% faster, in 1 and 8 1.5-3.2% slower; 4/8 x 32k in one
+// sequence 4% slower, packed 3% faster) and slower on the 32k rows of 8/16 and 16/32 heads
+// (2-5.5%): there phase 0 is memory-bound and fills the SMs, and the gradients' blocks that
+// take the SMs its last wave frees slow it (16/32 x 32k: 735 -> 975 us; the signals' fences
+// and waits are ~60 of those 240, FLASHGDN_DEBUG 57344) while doing little of their own work
+// before it ends. The signals: one a block (kSignal 2, 0.985-1.0x of one a warp's time in
+// the rule's region). =1 takes it wherever possible with one signal a warp, =2 wherever
+// possible with one a block, =0 never.
+bool bwd_queue(const Problem& p, const SegmentPlan& plan, bool rec16, bool tc, bool simt) {
+  if (!rec16 || !tc || simt || p.N == 0 || (plan.split && cp_overlap(plan))) return false;
+  const int mode = env_int_or("FLASHGDN_BWD_QUEUE", -1);
+  if (mode >= 0) return mode != 0;
+  return p.Hv * ((p.TT + C - 1) / C) <= 2048;
+}
+
 template <typename In>
 void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
@@ -1873,6 +1915,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
     set_smem(grad_chunk_kernel<In>, kGradSmem);
     set_smem(grad_chunk_tc_kernel<In, false>, GradSmem<In, false>::kBytes);
     set_smem(grad_chunk_tc_kernel<In, true>, GradSmem<In, true>::kBytes);
+    set_smem(grad_chunk_tc_kernel<In, true, true>, GradSmem<In, true>::kBytes);
   });
   const bool simt = bwd_simt(), tc = grad_tc();
   const SegmentPlan plan = plan_forward(p, true);
@@ -1936,6 +1979,15 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   g.debug = f.debug;
+  const bool queue = bwd_queue(p, plan, g.rec16, tc, simt);
+  if (queue) {
+    const size_t items = static_cast<size_t>(p.max_chunks() * p.Hqk);
+    check_cuda(cudaMemsetAsync(b.ready, 0, (2 * items + 2) * sizeof(int), st),
+               "ready queue memset");
+    g.rq_count = b.ready;
+    g.rq_slot = b.ready + items;
+    g.rq_ends = b.ready + 2 * items;
+  }
   if (p.N > 0) {
     // FLASHGDN_BWD_SIMT=1: the fp32 SIMT kernels (reference for A/B comparisons)
     if (simt) {
@@ -1949,7 +2001,10 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
-    if (tc && g.rec16)
+    if (queue)  // the ready queue's: the reverse pass's programmatic dependent
+      launch_kernel(grad_chunk_tc_kernel<In, true, true>, grid, GradSmem<In, true>::kBytes, st,
+                    true, "grad_chunk_tc_kernel launch", g);
+    else if (tc && g.rec16)
       grad_chunk_tc_kernel<In, true><<<grid, NT, GradSmem<In, true>::kBytes, st>>>(g);
     else if (tc)
       grad_chunk_tc_kernel<In, false><<<grid, NT, GradSmem<In, false>::kBytes, st>>>(g);

@@ -574,6 +574,11 @@ __device__ __forceinline__ void bulk_wait_read() {  // at most N newest groups s
 __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
+// ... all but the N newest groups are complete (their writes done)
+template <int N>
+__device__ __forceinline__ void bulk_wait_done() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Records of the 128-column sequential passes, read by grad_chunk_tc_kernel. Per chunk and
 // value head (rec = chunk * H_v + h) the state h or dS (8 blocks of 16 value columns x 128

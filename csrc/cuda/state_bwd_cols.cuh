@@ -26,7 +26,8 @@
 //   reads  Kh, Qh, do, beta, G, T16, P16, dht, seg_in
 //   writes dh (dS leaving each chunk) and dVt as fp16 record blocks with their factors
 //          (mma.cuh: through a warp's staging, one bulk store a warp), dh0 (phase 0);
-//          seg_L, seg_M (phase 1)
+//          seg_L, seg_M (phase 1); with the ready queue (kSignal, phase 0) rq_count,
+//          rq_slot, rq_ends (BwdParams): each (chunk, q/k head) once its records are complete
 #pragma once
 
 #include "bwd_kernels.cuh"
@@ -118,7 +119,14 @@ __device__ __forceinline__ int bwd_scale_shift(float ms, float mo, int e) {
 // and g + 8 of a thread each their own) instead of one per warp, so that a column far
 // smaller than its 15 neighbours keeps its bits (bench/precision_study_bwd.py
 // --reverse-pass, "f16row").
-template <typename In, bool kRow>
+// kSignal (phase 0 with the ready queue, BwdParams::rq_count): chunk ci's records are
+// counted into the queue at chunk ci - 2's start, when all but each warp's newest two bulk
+// stores (chunk ci - 1's) are complete, and the last two after the segment's final wait:
+// nothing in the chain waits for a store issued less than a chunk before. kSignal 1: lane 0
+// of each warp counts its own (ready_signal); 2 (FLASHGDN_BWD_QUEUE=2): the lanes 0 make
+// theirs visible before the chunk's block barrier and thread 0 counts the block's eight
+// after it, one release atomic a chunk (ready_signal_block).
+template <typename In, bool kRow, int kSignal>
 __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const SegmentBlock& b) {
   using SM = StateBwdColsSmem<In>;
   const int64_t h = b.h, hq = b.hq, z = b.z, n = b.n, start = b.start, len = b.len;
@@ -185,12 +193,42 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     store_factors(0);
   }
 
+  // kSignal: the chunks whose records this warp stored last (stored1) and the one before
+  // (stored2), each counted once its bulk stores are complete; -1 none
+  int64_t stored1 = -1, stored2 = -1;
   for (int64_t ci = c_last; ci >= c_begin; --ci) {
     const int s = static_cast<int>((c_last - ci) & 1);
     const bool out = outputs && ci < c_end;  // not a warm-up chunk
+    if (kSignal == 2 && lane == 0 && stored2 >= 0) {
+      if (p.debug & 8192) {
+      } else if (p.debug & 12) {
+        bulk_wait();
+      } else {
+        bulk_wait_done<2>();
+      }
+      if (!(p.debug & 16384)) fence_proxy_async_global();
+    }
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci > c_begin) issue(ci - 1, s ^ 1);
+    if (kSignal == 2) {
+      if (threadIdx.x == 0 && stored2 >= 0) ready_signal_block(p, chunk0 + stored2, hq);
+      stored2 = stored1;
+      stored1 = out ? ci : -1;
+    }
+    if (kSignal == 1 && lane == 0) {
+      if (stored2 >= 0) {  // two groups a chunk (dh, dVt); fewer under the debug switches
+        if (p.debug & 8192) {
+        } else if (p.debug & 12) {
+          bulk_wait();
+        } else {
+          bulk_wait_done<2>();
+        }
+        ready_signal(p, chunk0 + stored2, hq);
+      }
+      stored2 = stored1;
+      stored1 = out ? ci : -1;
+    }
     const __half* Q = Qst(s);
     const __half* K = Kst(s);
     const float4* F = Fst(s);
@@ -368,13 +406,28 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     store_state_cols(dst, ds, v0);
   }
   if (lane == 0) bulk_wait();  // the records' bulk stores are complete
+  if (kSignal == 1 && lane == 0) {
+    if (stored2 >= 0) ready_signal(p, chunk0 + stored2, hq);
+    if (stored1 >= 0) ready_signal(p, chunk0 + stored1, hq);
+  }
+  if (kSignal == 2) {
+    if (lane == 0) fence_proxy_async_global();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (stored2 >= 0) ready_signal_block(p, chunk0 + stored2, hq);
+      if (stored1 >= 0) ready_signal_block(p, chunk0 + stored1, hq);
+    }
+  }
 }
 
-template <typename In, bool kRow = false>
+// kSignal: phase 0 with the ready queue (launch.cu bwd_queue): the gradients' kernel, its
+// programmatic dependent, starts once every block has started, on the SMs left idle.
+template <typename In, bool kRow = false, int kSignal = 0>
 __global__ void __launch_bounds__(NT, 1) state_bwd_cols_kernel(BwdParams p) {
+  if constexpr (kSignal != 0) pdl_trigger();
   if (p.seqs.failed()) return;
   for_each_segment_block<D>(p, true, [&](const SegmentBlock& b) {
-    state_bwd_cols_segment<In, kRow>(p, b);
+    state_bwd_cols_segment<In, kRow, kSignal>(p, b);
   });
 }
 

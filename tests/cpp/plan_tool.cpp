@@ -39,7 +39,7 @@
 // (planner.h backward_short_seg) where it applies, e.g. flashgdn_plan --backward --hv 8
 // --chunks 128 (4/8 heads x 8192 tokens: 12-chunk segments); --short-mode m as
 // FLASHGDN_BWD_SHORT=m (0 none, 1 backward_short_split alone, 2 backward_short_split_avg
-// alone; default: either).
+// alone, 3 either of those; default: any of them or backward_short_split_packed).
 //
 // --estimates also prints the plan's estimate with each schedule left out in turn (no
 // overlapped schedule, no saturated one, without ForwardCost::unfused_wy_us): what the
@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   bool varlen = false, hint = true, host_split = true, host_schedule = true, estimates = false;
   std::vector<int64_t> seq_chunks;  // --tokens: each sequence's chunks
   bool backward = false;
-  int short_mode = kBackwardShortEither;
+  int short_mode = kBackwardShortAll;
   int64_t tokens = 0;  // --tokens: all of them
   for (int i = 1; i < argc; ++i) backward = backward || !std::strcmp(argv[i], "--backward");
   ForwardCost c;

@@ -742,6 +742,32 @@ TEST(Planner, BackwardShortSplitByAverageRule) {
   for (const auto& r : lose) EXPECT_EQ(backward_short_split_avg(r[0], r[1], r[2]), 0) << r[0];
 }
 
+TEST(Planner, BackwardShortSplitPackedRule) {
+  using flashgdn::backward_short_split_packed;
+  // (value heads, ceil(tokens / 64), the longest sequence's chunks): eight packed sequences of
+  // 8192 tokens in all, the longest 41 chunks, at 4 and 8 value heads (session 60, H100:
+  // the forced 12-chunk split won there) ...
+  const int64_t win[][3] = {{4, 128, 41}, {8, 128, 41}, {8, 128, 32}, {2, 64, 32}};
+  for (const auto& r : win) EXPECT_EQ(backward_short_split_packed(r[0], r[1], r[2]), 12) << r[0];
+  // ... and where it lost or was not measured: 16 value heads (lost), the longest under 32
+  // chunks or unknown (0), 32768 tokens
+  const int64_t lose[][3] = {{16, 128, 41}, {8, 128, 31}, {8, 128, 0}, {4, 512, 41}};
+  for (const auto& r : lose) EXPECT_EQ(backward_short_split_packed(r[0], r[1], r[2]), 0) << r[0];
+  // through the query: eight sequences, 135 chunks counted (a partial one each), the hint 41;
+  // the default mode takes them, sessions 56-59's (FLASHGDN_BWD_SHORT=3) did not
+  flashgdn::SegmentQuery q;
+  q.Hv = 8;
+  q.N = 8;
+  q.fixed_chunks = -1;
+  q.total_chunks = 135;
+  q.longest_hint = 41;
+  EXPECT_EQ(flashgdn::backward_short_seg(q, flashgdn::kBackwardShortAll, 128),
+            flashgdn::kBackwardShortSeg);
+  EXPECT_EQ(flashgdn::backward_short_seg(q, flashgdn::kBackwardShortEither, 128), 0);
+  q.longest_hint = 0;  // no host lengths: no rule knows the longest
+  EXPECT_EQ(flashgdn::backward_short_seg(q, flashgdn::kBackwardShortAll, 128), 0);
+}
+
 // The forward's log-depth scan (seg_scan_kernel): ceil(log2(segments - 1)) levels, the walk
 // (0) for one step or more levels than allowed.
 TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
