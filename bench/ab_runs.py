@@ -5,7 +5,8 @@ settings for its runs. The variants run one after the other, round after round (
 alternates the machine's drift over all of them), each as one `bench_gdn.py --peers flashgdn
 --no-check` process; a row's figure is its best (lowest) median over the rounds. The table
 gives every variant's ms per row and its ratio to the first variant, the geometric mean of
-each ratio, and `--json` writes {"mode", "variants", "rows": {row: {variant: [ms, fwd_ms]}}}.
+each ratio (bwd mode: also for the backward alone, fwd+bwd minus the forward of the same
+run, as a variant's switch may change the forward too), and `--json` writes {"mode", "variants", "rows": {row: {variant: [ms, fwd_ms]}}}.
 
 Comparing a build against the previous one on the same machine is what an environment
 switch inside one build cannot do: the switch's code is there, and costs, even when off
@@ -97,6 +98,17 @@ def best_of_rounds(runs: Sequence[Tuple[str, dict]]) -> Rows:
     return out
 
 
+def backward_alone(rows: Rows) -> Rows:
+    """bwd rows' backward alone: fwd+bwd minus the forward of the same run (the [ms, fwd_ms]
+    pairs as [ms - fwd_ms, fwd_ms]); a run without a finite forward time is left out."""
+    out: Rows = {}
+    for key, d in rows.items():
+        for n, (ms, fwd) in d.items():
+            if math.isfinite(fwd):
+                out.setdefault(key, {})[n] = [ms - fwd, fwd]
+    return out
+
+
 def summary(rows: Rows, names: Sequence[str]) -> List[str]:
     """The table: each row's ms per variant and the ratios to the first; then the geometric
     mean, least and greatest of each ratio over the rows both ran."""
@@ -165,6 +177,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         runs.append((v.name, json.load(f)))
     rows = best_of_rounds(runs)
     print("\n".join(summary(rows, names)))
+    if args.mode == "bwd":  # a variant's switch may change the forward too: the backward alone
+        print("\nbackward alone (fwd+bwd minus the forward of the same run):")
+        print("\n".join(summary(backward_alone(rows), names)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": args.mode, "rounds": args.rounds,

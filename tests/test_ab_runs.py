@@ -52,3 +52,14 @@ def test_best_of_rounds_and_summary():
     assert "1.125" in lines[1] and "1.200" in lines[2]  # 0.90 / 0.80, 2.4 / 2.0
     g = math.sqrt(1.125 * 1.2)
     assert lines[-1] == f"new / old: geometric mean {g:.4f} over 2 rows, 1.125 .. 1.200"
+
+
+def test_backward_alone():
+    rows = {"2/8 1x8192": {"old": [1.0, 0.25], "new": [0.9, 0.3]},
+            "4/16 1x4096": {"old": [2.0, float("nan")], "new": [1.5, 0.5]}}
+    alone = ab.backward_alone(rows)
+    assert alone["2/8 1x8192"]["old"] == [0.75, 0.25]
+    assert alone["2/8 1x8192"]["new"][0] == pytest.approx(0.6)
+    assert alone["4/16 1x4096"] == {"new": [1.0, 0.5]}  # no forward time: left out
+    lines = ab.summary(alone, ["old", "new"])
+    assert "0.800" in lines[1]  # 0.6 / 0.75
