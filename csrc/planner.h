@@ -501,6 +501,18 @@ inline int64_t backward_short_seg(const SegmentQuery& q, int mode, int64_t token
   return 0;
 }
 
+// The backward's ready queue (launch.cu bwd_queue: the per-chunk gradients beside the reverse
+// pass, each chunk taken as that pass completes its records) by default where value heads x
+// chunks of tokens <= kReadyQueueWork. Measured (H100, 2026-11-28, session 60; bwd ms, the
+// queue against FLASHGDN_BWD_QUEUE=0 and session 59's wheel, two rounds alternated): inside,
+// every row of the 32 faster (2/4 x 8k 3.4-7.8%, 8/16 x 8k 2-11%, 4/8 x 8k 1.5-3%, 2/4 x 32k
+// 0.6-2.8%); beyond, mixed at 16/32 x 8k and 4/8 x 32k and 2-5.5% slower on the 32k rows of
+// 8/16 and 16/32 heads, where the reverse pass fills the SMs in waves.
+constexpr int64_t kReadyQueueWork = 2048;
+inline bool backward_ready_queue(int64_t Hv, int64_t token_chunks) {
+  return Hv * token_chunks <= kReadyQueueWork;
+}
+
 // What the cost model needs of the sequences: the longest one's chunks, all chunks, and
 // (split plans) the number of segments and the most segments of one sequence.
 struct LoadStats {

@@ -33,7 +33,8 @@
 // choice is a sequential split in the overlapped launches, plan_forward's host schedule
 // (--no-host-schedule: FLASHGDN_HOST_SCHEDULE=0).
 //
-// --backward: the backward's plan (launch.cu plan_forward(p, true)) instead: the cost model
+// --backward: the backward's plan (launch.cu plan_forward(p, true)) instead (and whether its
+// ready queue is taken, planner.h backward_ready_queue): the cost model
 // as plan_cost(true) builds it (no overlapped schedule, no correction, no kWy term, the tf32
 // pass's wave steps), 128 columns where backward_cols allows them, and the short split
 // (planner.h backward_short_seg) where it applies, e.g. flashgdn_plan --backward --hv 8
@@ -160,6 +161,12 @@ int main(int argc, char** argv) {
     std::printf("the backward's passes: %s\n", q.allow_cols
                                                   ? "128-column kernels, fp16 record blocks"
                                                   : "16 / 32 columns, fp32 records");
+    // launch.cu bwd_queue (FLASHGDN_BWD_QUEUE unset): the 128-column passes only
+    if (q.allow_cols)
+      std::printf("the ready queue: %s (value heads x chunks of tokens %lld, bound %lld)\n",
+                  backward_ready_queue(q.Hv, token_chunks) ? "taken" : "not taken",
+                  static_cast<long long>(q.Hv * token_chunks),
+                  static_cast<long long>(kReadyQueueWork));
   }
   SegmentPlan p = plan_segments(q, c);
   // --tokens with the host copy (not --no-hint): launch.cu host_split_plan, the device-choice

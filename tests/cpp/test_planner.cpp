@@ -768,6 +768,17 @@ TEST(Planner, BackwardShortSplitPackedRule) {
   EXPECT_EQ(flashgdn::backward_short_seg(q, flashgdn::kBackwardShortAll, 128), 0);
 }
 
+TEST(Planner, BackwardReadyQueueRule) {
+  using flashgdn::backward_ready_queue;
+  // (value heads, chunks of tokens): session 60's rows where the queue won (H100): 2/4 x 8k and
+  // x 32k, 4/8 and 8/16 x 8k ...
+  const int64_t win[][2] = {{4, 128}, {4, 512}, {8, 128}, {16, 128}, {1, 2048}};
+  for (const auto& r : win) EXPECT_TRUE(backward_ready_queue(r[0], r[1])) << r[0] << " " << r[1];
+  // ... and where it was mixed or lost: 16/32 x 8k, 4/8 x 32k, 8/16 and 16/32 x 32k
+  const int64_t lose[][2] = {{32, 128}, {8, 512}, {16, 512}, {32, 512}, {4, 513}};
+  for (const auto& r : lose) EXPECT_FALSE(backward_ready_queue(r[0], r[1])) << r[0] << " " << r[1];
+}
+
 // The forward's log-depth scan (seg_scan_kernel): ceil(log2(segments - 1)) levels, the walk
 // (0) for one step or more levels than allowed.
 TEST(Planner, SaturatedOverlapAtTheSequentialSegments) {
