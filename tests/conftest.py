@@ -37,8 +37,8 @@ def pytest_configure(config):
     # Under pytest-xdist (`-n W`) each worker gets its share of the cores for torch's CPU
     # work (the float64 reference, the CPU backend's comparisons) instead of all of them:
     # 8 workers x 16 threads on the device's 16 cores is where test_backward's CPU cases had
-    # taken over 10 minutes while its 40 GPU cases took 33 s (session 59; not yet measured
-    # with this setting).
+    # taken over 10 minutes while its 40 GPU cases took 33 s (session 59); with this setting
+    # the whole file ran in 39 s (session 60, H100).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

@@ -62,6 +62,7 @@ struct BwdParams : SegParams {
   int* rq_count;  // [max_chunks * H_qk]
   int* rq_slot;   // [max_chunks * H_qk]
   int* rq_ends;   // [2]: the next slot to take, the next to fill
+  int rq_signal;  // phase 0's signals: 0 none (no queue), 1 one a warp, 2 one a block
 };
 
 // The ready queue's two ends (BwdParams::rq_*). ready_signal: called by lane 0 of each
@@ -75,20 +76,29 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 #endif
 }
-// (FLASHGDN_DEBUG 16384 / 32768, timing experiments only: without the proxy fence / the gpu
-// fence or release; 8192 in state_bwd_cols_segment: without waiting for the bulk stores)
+// A signalling lane's wait for its bulk stores of the chunk two back: all but the newest two
+// groups (the last chunk's dh and dVt) complete; all of them under the debug switches that
+// leave records out (4, 8); none with 8192 (timing experiments only, as 16384 / 32768 below:
+// without the proxy fence / without the gpu fence or release).
+__device__ __forceinline__ void ready_stores_wait(const BwdParams& p) {
+  if (p.debug & 8192) return;
+  if (p.debug & 12) bulk_wait();
+  else bulk_wait_done<2>();
+}
+// The item's last count: appends it to the queue (after an acquire fence over the counts).
+__device__ __forceinline__ void ready_publish(const BwdParams& p, int64_t item) {
+  __threadfence();
+  const int slot = atomicAdd(p.rq_ends + 1, 1);
+  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p.rq_slot + slot),
+               "r"(static_cast<int>(item) + 1)
+               : "memory");
+}
 __device__ __forceinline__ void ready_signal(const BwdParams& p, int64_t chunk, int64_t hq) {
   if (!(p.debug & 16384)) fence_proxy_async_global();
   if (!(p.debug & 32768)) __threadfence();
   const int64_t item = chunk * p.Hqk + hq;
   const int need = static_cast<int>(8 * (p.Hv / p.Hqk));
-  if (atomicAdd(p.rq_count + item, 1) == need - 1) {
-    __threadfence();
-    const int slot = atomicAdd(p.rq_ends + 1, 1);
-    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p.rq_slot + slot),
-                 "r"(static_cast<int>(item) + 1)
-                 : "memory");
-  }
+  if (atomicAdd(p.rq_count + item, 1) == need - 1) ready_publish(p, item);
 }
 // ready_signal_block: thread 0 of a reverse-pass block, after a block barrier that every
 // warp's lane 0 reached with its bulk stores of the chunk complete and fenced
@@ -105,13 +115,7 @@ __device__ __forceinline__ void ready_signal_block(const BwdParams& p, int64_t c
                  : "=r"(old)
                  : "l"(p.rq_count + item)
                  : "memory");
-  if (old == need - 8) {
-    __threadfence();
-    const int slot = atomicAdd(p.rq_ends + 1, 1);
-    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p.rq_slot + slot),
-                 "r"(static_cast<int>(item) + 1)
-                 : "memory");
-  }
+  if (old == need - 8) ready_publish(p, item);
 }
 __device__ __forceinline__ int ready_take(const BwdParams& p) {
   const int slot = atomicAdd(p.rq_ends, 1);

@@ -410,6 +410,11 @@ BwdBuffers carve_kept(const Problem& p, const SegmentPlan& plan, Carver& c, bool
 // What only the backward writes: the reverse pass's records (dS, dVt) and their factors, in
 // b.rec16's format; with a kept forward's workspace (`kept`, read only) also the reverse
 // pass's segment buffers and an error flag, which otherwise share the forward's.
+// The ready queue's ints (BwdParams::rq_count, rq_slot: an item each; rq_ends: 2).
+size_t ready_queue_ints(const Problem& p) {
+  return 2 * static_cast<size_t>(p.max_chunks() * p.Hqk) + 2;
+}
+
 void carve_bwd_own(const Problem& p, const SegmentPlan& plan, Carver& c, BwdBuffers& b,
                    bool kept) {
   const bool rec16 = b.rec16;
@@ -419,7 +424,7 @@ void carve_bwd_own(const Problem& p, const SegmentPlan& plan, Carver& c, BwdBuff
   b.dh = c.take<float>(recs * D * D / (rec16 ? 2 : 1));
   b.dh_scale = c.take<float>(recs * 8);
   b.dVt_scale = c.take<float>(recs * 8);
-  b.ready = c.take<int>(2 * static_cast<size_t>(p.max_chunks() * p.Hqk) + 2);
+  b.ready = c.take<int>(ready_queue_ints(p));
   if (!kept) return;
   b.error = c.take<int>(1);
   if (plan.split) {
@@ -1465,11 +1470,9 @@ void launch_state_bwd_cols(const SegmentPlan& plan, const Problem& p, const BwdP
     set_smem(state_bwd_cols_kernel<In, false, 2>, smem);
   });
   const bool rows = env_int_or("FLASHGDN_BWD_ROWSCALE", 0) == 1;
-  // the ready queue's signals (state_bwd_cols_segment's kSignal): one a block (2), or one a
-  // warp with FLASHGDN_BWD_QUEUE=1 or the row scale (1)
-  const int signal = g.phase != 0 || g.rq_count == nullptr      ? 0
-                     : env_int_or("FLASHGDN_BWD_QUEUE", -1) == 1 || rows ? 1
-                                                                  : 2;
+  // the ready queue's signals in phase 0 (state_bwd_cols_segment's kSignal, bwd_queue's
+  // choice); one a warp with the row scale
+  const int signal = g.phase != 0 ? 0 : rows && g.rq_signal != 0 ? 1 : g.rq_signal;
   const int64_t blocks_x = g.phase == 1 ? 2 : 1;
   for_each_z_slice(g, plan.max_segments, blocks_x * p.Hv, sm_count(p.device_id),
                    [&](const BwdParams& gz, unsigned z) {
@@ -1890,7 +1893,8 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
 // passes are the 128-column kernels (rec16) and phase 0 is the last launch before the
 // gradients (not the overlapped schedule's two streams). With FLASHGDN_PDL=0 the gradients'
 // kernel starts after the reverse pass, and every item is ready when a block takes it.
-// Taken (FLASHGDN_BWD_QUEUE unset) where value heads x chunks of tokens <= 2048: measured
+// Taken (FLASHGDN_BWD_QUEUE unset) where planner.h backward_ready_queue says (value heads x
+// chunks of tokens <= 2048): measured
 // (H100, 2026-11-28, bwd ms, queue against =0, two rounds alternated) 2/4 x 8k 3.4-6.6%
 // faster, 4/8 x 8k 1.3-3.1%, 8/16 x 8k 2.5-10.5%, 2/4 x 32k 0.3-3.0%; beyond it mixed (16/32
 // x 8k in 2 and 4 sequences 7-10% faster, in 1 and 8 1.5-3.2% slower; 4/8 x 32k in one
@@ -1900,12 +1904,13 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
 // and waits are ~60 of those 240, FLASHGDN_DEBUG 57344) while doing little of their own work
 // before it ends. The signals: one a block (kSignal 2, 0.985-1.0x of one a warp's time in
 // the rule's region). =1 takes it wherever possible with one signal a warp, =2 wherever
-// possible with one a block, =0 never.
-bool bwd_queue(const Problem& p, const SegmentPlan& plan, bool rec16, bool tc, bool simt) {
-  if (!rec16 || !tc || simt || p.N == 0 || (plan.split && cp_overlap(plan))) return false;
+// possible with one a block, =0 never. Returns the signals (BwdParams::rq_signal): 0 no queue,
+// 1 one a warp, 2 one a block.
+int bwd_queue(const Problem& p, const SegmentPlan& plan, bool rec16, bool tc, bool simt) {
+  if (!rec16 || !tc || simt || p.N == 0 || (plan.split && cp_overlap(plan))) return 0;
   const int mode = env_int_or("FLASHGDN_BWD_QUEUE", -1);
-  if (mode >= 0) return mode != 0;
-  return p.Hv * ((p.TT + C - 1) / C) <= 2048;
+  if (mode == 0 || mode == 1) return mode;
+  return mode > 1 || backward_ready_queue(p.Hv, (p.TT + C - 1) / C) ? 2 : 0;
 }
 
 template <typename In>
@@ -1979,10 +1984,11 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   g.debug = f.debug;
-  const bool queue = bwd_queue(p, plan, g.rec16, tc, simt);
+  g.rq_signal = bwd_queue(p, plan, g.rec16, tc, simt);
+  const bool queue = g.rq_signal != 0;
   if (queue) {
     const size_t items = static_cast<size_t>(p.max_chunks() * p.Hqk);
-    check_cuda(cudaMemsetAsync(b.ready, 0, (2 * items + 2) * sizeof(int), st),
+    check_cuda(cudaMemsetAsync(b.ready, 0, ready_queue_ints(p) * sizeof(int), st),
                "ready queue memset");
     g.rq_count = b.ready;
     g.rq_slot = b.ready + items;

@@ -193,38 +193,26 @@ __device__ __forceinline__ void state_bwd_cols_segment(const BwdParams& p, const
     store_factors(0);
   }
 
-  // kSignal: the chunks whose records this warp stored last (stored1) and the one before
+  // kSignal: the chunks whose records the block stored last (stored1) and the one before
   // (stored2), each counted once its bulk stores are complete; -1 none
   int64_t stored1 = -1, stored2 = -1;
   for (int64_t ci = c_last; ci >= c_begin; --ci) {
     const int s = static_cast<int>((c_last - ci) & 1);
     const bool out = outputs && ci < c_end;  // not a warm-up chunk
-    if (kSignal == 2 && lane == 0 && stored2 >= 0) {
-      if (p.debug & 8192) {
-      } else if (p.debug & 12) {
-        bulk_wait();
-      } else {
-        bulk_wait_done<2>();
-      }
+    if (kSignal == 2 && lane == 0 && stored2 >= 0) {  // before the barrier thread 0 counts after
+      ready_stores_wait(p);
       if (!(p.debug & 16384)) fence_proxy_async_global();
     }
     cp_async_wait<0>();
     __syncthreads();  // stage s landed; stage s ^ 1 (the previous chunk) no longer read
     if (ci > c_begin) issue(ci - 1, s ^ 1);
-    if (kSignal == 2) {
-      if (threadIdx.x == 0 && stored2 >= 0) ready_signal_block(p, chunk0 + stored2, hq);
-      stored2 = stored1;
-      stored1 = out ? ci : -1;
-    }
-    if (kSignal == 1 && lane == 0) {
-      if (stored2 >= 0) {  // two groups a chunk (dh, dVt); fewer under the debug switches
-        if (p.debug & 8192) {
-        } else if (p.debug & 12) {
-          bulk_wait();
-        } else {
-          bulk_wait_done<2>();
+    if (kSignal != 0) {
+      if (stored2 >= 0) {
+        if (kSignal == 2 && threadIdx.x == 0) ready_signal_block(p, chunk0 + stored2, hq);
+        if (kSignal == 1 && lane == 0) {
+          ready_stores_wait(p);
+          ready_signal(p, chunk0 + stored2, hq);
         }
-        ready_signal(p, chunk0 + stored2, hq);
       }
       stored2 = stored1;
       stored1 = out ? ci : -1;
