@@ -575,3 +575,45 @@ def test_backward_auto_takes_cols_kernels_on_wide_work(monkeypatch):
     assert_as_accurate_as_default("auto (cols)", names, auto, narrow, refs, agree=2e-3)
     # the two runs took different kernels: their gradients are not bit-identical
     assert any(not torch.equal(a, b) for a, b in zip(auto, narrow))
+
+
+# grad_chunk_wg_kernel (FLASHGDN_GRAD_WG=1): the per-chunk gradients on wgmma, bf16 inputs
+# with the 128-column passes' fp16 records. Packed odd lengths, a one-token sequence, g == 0
+# and very negative gates, h0; one, two and four value heads a q/k head.
+GRAD_WG_CASES = [
+    Case("grad_wg_packed", [700, 1300, 64, 1], 2, 8, gate="mixed"),
+    Case("grad_wg_group1", [517, 130], 4, 4, gate="mixed"),
+    Case("grad_wg_group2", [1000], 2, 4, varlen=False, gate="mixed"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("do_scale", [1.0, 1e-8, 1e6])
+@pytest.mark.parametrize("case", GRAD_WG_CASES, ids=lambda c: c.name)
+def test_grad_wg_kernel(monkeypatch, case: Case, do_scale: float):
+    """FLASHGDN_GRAD_WG=1 runs the per-chunk gradients in grad_chunk_wg_kernel (and only
+    then): every gradient as accurate against the float64 reference as grad_chunk_tc_kernel's,
+    within 2e-3 of them, finite, with the loss scaled by 1, 1e-8 and 1e6."""
+    for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT", "FLASHGDN_BWD_QUEUE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    switched_as_accurate(monkeypatch, f"grad_wg (dO x {do_scale:g})", case, 53, do_scale,
+                         {"FLASHGDN_GRAD_WG": "0"}, {"FLASHGDN_GRAD_WG": "1"})
+    for value, taken in (("1", True), ("0", False)):
+        monkeypatch.setenv("FLASHGDN_GRAD_WG", value)
+        ran = cuda_kernels_run(lambda: run_grads(case, "cuda", seed=53, do_scale=do_scale))
+        assert any("grad_chunk_wg_kernel" in n for n in ran) == taken, (value, sorted(ran))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+def test_grad_wg_kernel_split(monkeypatch):
+    """grad_chunk_wg_kernel under short segments (CP on, 5-chunk segments: warm-ups and
+    exact g == 0 heads in the passes before it): as accurate as grad_chunk_tc_kernel."""
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    monkeypatch.setenv("FLASHGDN_CP", "on")
+    monkeypatch.setenv("FLASHGDN_CP_SEG", "5")
+    case = Case("grad_wg_split", [2100, 333], 2, 8, gate="mixed")
+    switched_as_accurate(monkeypatch, "grad_wg (CP on)", case, 59, 1.0,
+                         {"FLASHGDN_GRAD_WG": "0"}, {"FLASHGDN_GRAD_WG": "1"})

@@ -16,6 +16,7 @@
 #include "../backends.h"
 #include "../planner.h"
 #include "bwd_kernels.cuh"
+#include "grad_chunk_wg.cuh"
 #include "fwd_kernels.cuh"
 #include "wy_lean.cuh"
 #include "planner.cuh"
@@ -1913,10 +1914,41 @@ int bwd_queue(const Problem& p, const SegmentPlan& plan, bool rec16, bool tc, bo
   return mode > 1 || backward_ready_queue(p.Hv, (p.TT + C - 1) / C) ? 2 : 0;
 }
 
+// The per-chunk gradients on wgmma (grad_chunk_wg_kernel): bf16 inputs with the fp16
+// record blocks (rec16). FLASHGDN_GRAD_WG=1 takes it (and no ready queue), =0 or unset
+// grad_chunk_tc_kernel.
+bool grad_wg(const Problem& p, bool rec16, bool tc, bool simt) {
+  return rec16 && tc && !simt && p.qkv_dtype == FLASHGDN_DTYPE_BF16 &&
+         env_int_or("FLASHGDN_GRAD_WG", 0) != 0;
+}
+
+// grad_chunk_wg_kernel's TMA maps of the fp16 record blocks (GradWgMaps): records of `rows`
+// rows (128: h, dS; 64: U, dVt) as a 5-D view [record][block][half kh][row][8 values], so that
+// one box, a whole record, lands in the products' core-matrix order. False where TMA cannot
+// take them (the kernel is then not used).
+bool grad_wg_maps(const Problem& p, const BwdParams& g, GradWgMaps& m) {
+  const auto one = [&](CUtensorMap& map, const void* base, uint32_t rows) {
+    if (!tma_can_read(base)) return false;
+    const uint64_t nrec = static_cast<uint64_t>(p.max_chunks()) * static_cast<uint64_t>(p.Hv);
+    const cuuint64_t dims[5] = {8, rows, 2, 8, nrec};
+    const cuuint64_t strides[4] = {32, 16, 32ull * rows, 256ull * rows};
+    const cuuint32_t box[5] = {8, rows, 2, 8, 1}, elem[5] = {1, 1, 1, 1, 1};
+    return tensor_map_encode()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5, const_cast<void*>(base),
+                               dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return one(m.h, g.h, D) && one(m.dh, g.dh, D) && one(m.U, g.U, C) && one(m.dVt, g.dVt, C);
+}
+
 template <typename In>
 void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   static std::once_flag once;
   std::call_once(once, [] {
+    if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+      set_smem(grad_chunk_wg_kernel<In>, GradWgSmem::kBytes);
+      set_smem(grad_chunk_wg_kernel<In, true>, GradWgSmem::kBytes);
+    }
     set_smem(grad_chunk_kernel<In>, kGradSmem);
     set_smem(grad_chunk_tc_kernel<In, false>, GradSmem<In, false>::kBytes);
     set_smem(grad_chunk_tc_kernel<In, true>, GradSmem<In, true>::kBytes);
@@ -1984,7 +2016,9 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   g.debug = f.debug;
-  g.rq_signal = bwd_queue(p, plan, g.rec16, tc, simt);
+  GradWgMaps wg_maps{};
+  const bool wg = grad_wg(p, g.rec16, tc, simt) && p.max_chunks() > 0 && grad_wg_maps(p, g, wg_maps);
+  g.rq_signal = wg ? 0 : bwd_queue(p, plan, g.rec16, tc, simt);
   const bool queue = g.rq_signal != 0;
   if (queue) {
     const size_t items = static_cast<size_t>(p.max_chunks() * p.Hqk);
@@ -2007,7 +2041,17 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   }
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
-    if (queue)  // the ready queue's: the reverse pass's programmatic dependent
+    if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+      if (wg && (g.debug & (1 << 20)))  // timing only: phase clocks printed by two blocks
+      {
+        grad_chunk_wg_kernel<In, true><<<grid, NT, GradWgSmem::kBytes, st>>>(wg_maps, g);
+        grad_wg_probe_print<<<1, 1, 0, st>>>();
+      }
+      else if (wg)
+        grad_chunk_wg_kernel<In><<<grid, NT, GradWgSmem::kBytes, st>>>(wg_maps, g);
+    }
+    if (wg) {
+    } else if (queue)  // the ready queue's: the reverse pass's programmatic dependent
       launch_kernel(grad_chunk_tc_kernel<In, true, true>, grid, GradSmem<In, true>::kBytes, st,
                     true, "grad_chunk_tc_kernel launch", g);
     else if (tc && g.rec16)

@@ -1,0 +1,632 @@
+// grad_chunk_wg_kernel  grid (max_chunks, H_qk), 256 threads (two warpgroups), ~199 KB smem
+//   grad_chunk_tc_kernel's gradients (bwd_kernels.cuh: same quantities, the value heads of
+//   a q/k head in the same order, dq and dk summed in registers) with every product on
+//   wgmma, both operands from shared memory, so that a head's products are a few dozen
+//   asynchronous instructions a warpgroup instead of ~600 mma.sync with their fragments.
+//   bf16 inputs and the 128-column passes' fp16 record blocks (BwdParams::rec16) only;
+//   launch.cu takes it where FLASHGDN_GRAD_WG says.
+//   Per value head (warpgroup wg takes key columns 64 wg .. of the 64 x 128 products and
+//   token columns 32 wg .. of the 64 x 64 ones):
+//   * operands as 16-bit core-matrix tiles (wgmma.cuh): Q, K (bf16, the block's), dO, U,
+//     dVt [64 x 128] and h, dS [128 keys x 128 values]. The record blocks' powers of two
+//     are brought to one factor per matrix in place (a block 2^k below the largest keeps
+//     k fewer low bits, products 2^k smaller: grad_chunk_tc_kernel's loss); dO becomes
+//     fp16 times 2^k_r per row (its largest element in [2^14, 2^15): exact), undone per
+//     row of Y and dO U^T.
+//   * Y = dO h^T, Z = dVt h^T, R = U dS^T (fp16, m64n64), then dq += scale gam Y,
+//     dk += eL R - beta gam Z and the rows' dots; dVt U^T, dO U^T (fp16), K K^T, Q K^T
+//     (bf16, m64n32); M1 = dP . Dec and M2 + M2^T as bf16 (hi, lo) pairs (16 bits of
+//     mantissa, fp32's range), dq += M1 K, dk += M1^T Q + (M2 + M2^T) K (bf16, m64n64).
+//   * The next head's tiles are copied (cp.async) once the products stop reading them:
+//     they land under this head's epilogues and dq / dk products.
+//   Row sums across threads go through shared memory in a fixed order: deterministic.
+//   reads  q, k, v, do, beta, G, U, dVt, h, dh and their factors
+//   writes dq, dk, dv, dg, dbeta
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdio>
+
+#include "bwd_kernels.cuh"
+#include "wgmma.cuh"
+
+namespace flashgdn {
+namespace cuda {
+
+// The record blocks by TMA (launch.cu grad_wg_maps): a 5-D view of the fp16 records
+// [record][block vb][row][16 values] with the 16 values split in two 8-value halves kh, so that
+// one box (a whole record) lands as [vb][kh][row][8 values]: the core-matrix tiles of the
+// products (8 rows x 16 bytes each, rows 16 bytes apart) with no re-layout by the threads.
+struct GradWgMaps {
+  CUtensorMap h, dh, U, dVt;
+};
+__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, int rec,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %3, %3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(0), "r"(rec), "r"(smem_addr(bar))
+      : "memory");
+}
+
+struct GradWgSmem {
+  static constexpr int kTile = C * D * 2;  // [64][128] 16-bit core tile
+  static constexpr int kRec = D * D * 2;   // [128][128] fp16 core tile
+  static constexpr int kM = C * C * 2;     // [64][64] bf16 core tile (M1, M2 pairs: in kH)
+  static constexpr int kLdE = C + 1;       // E, M1, M2 + M2^T [64][65] fp32
+  static constexpr int kQ = 0, kK = kQ + kTile, kDO = kK + kTile, kU = kDO + kTile,
+                       kDV = kU + kTile, kH = kDV + kTile, kDS = kH + kRec, kM1 = kDS + kRec,
+                       kM2 = kM1 + 4 * C * kLdE, kE = kM2 + 4 * C * kLdE,
+                       kScal = kE + 4 * C * kLdE;
+  // floats: two buffers of 9 per-token arrays, red [2][8], part [3][2][C], dbp [2][C],
+  // the record factors [32]
+  static constexpr int kBuf = 9 * C;
+  static constexpr int kScalFloats = 2 * kBuf + 16 + 6 * C + 2 * C + 32;
+  static constexpr int kBars = kScal + 4 * kScalFloats;  // two mbarriers: h / dS, U / dVt
+  static constexpr size_t kBytes = kBars + 16;
+};
+
+// Half index of element (r, c) of a 16-bit core-matrix tile with NCG groups of 8 columns.
+template <int NCG>
+__device__ __forceinline__ int core16(int r, int c) {
+  return (((r >> 3) * NCG + (c >> 3)) << 6) + ((r & 7) << 3) + (c & 7);
+}
+__device__ __forceinline__ int fexp(float f) { return ((__float_as_int(f) >> 23) & 0xff) - 127; }
+// 8 fp16 values (16 bytes) times a power of two (h2: 2^d, d <= 0, pow2h)
+__device__ __forceinline__ uint4 scale_h8(uint4 x, __half2 h2) {
+  __half2* e = reinterpret_cast<__half2*>(&x);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e[i] = __hmul2(e[i], h2);
+  return x;
+}
+// x -> bf16 (hi, lo) with hi + lo = x to 16 bits of mantissa
+__device__ __forceinline__ void split_bf16(float x, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  lo = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+
+// threadIdx.x through an opaque move: address arithmetic derived from it inside the head
+// loop is not hoisted out of it (hoisted, the per-thread offsets of every copy and epilogue
+// stayed live across the loop and spilled)
+__device__ __forceinline__ int opaque_tid() {
+  int x;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+  return x;
+}
+
+__device__ long long g_wg_probe[2][20];
+__global__ void grad_wg_probe_print() {
+  for (int b = 0; b < 2; ++b) {
+    const long long* x = g_wg_probe[b];
+    printf("probe %d group %lld: h0 %lld %lld %lld %lld %lld %lld | h1 %lld %lld %lld %lld %lld %lld | end %lld\n",
+           b, x[1], x[3], x[4], x[5], x[6], x[7], x[8], x[11], x[12], x[13], x[14], x[15], x[16], x[0]);
+  }
+}
+// kProbe (timing only, FLASHGDN_DEBUG bit 1 << 20): thread 0 of blocks (0, 0) and (64, 1)
+// prints the clock at each phase boundary of its first two heads
+template <typename In, bool kProbe = false>
+__global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_constant__ GradWgMaps maps,
+                                                             BwdParams p) {
+  __shared__ long long probe_ts[32];
+#define PROBE(i)                                                                     \
+  do {                                                                               \
+    if constexpr (kProbe) {                                                          \
+      const int hi_ = static_cast<int>(h - hq * group);                              \
+      if (threadIdx.x == 0 && hi_ < 2) probe_ts[2 + (i) + 8 * hi_] = clock64();        \
+    }                                                                                \
+  } while (0)
+  static_assert(std::is_same_v<In, __nv_bfloat16>, "bf16 inputs");
+  using Sm = GradWgSmem;
+  if (p.seqs.failed()) return;
+  const ChunkRef ck = locate_chunk(p.seqs, blockIdx.x);
+  if (ck.L == 0) return;
+  const int64_t chunk = blockIdx.x, hq = blockIdx.y, group = p.Hv / p.Hqk;
+  const int L = ck.L;
+  const int64_t tok0 = ck.tok0;
+  if constexpr (kProbe) {
+    if (threadIdx.x == 0) probe_ts[0] = clock64();
+  }
+  const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, g = lane_id() >> 2,
+            t = lane_id() & 3;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  In* Qc = reinterpret_cast<In*>(smem_raw + Sm::kQ);
+  In* Kc = reinterpret_cast<In*>(smem_raw + Sm::kK);
+  __half* dOc = reinterpret_cast<__half*>(smem_raw + Sm::kDO);  // dO (In) until the row pass
+  __half* Uc = reinterpret_cast<__half*>(smem_raw + Sm::kU);
+  __half* dVc = reinterpret_cast<__half*>(smem_raw + Sm::kDV);
+  __half* Hc = reinterpret_cast<__half*>(smem_raw + Sm::kH);
+  __half* dSc = reinterpret_cast<__half*>(smem_raw + Sm::kDS);
+  // M1 and M2 + M2^T summed over the value heads (fp32), as bf16 (hi, lo) tiles in Hc's
+  // place once the last head's products are done: dq and dk's products with K and Q, one
+  // set a block (K and Q are the heads' common factors)
+  float* M1s = reinterpret_cast<float*>(smem_raw + Sm::kM1);
+  float* M2s = reinterpret_cast<float*>(smem_raw + Sm::kM2);
+  __nv_bfloat16* M1h = reinterpret_cast<__nv_bfloat16*>(smem_raw + Sm::kH);
+  __nv_bfloat16* M1l = M1h + C * C;
+  __nv_bfloat16* M2h = M1l + C * C;
+  __nv_bfloat16* M2l = M2h + C * C;
+  float* E = reinterpret_cast<float*>(smem_raw + Sm::kE);
+  float* scal = reinterpret_cast<float*>(smem_raw + Sm::kScal);
+  float* red = scal + 2 * Sm::kBuf;  // [2][8] <h, dS> per warp
+  float* part = red + 16;            // [3][2][C]: Q.Y, K.Z, K.R per warpgroup
+  float* dbp = part + 6 * C;         // [2][C]
+  float* recsc = dbp + 2 * C;        // [32]: h, dS, U, dVt factors
+
+  // Q and K (the block's) and a value head's dO, U, dVt, h, dS: cp.async into core tiles
+  {
+    const int64_t qk_off = (tok0 * p.Hqk + hq) * D;
+    cp_async_core16<C, D>(Qc, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
+    cp_async_core16<C, D>(Kc, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, L);
+  }
+  // a value head's dO (cp.async, one group) and its U and dVt (TMA, bar_v: copy_v), its h and
+  // dS (TMA, bar_h: copy_h). A buffer's TMA is issued after a barrier that follows the last
+  // generic writes to it (the row passes', fenced into the async proxy) and reads of it.
+  uint64_t* bar_h = reinterpret_cast<uint64_t*>(smem_raw + Sm::kBars);
+  uint64_t* bar_v = bar_h + 1;
+  if (tid == 0) {
+    mbar_init(bar_h, 1);
+    mbar_init(bar_v, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  auto copy_v = [&](int64_t hh) {
+    const int tid = opaque_tid();
+    const int64_t off = (tok0 * p.Hv + hh) * D, rec = chunk * p.Hv + hh;
+    cp_async_core16<C, D>(reinterpret_cast<In*>(dOc), static_cast<const In*>(p.d_o) + off,
+                          p.Hv * D, L);
+    cp_async_commit();
+    if (tid == 0) {
+      mbar_arrive_expect_tx(bar_v, 2 * Sm::kTile);
+      tma_load_5d(Uc, &maps.U, static_cast<int>(rec), bar_v);
+      tma_load_5d(dVc, &maps.dVt, static_cast<int>(rec), bar_v);
+    }
+  };
+  auto copy_h = [&](int64_t hh) {
+    const int64_t rec = chunk * p.Hv + hh;
+    if (opaque_tid() == 0) {
+      mbar_arrive_expect_tx(bar_h, 2 * Sm::kRec);
+      tma_load_5d(Hc, &maps.h, static_cast<int>(rec), bar_h);
+      tma_load_5d(dSc, &maps.dh, static_cast<int>(rec), bar_h);
+    }
+  };
+  cp_async_commit();  // Q and K
+  copy_h(hq * group);  // (with Q and K)
+  copy_v(hq * group);
+
+  // a head's last-row terms, then dg = reverse cumsum of dG and the stores of dg and dbeta
+  // (warp 0, two rows per lane; run under the next head's row pass, or after the last head)
+  auto finish_head = [&](int64_t h, int buf) {
+    const float* gam = scal + buf * Sm::kBuf + C;
+    const float* dG = gam + 3 * C;
+    const float* db = dG + C;
+    const float* lastrow = db + C;
+
+      const int l = tid;
+      float last = lastrow[l] + lastrow[l + 32];
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) last += __shfl_xor_sync(0xffffffffu, last, m);
+      float s0ds = 0.f;
+      for (int i = 0; i < 8; ++i) s0ds += red[buf * 8 + i];
+      const int r0 = 2 * l, r1 = 2 * l + 1;
+      float x0 = r0 < L ? dG[r0] : 0.f, x1 = r1 < L ? dG[r1] : 0.f;
+      const float tail = last + gam[L - 1] * s0ds;
+      if (r0 == L - 1) x0 += tail;
+      if (r1 == L - 1) x1 += tail;
+      float incl = x0 + x1;
+#pragma unroll
+      for (int m = 1; m < 32; m <<= 1) {
+        const float y = __shfl_down_sync(0xffffffffu, incl, m);
+        if (l + m < 32) incl += y;
+      }
+      float after = __shfl_down_sync(0xffffffffu, incl, 1);
+      if (l == 31) after = 0.f;
+      const float run1 = x1 + after, run0 = x0 + run1;
+      const int64_t base = tok0 * p.Hv + h;
+      if (r0 < L) {
+        store_scalar(p.dg, p.g_dtype, base + r0 * p.Hv, run0);
+        store_scalar(p.dbeta, p.beta_dtype, base + r0 * p.Hv, db[r0]);
+      }
+      if (r1 < L) {
+        store_scalar(p.dg, p.g_dtype, base + r1 * p.Hv, run1);
+        store_scalar(p.dbeta, p.beta_dtype, base + r1 * p.Hv, db[r1]);
+      }
+      };
+  constexpr uint32_t kRG = 128 * (D / 8);  // row-group stride of a [.][128] core tile (bytes)
+  constexpr uint32_t kRGm = 128 * (C / 8);  // of a [.][64] one
+  constexpr uint32_t kRecBlk = D * 16 * 2, kVBlk = C * 16 * 2;  // a record block (bytes)
+  float dq[8][4] = {}, dk[8][4] = {};  // rows 16 w + g (+8), key columns 64 wg + 8 j + 2 t (+1)
+
+  for (int64_t h = hq * group; h < (hq + 1) * group; ++h) {
+    const int tid = opaque_tid(), wg = tid >> 7, w = (tid >> 5) & 3, g = (tid & 31) >> 2,
+              t = tid & 3;
+    const int buf = static_cast<int>(h - hq * group) & 1;
+    float* Gs = scal + buf * Sm::kBuf;
+    float* gam = Gs + C;
+    float* eL = gam + C;
+    float* bs = eL + C;
+    float* dG = bs + C;
+    float* db = dG + C;
+    float* lastrow = db + C;
+    float* vdt = lastrow + C;
+    float* dof = vdt + C;  // 2^-k_r: dO's row factors
+    const int64_t v_off = (tok0 * p.Hv + h) * D;
+    float ld_g = 0.f, ld_glast = 0.f, ld_beta = 0.f, ld_scale = 0.f;
+    if (tid < C) {
+      ld_g = p.G[(tok0 + (tid < L ? tid : L - 1)) * p.Hv + h];
+      ld_glast = p.G[(tok0 + L - 1) * p.Hv + h];
+      ld_beta = tid < L ? load_scalar(p.beta, p.beta_dtype, (tok0 + tid) * p.Hv + h) : 0.f;
+    }
+    if (tid < 32) {
+      const int64_t i = (chunk * p.Hv + h) * 8 + (tid & 7);
+      const int m = tid >> 3;
+      ld_scale = (m == 0 ? p.h_scale : m == 1 ? p.dh_scale : m == 2 ? p.U_scale : p.dVt_scale)[i];
+    }
+    // the row passes: row rr, columns 32 qq .. (a warp's eight rows in each quarter: the
+    // core tiles' 16-byte pieces without bank conflicts; a row's four threads are lanes
+    // l, l + 8, l + 16, l + 24)
+    const int rr = (tid & 7) + 8 * (tid >> 5), qq = (tid >> 3) & 3;
+    uint4 vrow[4];
+    if (rr < L) {
+      const In* src = static_cast<const In*>(p.v) + v_off + static_cast<int64_t>(rr) * p.Hv * D +
+                      32 * qq;
+#pragma unroll
+      for (int c8 = 0; c8 < 4; ++c8) vrow[c8] = *reinterpret_cast<const uint4*>(src + 8 * c8);
+    }
+    const uint32_t par = static_cast<uint32_t>(h - hq * group) & 1u;
+    mbar_wait(bar_h, par);  // the head's h and dS
+    if (tid < C) {
+      Gs[tid] = ld_g;
+      gam[tid] = __expf(ld_g);
+      eL[tid] = __expf(ld_glast - ld_g);
+      bs[tid] = ld_beta;
+    }
+    if (tid < 32) recsc[tid] = ld_scale;
+    __syncthreads();  // (B1) the head's h, dS and scalars
+    PROBE(1);
+    if (tid < 32 && h > hq * group) finish_head(h - 1, buf ^ 1);
+    // the next head's operands into L2 (its copies are issued once this head's products
+    // are done with the tiles)
+    if (h + 1 < (hq + 1) * group) prefetch_grad_head<In, true>(p, chunk, tok0, L, h + 1);
+
+    // the matrices' largest factors
+    float fmax[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      float x = recsc[8 * m];
+#pragma unroll
+      for (int b = 1; b < 8; ++b) x = fmaxf(x, recsc[8 * m + b]);
+      fmax[m] = x;
+    }
+    {
+      // h and dS to one factor each; <h, dS> on the way (piece j of a thread: block j)
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int off = 8 * (tid + NT * j);
+        const __half2 rh = pow2h(fexp(recsc[j]) - fexp(fmax[0]));
+        const __half2 rd = pow2h(fexp(recsc[8 + j]) - fexp(fmax[1]));
+        float sj = 0.f;
+        uint4 a = *reinterpret_cast<const uint4*>(Hc + off);
+        uint4 b = *reinterpret_cast<const uint4*>(dSc + off);
+        const __half2* ah = reinterpret_cast<const __half2*>(&a);
+        const __half2* bh = reinterpret_cast<const __half2*>(&b);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 x = __half22float2(ah[e]), y = __half22float2(bh[e]);
+          sj += x.x * y.x + x.y * y.y;
+        }
+        s += sj * pow2f(pair_exp(recsc[j], recsc[8 + j]));
+        *reinterpret_cast<uint4*>(Hc + off) = scale_h8(a, rh);
+        *reinterpret_cast<uint4*>(dSc + off) = scale_h8(b, rd);
+      }
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane_id() == 0) red[buf * 8 + (tid >> 5)] = s;
+    }
+    cp_async_wait<0>();    // the head's dO (and the block's Q and K)
+    mbar_wait(bar_v, par);  // its U and dVt
+    __syncthreads();  // the head's dO, U, dVt
+    PROBE(2);
+    // ---- row pass: dv = beta dVt, v . dVt; U, dVt to one factor; dO to fp16 per row
+    {
+      float vd = 0.f;
+      const float br = bs[rr];
+      In* dvrow = static_cast<In*>(p.dv) + v_off + static_cast<int64_t>(rr) * p.Hv * D + 32 * qq;
+      float m = 0.f;
+      uint4 dor[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        // U and dVt: [vb][kh][row][8] (TMA boxes); rows past the chunk zeroed here
+        const int cg = 4 * qq + c, vb = cg >> 1, off = core16<16>(rr, 8 * cg),
+                  roff = 8 * ((cg * C) + rr);
+        // dVt
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        uint4 dd = rr < L ? *reinterpret_cast<const uint4*>(dVc + roff) : zero;
+        const float sd = recsc[24 + vb];
+        const __half* de = reinterpret_cast<const __half*>(&dd);
+        const In* ve = reinterpret_cast<const In*>(&vrow[c]);
+        uint4 out;
+        In* oe = reinterpret_cast<In*>(&out);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float d = sd * __half2float(de[e]);
+          if (rr < L) vd += to_f(ve[e]) * d;
+          oe[e] = from_f<In>(br * d);
+        }
+        if (rr < L) *reinterpret_cast<uint4*>(dvrow + 8 * c) = out;
+        *reinterpret_cast<uint4*>(dVc + roff) = scale_h8(dd, pow2h(fexp(sd) - fexp(fmax[3])));
+        const uint4 uu = rr < L ? *reinterpret_cast<const uint4*>(Uc + roff) : zero;
+        *reinterpret_cast<uint4*>(Uc + roff) =
+            scale_h8(uu, pow2h(fexp(recsc[16 + vb]) - fexp(fmax[2])));
+        dor[c] = *reinterpret_cast<const uint4*>(dOc + off);
+        const In* oi = reinterpret_cast<const In*>(&dor[c]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(to_f(oi[e])));
+      }
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      const int kr = m > 0.f ? min(max(14 - fexp(m), -126), 126) : 0;
+      const float up = pow2f(kr);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const In* oi = reinterpret_cast<const In*>(&dor[c]);
+        uint4 o;
+        uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ow[e] = pack_half2(up * to_f(oi[2 * e]), up * to_f(oi[2 * e + 1]));
+        *reinterpret_cast<uint4*>(dOc + core16<16>(rr, 32 * qq + 8 * c)) = o;
+      }
+      vd += __shfl_xor_sync(0xffffffffu, vd, 8);
+      vd += __shfl_xor_sync(0xffffffffu, vd, 16);
+      if (qq == 0) {
+        vdt[rr] = vd;
+        dof[rr] = pow2f(-kr);
+        dG[rr] = 0.f;
+      }
+    }
+    fence_proxy_async();
+    __syncthreads();  // (B2) the operand tiles in their final form
+    PROBE(3);
+
+    // ---- Y = dO h^T, Z = dVt h^T, R = U dS^T: keys 64 wg + 32 qk .. in two rounds qk (B
+    // K-major: key rows), then dVt U^T, dO U^T (fp16), K K^T, Q K^T (bf16): token columns
+    // 32 wg .. (B K-major). Issued ahead of the epilogues: round 1 runs under round 0's
+    // epilogue, the 64 x 64 products under round 1's.
+    float t1[4][4] = {}, t2[4][4] = {}, t3[4][4] = {}, t4[4][4] = {};
+    {
+      const float fz = pow2f(pair_exp(fmax[3], fmax[0])), fr = pow2f(pair_exp(fmax[2], fmax[1]));
+      float qy[2] = {}, kz[2] = {}, kr[2] = {};
+      // h, dS, U, dVt as the TMA boxes lay them ([vb][kh][row][8]): a k16 step is a block
+      // vb, its two 8-value halves half a block apart (lbo), 8-row groups 128 bytes apart (sbo)
+      auto issue_round = [&](int qk, float (&Y)[4][4], float (&Z)[4][4], float (&R)[4][4]) {
+        const uint32_t bofs = (8 * wg + 4 * qk) * 128;
+        wgmma_fence();
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) {
+          const uint32_t ko = 256 * kt, kr = kRecBlk * kt, kv = kVBlk * kt;
+          const uint64_t dh =
+              f16_core_desc(reinterpret_cast<char*>(Hc) + bofs + kr, kRecBlk / 2, 128);
+          wgmma_ss_f16_n32<0, 0>(Y, f16_core_desc(reinterpret_cast<char*>(dOc) + ko, 128, kRG),
+                                 dh, kt > 0);
+          wgmma_ss_f16_n32<0, 0>(
+              Z, f16_core_desc(reinterpret_cast<char*>(dVc) + kv, kVBlk / 2, 128), dh, kt > 0);
+          wgmma_ss_f16_n32<0, 0>(
+              R, f16_core_desc(reinterpret_cast<char*>(Uc) + kv, kVBlk / 2, 128),
+              f16_core_desc(reinterpret_cast<char*>(dSc) + bofs + kr, kRecBlk / 2, 128), kt > 0);
+        }
+        wgmma_commit();
+      };
+      auto epi_round = [&](int qk, float (&Y)[4][4], float (&Z)[4][4], float (&R)[4][4]) {
+        fence_acc(Y);
+        fence_acc(Z);
+        fence_acc(R);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = 16 * w + g + 8 * hf;
+          const float fy = fmax[0] * dof[r];
+          const float sg = p.scale * gam[r], bg = bs[r] * gam[r], el = eL[r];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int c = 64 * wg + 32 * qk + 8 * j + 2 * t;
+            const __nv_bfloat162 q2 = *reinterpret_cast<const __nv_bfloat162*>(Qc + core16<16>(r, c));
+            const __nv_bfloat162 k2 = *reinterpret_cast<const __nv_bfloat162*>(Kc + core16<16>(r, c));
+            const float2 qf = __bfloat1622float2(q2), kf = __bfloat1622float2(k2);
+#pragma unroll
+            for (int o = 0; o < 2; ++o) {
+              const int e = 2 * hf + o;
+              const float y = fy * Y[j][e], z = fz * Z[j][e], rv = fr * R[j][e];
+              const float q = o ? qf.y : qf.x, k = o ? kf.y : kf.x;
+              qy[hf] += q * y;
+              kz[hf] += k * z;
+              kr[hf] += k * rv;
+              dq[4 * qk + j][e] += sg * y;
+              dk[4 * qk + j][e] += el * rv - bg * z;
+            }
+          }
+        }
+      };
+      float Y0[4][4] = {}, Z0[4][4] = {}, R0[4][4] = {}, Y1[4][4] = {}, Z1[4][4] = {},
+            R1[4][4] = {};
+      issue_round(0, Y0, Z0, R0);
+      issue_round(1, Y1, Z1, R1);
+      wgmma_wait<1>();
+      epi_round(0, Y0, Z0, R0);
+      {
+        const uint32_t bofs = 4 * wg * kRG;
+        wgmma_fence();
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) {
+          const uint32_t ko = 256 * kt, kv = kVBlk * kt;
+          const uint64_t du =
+              f16_core_desc(reinterpret_cast<char*>(Uc) + 4 * wg * 128 + kv, kVBlk / 2, 128);
+          const uint64_t dkb = f16_core_desc(reinterpret_cast<char*>(Kc) + bofs + ko, 128, kRG);
+          wgmma_ss_f16_n32<0, 0>(
+              t1, f16_core_desc(reinterpret_cast<char*>(dVc) + kv, kVBlk / 2, 128), du, kt > 0);
+          wgmma_ss_f16_n32<0, 0>(t2, f16_core_desc(reinterpret_cast<char*>(dOc) + ko, 128, kRG),
+                                 du, kt > 0);
+          wgmma_ss_bf16_n32<0, 0>(t3, f16_core_desc(reinterpret_cast<char*>(Kc) + ko, 128, kRG),
+                                  dkb, kt > 0);
+          wgmma_ss_bf16_n32<0, 0>(t4, f16_core_desc(reinterpret_cast<char*>(Qc) + ko, 128, kRG),
+                                  dkb, kt > 0);
+        }
+        wgmma_commit();
+      }
+      wgmma_wait<1>();  // round 1 (the 64 x 64 products may still run)
+      epi_round(1, Y1, Z1, R1);
+      __syncthreads();  // both warpgroups' Y, Z, R done: h and dS are free
+      PROBE(4);
+      if (h + 1 < (hq + 1) * group) copy_h(h + 1);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = 16 * w + g + 8 * hf;
+#pragma unroll
+        for (int m = 1; m <= 2; m <<= 1) {
+          qy[hf] += __shfl_xor_sync(0xffffffffu, qy[hf], m);
+          kz[hf] += __shfl_xor_sync(0xffffffffu, kz[hf], m);
+          kr[hf] += __shfl_xor_sync(0xffffffffu, kr[hf], m);
+        }
+        if (t == 0) {
+          part[(0 * 2 + wg) * C + r] = qy[hf];
+          part[(1 * 2 + wg) * C + r] = kz[hf];
+          part[(2 * 2 + wg) * C + r] = kr[hf];
+        }
+      }
+      wgmma_wait<0>();
+      fence_acc(t1);
+      fence_acc(t2);
+      fence_acc(t3);
+      fence_acc(t4);
+    }
+    __syncthreads();  // (B3) both warpgroups' products done: the tiles are free; parts written
+    PROBE(5);
+    if (h + 1 < (hq + 1) * group) copy_v(h + 1);
+    if (tid < C) {
+      const int r = tid;
+      const float qy = part[0 * C + r] + part[1 * C + r];
+      const float kz = part[2 * C + r] + part[3 * C + r];
+      const float kr = part[4 * C + r] + part[5 * C + r];
+      dG[r] += p.scale * gam[r] * qy - bs[r] * gam[r] * kz - eL[r] * kr;
+      db[r] = -gam[r] * kz;
+      lastrow[r] = eL[r] * kr;
+    }
+    // ---- the 64 x 64 epilogue: M1, M2 + M2^T (bf16 pairs), E, dbeta's row sums
+    {
+      const float f1 = pow2f(pair_exp(fmax[3], fmax[2]));
+      const bool first = h == hq * group;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = 16 * w + g + 8 * hf;
+        const float gr = Gs[r], br = bs[r], f2 = p.scale * fmax[2] * dof[r];
+        float dsum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int o = 0; o < 2; ++o) {
+            const int e = 2 * hf + o, s = 32 * wg + 8 * j + 2 * t + o;
+            const float dec = s <= r ? __expf(gr - Gs[s]) : 0.f;
+            const float dA = s < r ? -f1 * t1[j][e] : 0.f;
+            const float dP = s <= r ? f2 * t2[j][e] : 0.f;
+            const float A = s < r ? br * t3[j][e] * dec : 0.f;
+            const float P = t4[j][e] * dec;
+            const float m1 = dP * dec, m2 = br * dA * dec;
+            // each (r, s) and its mirror belong to one thread: sums without races
+            M1s[r * Sm::kLdE + s] = first ? m1 : M1s[r * Sm::kLdE + s] + m1;
+            if (s <= r) {
+              M2s[r * Sm::kLdE + s] = first ? m2 : M2s[r * Sm::kLdE + s] + m2;
+              if (s < r) M2s[s * Sm::kLdE + r] = first ? m2 : M2s[s * Sm::kLdE + r] + m2;
+            }
+            dsum += dA * t3[j][e] * dec;
+            E[r * Sm::kLdE + s] = dA * A + dP * P;
+          }
+        }
+        dsum += __shfl_xor_sync(0xffffffffu, dsum, 1);
+        dsum += __shfl_xor_sync(0xffffffffu, dsum, 2);
+        if (t == 0) dbp[wg * C + r] = dsum;
+      }
+    }
+    __syncthreads();  // (B4) E; dG's first terms
+    PROBE(6);
+    // ---- dG += rowsum(E) - colsum(E); dbeta
+    {
+      float es = 0.f;
+#pragma unroll 4
+      for (int s = 16 * qq; s < 16 * qq + 16; ++s) es += E[rr * Sm::kLdE + s] - E[s * Sm::kLdE + rr];
+#pragma unroll
+      for (int m = 8; m <= 16; m <<= 1) es += __shfl_xor_sync(0xffffffffu, es, m);
+      if (qq == 0) {
+        dG[rr] += es;
+        db[rr] += dbp[rr] + dbp[C + rr] + vdt[rr];
+      }
+    }
+  }
+  __syncthreads();  // the last head's dG, db; its products done (Hc free)
+  if (tid < 32) finish_head((hq + 1) * group - 1, static_cast<int>(group - 1) & 1);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {  // M1, M2 + M2^T -> bf16 (hi, lo) core tiles
+    const int e = 2 * (tid + NT * j), r = e >> 6, s = e & (C - 1);
+    __nv_bfloat16 a[2], b[2], c[2], d[2];
+    split_bf16(M1s[r * Sm::kLdE + s], a[0], b[0]);
+    split_bf16(M1s[r * Sm::kLdE + s + 1], a[1], b[1]);
+    split_bf16(M2s[r * Sm::kLdE + s], c[0], d[0]);
+    split_bf16(M2s[r * Sm::kLdE + s + 1], c[1], d[1]);
+    const int o = core16<8>(r, s);
+    *reinterpret_cast<__nv_bfloat162*>(M1h + o) = __halves2bfloat162(a[0], a[1]);
+    *reinterpret_cast<__nv_bfloat162*>(M1l + o) = __halves2bfloat162(b[0], b[1]);
+    *reinterpret_cast<__nv_bfloat162*>(M2h + o) = __halves2bfloat162(c[0], c[1]);
+    *reinterpret_cast<__nv_bfloat162*>(M2l + o) = __halves2bfloat162(d[0], d[1]);
+  }
+  fence_proxy_async();
+  __syncthreads();
+  // ---- dq += M1 K, dk += M1^T Q + (M2 + M2^T) K: keys 64 wg .. (B N-major, A's hi and lo)
+    {
+      const uint32_t nofs = 8 * wg * 128;
+      wgmma_fence();
+      fence_acc(dq);
+      fence_acc(dk);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const uint64_t bk = f16_core_desc(reinterpret_cast<char*>(Kc) + 2 * kt * kRG + nofs, kRG, 128);
+        const uint64_t bq = f16_core_desc(reinterpret_cast<char*>(Qc) + 2 * kt * kRG + nofs, kRG, 128);
+        const uint32_t ak = 256 * kt, at = 2 * kt * kRGm;  // K-major / MN-major k steps
+        wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1h) + ak, 128, kRGm), bk, true);
+        wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1l) + ak, 128, kRGm), bk, true);
+        wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1h) + at, kRGm, 128), bq, true);
+        wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1l) + at, kRGm, 128), bq, true);
+        wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2h) + ak, 128, kRGm), bk, true);
+        wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2l) + ak, 128, kRGm), bk, true);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(dq);
+      fence_acc(dk);
+    }
+  if constexpr (kProbe) {  // (printed by grad_wg_probe_print: no call in this kernel)
+    const int sel = blockIdx.x == 0 && blockIdx.y == 0 ? 0 : blockIdx.x == 64 && blockIdx.y == 1 ? 1 : -1;
+    if (threadIdx.x == 0 && sel >= 0) {
+      const long long t0 = probe_ts[0];
+      for (int i = 0; i < 17; ++i) g_wg_probe[sel][i] = probe_ts[i] - t0;
+      g_wg_probe[sel][0] = clock64() - t0;
+      g_wg_probe[sel][1] = group;
+    }
+  }
+#undef PROBE
+  // dq, dk: pairs of columns straight from the accumulators
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = 16 * w + g + 8 * hf;
+    if (r >= L) continue;
+    const int64_t off = ((tok0 + r) * p.Hqk + hq) * D + 64 * wg + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<In*>(p.dq) + off + 8 * j) =
+          __floats2bfloat162_rn(dq[j][2 * hf], dq[j][2 * hf + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<In*>(p.dk) + off + 8 * j) =
+          __floats2bfloat162_rn(dk[j][2 * hf], dk[j][2 * hf + 1]);
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace flashgdn
