@@ -1,24 +1,29 @@
-// grad_chunk_wg_kernel  grid (max_chunks, H_qk), 256 threads (two warpgroups), ~199 KB smem
+// grad_chunk_wg_kernel  grid (max_chunks, H_qk), 256 threads (two warpgroups), ~200 KB smem
+//   (opt-in FLASHGDN_GRAD_WG=1; measured level with grad_chunk_tc_kernel on the long rows and
+//   slower at few heads, where that kernel runs beside the reverse pass: docs/perf-notes.md
+//   version 61)
 //   grad_chunk_tc_kernel's gradients (bwd_kernels.cuh: same quantities, the value heads of
 //   a q/k head in the same order, dq and dk summed in registers) with every product on
-//   wgmma, both operands from shared memory, so that a head's products are a few dozen
-//   asynchronous instructions a warpgroup instead of ~600 mma.sync with their fragments.
-//   bf16 inputs and the 128-column passes' fp16 record blocks (BwdParams::rec16) only;
-//   launch.cu takes it where FLASHGDN_GRAD_WG says.
+//   wgmma, both operands from shared memory: a head's products are ~80 asynchronous
+//   instructions a warpgroup instead of ~600 mma.sync a warp with their fragments.
+//   bf16 inputs and the 128-column passes' fp16 record blocks (BwdParams::rec16) only.
 //   Per value head (warpgroup wg takes key columns 64 wg .. of the 64 x 128 products and
 //   token columns 32 wg .. of the 64 x 64 ones):
-//   * operands as 16-bit core-matrix tiles (wgmma.cuh): Q, K (bf16, the block's), dO, U,
-//     dVt [64 x 128] and h, dS [128 keys x 128 values]. The record blocks' powers of two
-//     are brought to one factor per matrix in place (a block 2^k below the largest keeps
-//     k fewer low bits, products 2^k smaller: grad_chunk_tc_kernel's loss); dO becomes
-//     fp16 times 2^k_r per row (its largest element in [2^14, 2^15): exact), undone per
-//     row of Y and dO U^T.
-//   * Y = dO h^T, Z = dVt h^T, R = U dS^T (fp16, m64n64), then dq += scale gam Y,
-//     dk += eL R - beta gam Z and the rows' dots; dVt U^T, dO U^T (fp16), K K^T, Q K^T
-//     (bf16, m64n32); M1 = dP . Dec and M2 + M2^T as bf16 (hi, lo) pairs (16 bits of
-//     mantissa, fp32's range), dq += M1 K, dk += M1^T Q + (M2 + M2^T) K (bf16, m64n64).
-//   * The next head's tiles are copied (cp.async) once the products stop reading them:
-//     they land under this head's epilogues and dq / dk products.
+//   * operands as 16-bit core-matrix tiles (wgmma.cuh): Q, K (bf16, the block's) and dO
+//     [64 x 128] by cp.async; h, dS [128 keys x 128 values] and U, dVt [64 x 128] by one TMA
+//     box each (GradWgMaps), which lands the record blocks in core-matrix order. The blocks'
+//     powers of two are brought to one factor per matrix in place (a block 2^k below the
+//     largest keeps k fewer low bits, its products 2^k smaller: grad_chunk_tc_kernel's
+//     loss); dO becomes fp16 times 2^k_r per row (its largest element in [2^14, 2^15):
+//     exact), undone per row of Y and dO U^T.
+//   * Y = dO h^T, Z = dVt h^T, R = U dS^T (fp16, two rounds of m64n32), then dq += scale
+//     gam Y, dk += eL R - beta gam Z and the rows' dots; dVt U^T, dO U^T (fp16), K K^T,
+//     Q K^T (bf16, m64n32), issued under the epilogues; M1 = dP . Dec and M2 + M2^T summed
+//     over the value heads in fp32, then as bf16 (hi, lo) pairs (16 bits of mantissa, fp32's
+//     range): dq += M1 K, dk += M1^T Q + (M2 + M2^T) K (bf16, m64n64), once a block.
+//   * The next head's copies are issued once the products stop reading the tiles (h, dS
+//     after Y, Z, R; dO, U, dVt after the 64 x 64 products), its rows brought into L2 at the
+//     head's start.
 //   Row sums across threads go through shared memory in a fixed order: deterministic.
 //   reads  q, k, v, do, beta, G, U, dVt, h, dh and their factors
 //   writes dq, dk, dv, dg, dbeta
@@ -202,37 +207,36 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_const
     const float* dG = gam + 3 * C;
     const float* db = dG + C;
     const float* lastrow = db + C;
-
-      const int l = tid;
-      float last = lastrow[l] + lastrow[l + 32];
+    const int l = tid;
+    float last = lastrow[l] + lastrow[l + 32];
 #pragma unroll
-      for (int m = 16; m >= 1; m >>= 1) last += __shfl_xor_sync(0xffffffffu, last, m);
-      float s0ds = 0.f;
-      for (int i = 0; i < 8; ++i) s0ds += red[buf * 8 + i];
-      const int r0 = 2 * l, r1 = 2 * l + 1;
-      float x0 = r0 < L ? dG[r0] : 0.f, x1 = r1 < L ? dG[r1] : 0.f;
-      const float tail = last + gam[L - 1] * s0ds;
-      if (r0 == L - 1) x0 += tail;
-      if (r1 == L - 1) x1 += tail;
-      float incl = x0 + x1;
+    for (int m = 16; m >= 1; m >>= 1) last += __shfl_xor_sync(0xffffffffu, last, m);
+    float s0ds = 0.f;
+    for (int i = 0; i < 8; ++i) s0ds += red[buf * 8 + i];
+    const int r0 = 2 * l, r1 = 2 * l + 1;
+    float x0 = r0 < L ? dG[r0] : 0.f, x1 = r1 < L ? dG[r1] : 0.f;
+    const float tail = last + gam[L - 1] * s0ds;
+    if (r0 == L - 1) x0 += tail;
+    if (r1 == L - 1) x1 += tail;
+    float incl = x0 + x1;
 #pragma unroll
-      for (int m = 1; m < 32; m <<= 1) {
-        const float y = __shfl_down_sync(0xffffffffu, incl, m);
-        if (l + m < 32) incl += y;
-      }
-      float after = __shfl_down_sync(0xffffffffu, incl, 1);
-      if (l == 31) after = 0.f;
-      const float run1 = x1 + after, run0 = x0 + run1;
-      const int64_t base = tok0 * p.Hv + h;
-      if (r0 < L) {
-        store_scalar(p.dg, p.g_dtype, base + r0 * p.Hv, run0);
-        store_scalar(p.dbeta, p.beta_dtype, base + r0 * p.Hv, db[r0]);
-      }
-      if (r1 < L) {
-        store_scalar(p.dg, p.g_dtype, base + r1 * p.Hv, run1);
-        store_scalar(p.dbeta, p.beta_dtype, base + r1 * p.Hv, db[r1]);
-      }
-      };
+    for (int m = 1; m < 32; m <<= 1) {
+      const float y = __shfl_down_sync(0xffffffffu, incl, m);
+      if (l + m < 32) incl += y;
+    }
+    float after = __shfl_down_sync(0xffffffffu, incl, 1);
+    if (l == 31) after = 0.f;
+    const float run1 = x1 + after, run0 = x0 + run1;
+    const int64_t base = tok0 * p.Hv + h;
+    if (r0 < L) {
+      store_scalar(p.dg, p.g_dtype, base + r0 * p.Hv, run0);
+      store_scalar(p.dbeta, p.beta_dtype, base + r0 * p.Hv, db[r0]);
+    }
+    if (r1 < L) {
+      store_scalar(p.dg, p.g_dtype, base + r1 * p.Hv, run1);
+      store_scalar(p.dbeta, p.beta_dtype, base + r1 * p.Hv, db[r1]);
+    }
+  };
   constexpr uint32_t kRG = 128 * (D / 8);  // row-group stride of a [.][128] core tile (bytes)
   constexpr uint32_t kRGm = 128 * (C / 8);  // of a [.][64] one
   constexpr uint32_t kRecBlk = D * 16 * 2, kVBlk = C * 16 * 2;  // a record block (bytes)
