@@ -411,11 +411,15 @@ def test_backward_ready_queue_same_bits(monkeypatch, case: Case, pdl: str):
 def test_backward_ready_queue_rule(monkeypatch):
     """The ready queue by default (launch.cu bwd_queue) where value heads x chunks of tokens
     <= 2048 (2/4 heads x 2048 tokens: 128), not beyond (16/32 heads x 8192 tokens: 4096), in
-    the 128-column passes either way; FLASHGDN_BWD_QUEUE=1 takes it there too."""
+    the 128-column passes either way; FLASHGDN_BWD_QUEUE=1 takes it there too. The queue is
+    grad_chunk_tc_kernel's: beyond the region the gradients run by default in
+    grad_chunk_wg_kernel (test_grad_wg_default_rule), which has none, so FLASHGDN_GRAD_WG=0
+    here."""
     for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT", "FLASHGDN_BWD_QUEUE",
               "FLASHGDN_PDL"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    monkeypatch.setenv("FLASHGDN_GRAD_WG", "0")
 
     def queued(case: Case) -> bool:
         inp = make_inputs(case, "cuda", 5)
@@ -617,3 +621,36 @@ def test_grad_wg_kernel_split(monkeypatch):
     case = Case("grad_wg_split", [2100, 333], 2, 8, gate="mixed")
     switched_as_accurate(monkeypatch, "grad_wg (CP on)", case, 59, 1.0,
                          {"FLASHGDN_GRAD_WG": "0"}, {"FLASHGDN_GRAD_WG": "1"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("hv,tokens,dtype,wg", [
+    (8, 33000, torch.bfloat16, True),    # value heads x chunks 4128 > 2048: wgmma
+    (8, 33000, torch.float16, False),    # fp16 inputs: grad_chunk_tc_kernel
+    (4, 8192, torch.bfloat16, False),    # 512 <= 2048: the ready queue's region
+], ids=["bf16_large", "fp16_large", "bf16_queue_region"])
+def test_grad_wg_default_rule(monkeypatch, hv: int, tokens: int, dtype: torch.dtype, wg: bool):
+    """With FLASHGDN_GRAD_WG unset the per-chunk gradients run in grad_chunk_wg_kernel exactly
+    where launch.cu grad_wg says: bf16 inputs, the 128-column passes' records, value heads x
+    chunks of tokens beyond the ready queue's region; grad_chunk_tc_kernel elsewhere. Finite
+    gradients either way (their accuracy: test_grad_wg_kernel)."""
+    for k in ("FLASHGDN_GRAD_WG", "FLASHGDN_BWD_COLS", "FLASHGDN_BWD_QUEUE", "FLASHGDN_CP",
+              "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT"):
+        monkeypatch.delenv(k, raising=False)
+    case = Case("grad_wg_rule", [tokens], hv // 2, hv, varlen=False, gate="mixed", dtype=dtype)
+    inp = make_inputs(case, "cuda", 61)
+    leaves = {n: (inp[n].clone().requires_grad_() if inp[n] is not None else None) for n in NAMES}
+    grads = []
+
+    def call():
+        o, ht = flashgdn.chunk_gated_delta_rule(**leaves, cu_seqlens=inp["cu_seqlens"],
+                                                output_final_state=True)
+        wrt = [x for x in leaves.values() if x is not None]
+        grads[:] = torch.autograd.grad(o.float().sum() + ht.sum(), wrt)
+
+    ran = cuda_kernels_run(call)
+    assert any("grad_chunk_wg_kernel" in n for n in ran) == wg, sorted(ran)
+    assert any("grad_chunk_tc_kernel" in n for n in ran) == (not wg), sorted(ran)
+    for x in grads:
+        assert torch.isfinite(x).all()

@@ -9,13 +9,14 @@
 //   bf16 inputs and the 128-column passes' fp16 record blocks (BwdParams::rec16) only.
 //   Per value head (warpgroup wg takes key columns 64 wg .. of the 64 x 128 products and
 //   token columns 32 wg .. of the 64 x 64 ones):
-//   * operands as 16-bit core-matrix tiles (wgmma.cuh): Q, K (bf16, the block's) and dO
-//     [64 x 128] by cp.async; h, dS [128 keys x 128 values] and U, dVt [64 x 128] by one TMA
-//     box each (GradWgMaps), which lands the record blocks in core-matrix order. The blocks'
-//     powers of two are brought to one factor per matrix in place (a block 2^k below the
-//     largest keeps k fewer low bits, its products 2^k smaller: grad_chunk_tc_kernel's
-//     loss); dO becomes fp16 times 2^k_r per row (its largest element in [2^14, 2^15):
-//     exact), undone per row of Y and dO U^T.
+//   * operands: Q, K (bf16, the block's) and dO [64 x 128] by cp.async into core-matrix
+//     tiles (wgmma.cuh); h, dS [128 keys x 128 values] and U, dVt [64 x 128] by one bulk
+//     copy a record (mbarriers), as their fp16 blocks lie ([block][row][16 values]), then
+//     rewritten 32-byte swizzled in place (sw32_desc) by the row passes, which also bring
+//     the blocks' powers of two to one factor a matrix (a block 2^k below the largest keeps
+//     k fewer low bits, its products 2^k smaller: grad_chunk_tc_kernel's loss); dO becomes
+//     fp16 times 2^k_r per row (its largest element in [2^14, 2^15): exact), undone per
+//     row of Y and dO U^T.
 //   * Y = dO h^T, Z = dVt h^T, R = U dS^T (fp16, two rounds of m64n32), then dq += scale
 //     gam Y, dk += eL R - beta gam Z and the rows' dots; dVt U^T, dO U^T (fp16), K K^T,
 //     Q K^T (bf16, m64n32), issued under the epilogues; M1 = dP . Dec and M2 + M2^T summed
@@ -29,8 +30,6 @@
 //   writes dq, dk, dv, dg, dbeta
 #pragma once
 
-#include <cuda.h>
-
 #include <cstdio>
 
 #include "bwd_kernels.cuh"
@@ -39,20 +38,13 @@
 namespace flashgdn {
 namespace cuda {
 
-// The record blocks by TMA (launch.cu grad_wg_maps): a 5-D view of the fp16 records
-// [record][block vb][row][16 values] with the 16 values split in two 8-value halves kh, so that
-// one box (a whole record) lands as [vb][kh][row][8 values]: the core-matrix tiles of the
-// products (8 rows x 16 bytes each, rows 16 bytes apart) with no re-layout by the threads.
-struct GradWgMaps {
-  CUtensorMap h, dh, U, dVt;
-};
-__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, int rec,
-                                            uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %3, %3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(0), "r"(rec), "r"(smem_addr(bar))
-      : "memory");
+// Descriptor of a 32-byte-swizzled K-major 16-bit tile (rows of 16 values, 32 bytes; the two
+// 16-byte halves of rows 4..7 of every 8 swapped: byte-address bit 4 ^= bit 7), 8-row groups
+// 256 bytes apart: a k16 step of the fp16 record blocks, which the bulk copies land as
+// [block][row][16 values] and the row passes rewrite swizzled in place.
+__device__ __forceinline__ uint64_t sw32_desc(const void* p) {
+  return static_cast<uint64_t>((smem_addr(p) & 0x3ffff) >> 4) | (1ull << 16) |
+         (static_cast<uint64_t>(256 >> 4) << 32) | (3ull << 62);
 }
 
 struct GradWgSmem {
@@ -111,8 +103,7 @@ __global__ void grad_wg_probe_print() {
 // kProbe (timing only, FLASHGDN_DEBUG bit 1 << 20): thread 0 of blocks (0, 0) and (64, 1)
 // prints the clock at each phase boundary of its first two heads
 template <typename In, bool kProbe = false>
-__global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_constant__ GradWgMaps maps,
-                                                             BwdParams p) {
+__global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
   __shared__ long long probe_ts[32];
 #define PROBE(i)                                                                     \
   do {                                                                               \
@@ -165,14 +156,15 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_const
     cp_async_core16<C, D>(Qc, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, L);
     cp_async_core16<C, D>(Kc, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, L);
   }
-  // a value head's dO (cp.async, one group) and its U and dVt (TMA, bar_v: copy_v), its h and
-  // dS (TMA, bar_h: copy_h). A buffer's TMA is issued after a barrier that follows the last
-  // generic writes to it (the row passes', fenced into the async proxy) and reads of it.
+  // a value head's dO (cp.async, one group) and its U and dVt (bulk copies, bar_v: copy_v),
+  // its h and dS (bulk copies, bar_h: copy_h): each record one contiguous copy. A buffer's
+  // copy is issued after a barrier that follows the last generic writes to it (the row
+  // passes', fenced into the async proxy) and reads of it.
   uint64_t* bar_h = reinterpret_cast<uint64_t*>(smem_raw + Sm::kBars);
   uint64_t* bar_v = bar_h + 1;
   if (tid == 0) {
-    mbar_init(bar_h, 1);
-    mbar_init(bar_v, 1);
+    mbar_init(bar_h, 2);  // two copies, each announcing its bytes
+    mbar_init(bar_v, 2);
     fence_mbar_init();
   }
   __syncthreads();
@@ -183,17 +175,15 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_const
                           p.Hv * D, L);
     cp_async_commit();
     if (tid == 0) {
-      mbar_arrive_expect_tx(bar_v, 2 * Sm::kTile);
-      tma_load_5d(Uc, &maps.U, static_cast<int>(rec), bar_v);
-      tma_load_5d(dVc, &maps.dVt, static_cast<int>(rec), bar_v);
+      bulk_load(Uc, record_at<C>(p.U, rec, true), Sm::kTile, bar_v);
+      bulk_load(dVc, record_at<C>(p.dVt, rec, true), Sm::kTile, bar_v);
     }
   };
   auto copy_h = [&](int64_t hh) {
     const int64_t rec = chunk * p.Hv + hh;
     if (opaque_tid() == 0) {
-      mbar_arrive_expect_tx(bar_h, 2 * Sm::kRec);
-      tma_load_5d(Hc, &maps.h, static_cast<int>(rec), bar_h);
-      tma_load_5d(dSc, &maps.dh, static_cast<int>(rec), bar_h);
+      bulk_load(Hc, record_at<D>(p.h, rec, true), Sm::kRec, bar_h);
+      bulk_load(dSc, record_at<D>(p.dh, rec, true), Sm::kRec, bar_h);
     }
   };
   cp_async_commit();  // Q and K
@@ -304,26 +294,34 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_const
       fmax[m] = x;
     }
     {
-      // h and dS to one factor each; <h, dS> on the way (piece j of a thread: block j)
+      // h and dS to one factor each, 32-byte swizzled in place (sw32_desc); <h, dS> on the
+      // way. Row i of a record: block i / 128, key i % 128
       float s = 0.f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int off = 8 * (tid + NT * j);
-        const __half2 rh = pow2h(fexp(recsc[j]) - fexp(fmax[0]));
-        const __half2 rd = pow2h(fexp(recsc[8 + j]) - fexp(fmax[1]));
+      for (int j = 0; j < 4; ++j) {
+        const int i = tid + NT * j, vb = i >> 7, sw = (i >> 2) & 1;
+        const __half2 rh = pow2h(fexp(recsc[vb]) - fexp(fmax[0]));
+        const __half2 rd = pow2h(fexp(recsc[8 + vb]) - fexp(fmax[1]));
+        uint4 a[2], b[2];
         float sj = 0.f;
-        uint4 a = *reinterpret_cast<const uint4*>(Hc + off);
-        uint4 b = *reinterpret_cast<const uint4*>(dSc + off);
-        const __half2* ah = reinterpret_cast<const __half2*>(&a);
-        const __half2* bh = reinterpret_cast<const __half2*>(&b);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 x = __half22float2(ah[e]), y = __half22float2(bh[e]);
-          sj += x.x * y.x + x.y * y.y;
+        for (int h2 = 0; h2 < 2; ++h2) {
+          a[h2] = *reinterpret_cast<const uint4*>(Hc + 16 * i + 8 * h2);
+          b[h2] = *reinterpret_cast<const uint4*>(dSc + 16 * i + 8 * h2);
+          const __half2* ah = reinterpret_cast<const __half2*>(&a[h2]);
+          const __half2* bh = reinterpret_cast<const __half2*>(&b[h2]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 x = __half22float2(ah[e]), y = __half22float2(bh[e]);
+            sj += x.x * y.x + x.y * y.y;
+          }
         }
-        s += sj * pow2f(pair_exp(recsc[j], recsc[8 + j]));
-        *reinterpret_cast<uint4*>(Hc + off) = scale_h8(a, rh);
-        *reinterpret_cast<uint4*>(dSc + off) = scale_h8(b, rd);
+        s += sj * pow2f(pair_exp(recsc[vb], recsc[8 + vb]));
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          *reinterpret_cast<uint4*>(Hc + 16 * i + 8 * (h2 ^ sw)) = scale_h8(a[h2], rh);
+          *reinterpret_cast<uint4*>(dSc + 16 * i + 8 * (h2 ^ sw)) = scale_h8(b[h2], rd);
+        }
       }
 #pragma unroll
       for (int o = 16; o >= 1; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -340,31 +338,46 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_const
       In* dvrow = static_cast<In*>(p.dv) + v_off + static_cast<int64_t>(rr) * p.Hv * D + 32 * qq;
       float m = 0.f;
       uint4 dor[4];
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      const int sw = (rr >> 2) & 1;  // the 32-byte swizzle of row rr
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        // U and dVt, block vb = 2 qq + k, row rr: [vb][row][16 values] as copied, rewritten
+        // 32-byte swizzled (sw32_desc) times their common factor; rows past the chunk zeroed
+        const int vb = 2 * qq + k, base = (vb * C + rr) * 16;
+        uint4 dd[2], uu[2];
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          dd[h2] = rr < L ? *reinterpret_cast<const uint4*>(dVc + base + 8 * h2) : zero;
+          uu[h2] = rr < L ? *reinterpret_cast<const uint4*>(Uc + base + 8 * h2) : zero;
+        }
+        const float sd = recsc[24 + vb];
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int c = 2 * k + h2;  // columns 32 qq + 8 c ..
+          const __half* de = reinterpret_cast<const __half*>(&dd[h2]);
+          const In* ve = reinterpret_cast<const In*>(&vrow[c]);
+          uint4 out;
+          In* oe = reinterpret_cast<In*>(&out);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float d = sd * __half2float(de[e]);
+            if (rr < L) vd += to_f(ve[e]) * d;
+            oe[e] = from_f<In>(br * d);
+          }
+          if (rr < L) *reinterpret_cast<uint4*>(dvrow + 8 * c) = out;
+        }
+        const __half2 rdv = pow2h(fexp(sd) - fexp(fmax[3]));
+        const __half2 ru = pow2h(fexp(recsc[16 + vb]) - fexp(fmax[2]));
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          *reinterpret_cast<uint4*>(dVc + base + 8 * (h2 ^ sw)) = scale_h8(dd[h2], rdv);
+          *reinterpret_cast<uint4*>(Uc + base + 8 * (h2 ^ sw)) = scale_h8(uu[h2], ru);
+        }
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        // U and dVt: [vb][kh][row][8] (TMA boxes); rows past the chunk zeroed here
-        const int cg = 4 * qq + c, vb = cg >> 1, off = core16<16>(rr, 8 * cg),
-                  roff = 8 * ((cg * C) + rr);
-        // dVt
-        const uint4 zero = make_uint4(0, 0, 0, 0);
-        uint4 dd = rr < L ? *reinterpret_cast<const uint4*>(dVc + roff) : zero;
-        const float sd = recsc[24 + vb];
-        const __half* de = reinterpret_cast<const __half*>(&dd);
-        const In* ve = reinterpret_cast<const In*>(&vrow[c]);
-        uint4 out;
-        In* oe = reinterpret_cast<In*>(&out);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float d = sd * __half2float(de[e]);
-          if (rr < L) vd += to_f(ve[e]) * d;
-          oe[e] = from_f<In>(br * d);
-        }
-        if (rr < L) *reinterpret_cast<uint4*>(dvrow + 8 * c) = out;
-        *reinterpret_cast<uint4*>(dVc + roff) = scale_h8(dd, pow2h(fexp(sd) - fexp(fmax[3])));
-        const uint4 uu = rr < L ? *reinterpret_cast<const uint4*>(Uc + roff) : zero;
-        *reinterpret_cast<uint4*>(Uc + roff) =
-            scale_h8(uu, pow2h(fexp(recsc[16 + vb]) - fexp(fmax[2])));
-        dor[c] = *reinterpret_cast<const uint4*>(dOc + off);
+        dor[c] = *reinterpret_cast<const uint4*>(dOc + core16<16>(rr, 32 * qq + 8 * c));
         const In* oi = reinterpret_cast<const In*>(&dor[c]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(to_f(oi[e])));
@@ -402,23 +415,22 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_const
     {
       const float fz = pow2f(pair_exp(fmax[3], fmax[0])), fr = pow2f(pair_exp(fmax[2], fmax[1]));
       float qy[2] = {}, kz[2] = {}, kr[2] = {};
-      // h, dS, U, dVt as the TMA boxes lay them ([vb][kh][row][8]): a k16 step is a block
-      // vb, its two 8-value halves half a block apart (lbo), 8-row groups 128 bytes apart (sbo)
+      // h, dS, U, dVt as the row passes left them ([vb][row][16 values], 32-byte swizzled):
+      // a k16 step is a block vb, rows 32 bytes apart
       auto issue_round = [&](int qk, float (&Y)[4][4], float (&Z)[4][4], float (&R)[4][4]) {
-        const uint32_t bofs = (8 * wg + 4 * qk) * 128;
+        const uint32_t bofs = (64 * wg + 32 * qk) * 32;
         wgmma_fence();
 #pragma unroll
         for (int kt = 0; kt < 8; ++kt) {
           const uint32_t ko = 256 * kt, kr = kRecBlk * kt, kv = kVBlk * kt;
-          const uint64_t dh =
-              f16_core_desc(reinterpret_cast<char*>(Hc) + bofs + kr, kRecBlk / 2, 128);
+          const uint64_t dh = sw32_desc(reinterpret_cast<char*>(Hc) + bofs + kr);
           wgmma_ss_f16_n32<0, 0>(Y, f16_core_desc(reinterpret_cast<char*>(dOc) + ko, 128, kRG),
                                  dh, kt > 0);
           wgmma_ss_f16_n32<0, 0>(
-              Z, f16_core_desc(reinterpret_cast<char*>(dVc) + kv, kVBlk / 2, 128), dh, kt > 0);
+              Z, sw32_desc(reinterpret_cast<char*>(dVc) + kv), dh, kt > 0);
           wgmma_ss_f16_n32<0, 0>(
-              R, f16_core_desc(reinterpret_cast<char*>(Uc) + kv, kVBlk / 2, 128),
-              f16_core_desc(reinterpret_cast<char*>(dSc) + bofs + kr, kRecBlk / 2, 128), kt > 0);
+              R, sw32_desc(reinterpret_cast<char*>(Uc) + kv),
+              sw32_desc(reinterpret_cast<char*>(dSc) + bofs + kr), kt > 0);
         }
         wgmma_commit();
       };
@@ -463,11 +475,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(const __grid_const
 #pragma unroll
         for (int kt = 0; kt < 8; ++kt) {
           const uint32_t ko = 256 * kt, kv = kVBlk * kt;
-          const uint64_t du =
-              f16_core_desc(reinterpret_cast<char*>(Uc) + 4 * wg * 128 + kv, kVBlk / 2, 128);
+          const uint64_t du = sw32_desc(reinterpret_cast<char*>(Uc) + 4 * wg * 256 + kv);
           const uint64_t dkb = f16_core_desc(reinterpret_cast<char*>(Kc) + bofs + ko, 128, kRG);
           wgmma_ss_f16_n32<0, 0>(
-              t1, f16_core_desc(reinterpret_cast<char*>(dVc) + kv, kVBlk / 2, 128), du, kt > 0);
+              t1, sw32_desc(reinterpret_cast<char*>(dVc) + kv), du, kt > 0);
           wgmma_ss_f16_n32<0, 0>(t2, f16_core_desc(reinterpret_cast<char*>(dOc) + ko, 128, kRG),
                                  du, kt > 0);
           wgmma_ss_bf16_n32<0, 0>(t3, f16_core_desc(reinterpret_cast<char*>(Kc) + ko, 128, kRG),

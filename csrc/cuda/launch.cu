@@ -1905,7 +1905,8 @@ void forward(const Problem& p, const FwdOutputs& out, void* ws, cudaStream_t st)
 // and waits are ~60 of those 240, FLASHGDN_DEBUG 57344) while doing little of their own work
 // before it ends. The signals: one a block (kSignal 2, 0.985-1.0x of one a warp's time in
 // the rule's region). =1 takes it wherever possible with one signal a warp, =2 wherever
-// possible with one a block, =0 never. Returns the signals (BwdParams::rq_signal): 0 no queue,
+// possible with one a block, =0 never (the queue is grad_chunk_tc_kernel's: where
+// grad_chunk_wg_kernel runs, grad_wg, there is none). Returns the signals (BwdParams::rq_signal): 0 no queue,
 // 1 one a warp, 2 one a block.
 int bwd_queue(const Problem& p, const SegmentPlan& plan, bool rec16, bool tc, bool simt) {
   if (!rec16 || !tc || simt || p.N == 0 || (plan.split && cp_overlap(plan))) return 0;
@@ -1914,31 +1915,18 @@ int bwd_queue(const Problem& p, const SegmentPlan& plan, bool rec16, bool tc, bo
   return mode > 1 || backward_ready_queue(p.Hv, (p.TT + C - 1) / C) ? 2 : 0;
 }
 
-// The per-chunk gradients on wgmma (grad_chunk_wg_kernel): bf16 inputs with the fp16
-// record blocks (rec16). FLASHGDN_GRAD_WG=1 takes it (and no ready queue), =0 or unset
-// grad_chunk_tc_kernel.
+// The per-chunk gradients on wgmma (grad_chunk_wg_kernel): bf16 inputs with the fp16 record
+// blocks (rec16). Taken (FLASHGDN_GRAD_WG unset) outside the ready queue's region (planner.h
+// backward_ready_queue: value heads x chunks of tokens > 2048), where it measured faster
+// (H200, 2026-11-28, bwd against grad_chunk_tc_kernel: the 32k rows of 4/8 - 16/32 heads and
+// 16/32 x 8k 4-6%); inside it grad_chunk_tc_kernel runs beside the reverse pass (the queue),
+// which this kernel does not, and was 0-8% faster at 2/4 - 8/16 x 8k. =1 takes it wherever
+// possible (and no queue), =0 never.
 bool grad_wg(const Problem& p, bool rec16, bool tc, bool simt) {
-  return rec16 && tc && !simt && p.qkv_dtype == FLASHGDN_DTYPE_BF16 &&
-         env_int_or("FLASHGDN_GRAD_WG", 0) != 0;
-}
-
-// grad_chunk_wg_kernel's TMA maps of the fp16 record blocks (GradWgMaps): records of `rows`
-// rows (128: h, dS; 64: U, dVt) as a 5-D view [record][block][half kh][row][8 values], so that
-// one box, a whole record, lands in the products' core-matrix order. False where TMA cannot
-// take them (the kernel is then not used).
-bool grad_wg_maps(const Problem& p, const BwdParams& g, GradWgMaps& m) {
-  const auto one = [&](CUtensorMap& map, const void* base, uint32_t rows) {
-    if (!tma_can_read(base)) return false;
-    const uint64_t nrec = static_cast<uint64_t>(p.max_chunks()) * static_cast<uint64_t>(p.Hv);
-    const cuuint64_t dims[5] = {8, rows, 2, 8, nrec};
-    const cuuint64_t strides[4] = {32, 16, 32ull * rows, 256ull * rows};
-    const cuuint32_t box[5] = {8, rows, 2, 8, 1}, elem[5] = {1, 1, 1, 1, 1};
-    return tensor_map_encode()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5, const_cast<void*>(base),
-                               dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-  };
-  return one(m.h, g.h, D) && one(m.dh, g.dh, D) && one(m.U, g.U, C) && one(m.dVt, g.dVt, C);
+  if (!rec16 || !tc || simt || p.qkv_dtype != FLASHGDN_DTYPE_BF16) return false;
+  const int mode = env_int_or("FLASHGDN_GRAD_WG", -1);
+  if (mode >= 0) return mode != 0;
+  return !backward_ready_queue(p.Hv, (p.TT + C - 1) / C);
 }
 
 template <typename In>
@@ -2016,8 +2004,7 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   g.debug = f.debug;
-  GradWgMaps wg_maps{};
-  const bool wg = grad_wg(p, g.rec16, tc, simt) && p.max_chunks() > 0 && grad_wg_maps(p, g, wg_maps);
+  const bool wg = grad_wg(p, g.rec16, tc, simt);
   g.rq_signal = wg ? 0 : bwd_queue(p, plan, g.rec16, tc, simt);
   const bool queue = g.rq_signal != 0;
   if (queue) {
@@ -2044,11 +2031,11 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
     if constexpr (std::is_same_v<In, __nv_bfloat16>) {
       if (wg && (g.debug & (1 << 20)))  // timing only: phase clocks printed by two blocks
       {
-        grad_chunk_wg_kernel<In, true><<<grid, NT, GradWgSmem::kBytes, st>>>(wg_maps, g);
+        grad_chunk_wg_kernel<In, true><<<grid, NT, GradWgSmem::kBytes, st>>>(g);
         grad_wg_probe_print<<<1, 1, 0, st>>>();
       }
       else if (wg)
-        grad_chunk_wg_kernel<In><<<grid, NT, GradWgSmem::kBytes, st>>>(wg_maps, g);
+        grad_chunk_wg_kernel<In><<<grid, NT, GradWgSmem::kBytes, st>>>(g);
     }
     if (wg) {
     } else if (queue)  // the ready queue's: the reverse pass's programmatic dependent
