@@ -1,7 +1,7 @@
 // grad_chunk_wg_kernel  grid (max_chunks, H_qk), 256 threads (two warpgroups), ~200 KB smem
-//   (opt-in FLASHGDN_GRAD_WG=1; measured level with grad_chunk_tc_kernel on the long rows and
-//   slower at few heads, where that kernel runs beside the reverse pass: docs/perf-notes.md
-//   version 61)
+//   (launch.cu grad_wg: the default beyond the ready queue's region, FLASHGDN_GRAD_WG; 4-5.5%
+//   faster backward there than grad_chunk_tc_kernel, which inside the region runs beside the
+//   reverse pass: docs/perf-notes.md version 61)
 //   grad_chunk_tc_kernel's gradients (bwd_kernels.cuh: same quantities, the value heads of
 //   a q/k head in the same order, dq and dk summed in registers) with every product on
 //   wgmma, both operands from shared memory: a head's products are ~80 asynchronous
