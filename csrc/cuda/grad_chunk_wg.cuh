@@ -63,6 +63,7 @@ struct GradWgSmem {
   static constexpr int kBars = kScal + 4 * kScalFloats;  // two mbarriers: h / dS, U / dVt
   static constexpr size_t kBytes = kBars + 16;
 };
+static_assert(GradWgSmem::kBytes + 256 <= 227 * 1024, "one block an SM (with the probe's 256 bytes)");
 
 // Half index of element (r, c) of a 16-bit core-matrix tile with NCG groups of 8 columns.
 template <int NCG>
