@@ -581,7 +581,8 @@ def test_backward_auto_takes_cols_kernels_on_wide_work(monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(auto, narrow))
 
 
-# grad_chunk_wg_kernel (FLASHGDN_GRAD_WG=1): the per-chunk gradients on wgmma, bf16 inputs
+# grad_chunk_wg_kernel (FLASHGDN_GRAD_WG=1; by default beyond the ready queue's region): the
+# per-chunk gradients on wgmma, bf16 inputs
 # with the 128-column passes' fp16 records. Packed odd lengths, a one-token sequence, g == 0
 # and very negative gates, h0; one, two and four value heads a q/k head.
 GRAD_WG_CASES = [
@@ -596,8 +597,9 @@ GRAD_WG_CASES = [
 @pytest.mark.parametrize("do_scale", [1.0, 1e-8, 1e6])
 @pytest.mark.parametrize("case", GRAD_WG_CASES, ids=lambda c: c.name)
 def test_grad_wg_kernel(monkeypatch, case: Case, do_scale: float):
-    """FLASHGDN_GRAD_WG=1 runs the per-chunk gradients in grad_chunk_wg_kernel (and only
-    then): every gradient as accurate against the float64 reference as grad_chunk_tc_kernel's,
+    """FLASHGDN_GRAD_WG=1 runs the per-chunk gradients in grad_chunk_wg_kernel, =0 in
+    grad_chunk_tc_kernel (the default chooses by launch.cu grad_wg: test_grad_wg_default_rule):
+    every gradient of the former as accurate against the float64 reference as the latter's,
     within 2e-3 of them, finite, with the loss scaled by 1, 1e-8 and 1e6."""
     for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT", "FLASHGDN_BWD_QUEUE"):
         monkeypatch.delenv(k, raising=False)
