@@ -582,9 +582,9 @@ def test_backward_auto_takes_cols_kernels_on_wide_work(monkeypatch):
 
 
 # grad_chunk_wg_kernel (FLASHGDN_GRAD_WG=1; by default beyond the ready queue's region): the
-# per-chunk gradients on wgmma, bf16 inputs
-# with the 128-column passes' fp16 records. Packed odd lengths, a one-token sequence, g == 0
-# and very negative gates, h0; one, two and four value heads a q/k head.
+# per-chunk gradients on wgmma, bf16 inputs with the 128-column passes' fp16 records. Packed
+# odd lengths, a one-token sequence, g == 0 and very negative gates, h0; one, two and four
+# value heads a q/k head.
 GRAD_WG_CASES = [
     Case("grad_wg_packed", [700, 1300, 64, 1], 2, 8, gate="mixed"),
     Case("grad_wg_group1", [517, 130], 4, 4, gate="mixed"),
