@@ -779,6 +779,45 @@ __device__ __forceinline__ __half2 pow2h(int d) {
   return __float2half2_rn(d < -24 ? 0.f : __int_as_float((d + 127) << 23));
 }
 
+// The end of a value head of the per-chunk gradients (grad_chunk_tc_kernel,
+// grad_chunk_wg_kernel), by one warp, two rows a lane: the last row's terms (the rows'
+// lastrow, gam_last <h, dS> from the eight warps' partial sums red), then dg = the reverse
+// cumulative sum of dG over the chunk's L rows, and the stores of dg and dbeta (db).
+__device__ __forceinline__ void finish_dg_dbeta(const BwdParams& p, int64_t tok0, int L,
+                                                int64_t h, const float* gam, const float* dG,
+                                                const float* db, const float* lastrow,
+                                                const float* red) {
+  const int l = lane_id();
+  float last = lastrow[l] + lastrow[l + 32];
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) last += __shfl_xor_sync(0xffffffffu, last, m);
+  float s0ds = 0.f;
+  for (int w = 0; w < 8; ++w) s0ds += red[w];
+  const int r0 = 2 * l, r1 = 2 * l + 1;
+  float x0 = r0 < L ? dG[r0] : 0.f, x1 = r1 < L ? dG[r1] : 0.f;
+  const float tail = last + gam[L - 1] * s0ds;
+  if (r0 == L - 1) x0 += tail;
+  if (r1 == L - 1) x1 += tail;
+  float incl = x0 + x1;  // suffix sums over lanes l' >= l
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const float y = __shfl_down_sync(0xffffffffu, incl, m);
+    if (l + m < 32) incl += y;
+  }
+  float after = __shfl_down_sync(0xffffffffu, incl, 1);
+  if (l == 31) after = 0.f;
+  const float run1 = x1 + after, run0 = x0 + run1;
+  const int64_t base = tok0 * p.Hv + h;
+  if (r0 < L) {
+    store_scalar(p.dg, p.g_dtype, base + r0 * p.Hv, run0);
+    store_scalar(p.dbeta, p.beta_dtype, base + r0 * p.Hv, db[r0]);
+  }
+  if (r1 < L) {
+    store_scalar(p.dg, p.g_dtype, base + r1 * p.Hv, run1);
+    store_scalar(p.dbeta, p.beta_dtype, base + r1 * p.Hv, db[r1]);
+  }
+}
+
 // kRec16: h, dS, U and dVt are the 128-column passes' fp16 record blocks (BwdParams::rec16),
 // else fp32 ([key][value], [token][value]).
 // kQueue (kRec16 only): the ready queue's order (BwdParams::rq_slot, launch.cu bwd_queue).
@@ -1334,37 +1373,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_tc_kernel(BwdParams p) {
     }
     __syncthreads();
     // ---- last-row terms, then dg = reverse cumsum of dG (warp 0, two rows per lane)
-    if (warp == 0) {
-      const int l = lane_id();
-      float last = lastrow[l] + lastrow[l + 32];
-#pragma unroll
-      for (int m = 16; m >= 1; m >>= 1) last += __shfl_xor_sync(0xffffffffu, last, m);
-      float s0ds = 0.f;
-      for (int w = 0; w < 8; ++w) s0ds += red[w];
-      const int r0 = 2 * l, r1 = 2 * l + 1;
-      float x0 = r0 < L ? dG[r0] : 0.f, x1 = r1 < L ? dG[r1] : 0.f;
-      const float tail = last + gam[L - 1] * s0ds;
-      if (r0 == L - 1) x0 += tail;
-      if (r1 == L - 1) x1 += tail;
-      float incl = x0 + x1;  // suffix sums over lanes l' >= l
-#pragma unroll
-      for (int m = 1; m < 32; m <<= 1) {
-        const float y = __shfl_down_sync(0xffffffffu, incl, m);
-        if (l + m < 32) incl += y;
-      }
-      float after = __shfl_down_sync(0xffffffffu, incl, 1);
-      if (l == 31) after = 0.f;
-      const float run1 = x1 + after, run0 = x0 + run1;
-      const int64_t base = tok0 * p.Hv + h;
-      if (r0 < L) {
-        store_scalar(p.dg, p.g_dtype, base + r0 * p.Hv, run0);
-        store_scalar(p.dbeta, p.beta_dtype, base + r0 * p.Hv, db[r0]);
-      }
-      if (r1 < L) {
-        store_scalar(p.dg, p.g_dtype, base + r1 * p.Hv, run1);
-        store_scalar(p.dbeta, p.beta_dtype, base + r1 * p.Hv, db[r1]);
-      }
-    }
+    if (warp == 0) finish_dg_dbeta(p, tok0, L, h, gam, dG, db, lastrow, red);
   }
   // dq and dk through the Q and K tiles (no longer read after the last head's products),
   // then out as whole 16-byte pieces of rows

@@ -191,42 +191,12 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
   copy_h(hq * group);  // (with Q and K)
   copy_v(hq * group);
 
-  // a head's last-row terms, then dg = reverse cumsum of dG and the stores of dg and dbeta
-  // (warp 0, two rows per lane; run under the next head's row pass, or after the last head)
+  // a head's last-row terms, dg and dbeta (finish_dg_dbeta; warp 0, run under the next
+  // head's row pass, or after the last head)
   auto finish_head = [&](int64_t h, int buf) {
     const float* gam = scal + buf * Sm::kBuf + C;
     const float* dG = gam + 3 * C;
-    const float* db = dG + C;
-    const float* lastrow = db + C;
-    const int l = tid;
-    float last = lastrow[l] + lastrow[l + 32];
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) last += __shfl_xor_sync(0xffffffffu, last, m);
-    float s0ds = 0.f;
-    for (int i = 0; i < 8; ++i) s0ds += red[buf * 8 + i];
-    const int r0 = 2 * l, r1 = 2 * l + 1;
-    float x0 = r0 < L ? dG[r0] : 0.f, x1 = r1 < L ? dG[r1] : 0.f;
-    const float tail = last + gam[L - 1] * s0ds;
-    if (r0 == L - 1) x0 += tail;
-    if (r1 == L - 1) x1 += tail;
-    float incl = x0 + x1;
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {
-      const float y = __shfl_down_sync(0xffffffffu, incl, m);
-      if (l + m < 32) incl += y;
-    }
-    float after = __shfl_down_sync(0xffffffffu, incl, 1);
-    if (l == 31) after = 0.f;
-    const float run1 = x1 + after, run0 = x0 + run1;
-    const int64_t base = tok0 * p.Hv + h;
-    if (r0 < L) {
-      store_scalar(p.dg, p.g_dtype, base + r0 * p.Hv, run0);
-      store_scalar(p.dbeta, p.beta_dtype, base + r0 * p.Hv, db[r0]);
-    }
-    if (r1 < L) {
-      store_scalar(p.dg, p.g_dtype, base + r1 * p.Hv, run1);
-      store_scalar(p.dbeta, p.beta_dtype, base + r1 * p.Hv, db[r1]);
-    }
+    finish_dg_dbeta(p, tok0, L, h, gam, dG, dG + C, dG + 2 * C, red + buf * 8);
   };
   constexpr uint32_t kRG = 128 * (D / 8);  // row-group stride of a [.][128] core tile (bytes)
   constexpr uint32_t kRGm = 128 * (C / 8);  // of a [.][64] one
