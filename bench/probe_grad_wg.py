@@ -1,12 +1,14 @@
 """Phase clocks of grad_chunk_wg_kernel (the per-chunk gradients on wgmma, FLASHGDN_GRAD_WG=1).
 
 FLASHGDN_DEBUG bit 1 << 20 launches the kernel's timing-only instantiation: thread 0 of
-blocks (0, 0) and (64, 1) records clock64() at each phase boundary of its first two value
-heads, and a one-thread kernel after it prints them (cycles from the block's start):
+blocks 0 and 64 records clock64() at each phase boundary of the first two value heads of
+its second item (the kernel is persistent since session 62: that item's first operands were
+copied under the first item's tail), and a one-thread kernel after it prints them (cycles
+from that item's start):
 
     h0/h1: h and dS landed, dO / U / dVt landed, row pass done, Y / Z / R (and, from v5,
            the 64 x 64 products' issue) done, the 64 x 64 products done, their epilogue done
-    end:   the block's end (the M tiles, the dq / dk products)
+    end:   the item's end (the M tiles, the dq / dk products, the next item's copies issued)
 
     python bench/probe_grad_wg.py            # 16/32 x 32768 and 2/4 x 8192, bf16
 

@@ -627,6 +627,29 @@ def test_grad_wg_kernel_split(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("blocks", [3, 7])
+@pytest.mark.parametrize("case", GRAD_WG_CASES, ids=lambda c: c.name)
+def test_grad_wg_persistent_grid(monkeypatch, case: Case, blocks: int):
+    """grad_chunk_wg_kernel's blocks take every gridDim.x-th (chunk, q/k head) item, the
+    next item's records copied under the current one's tail. With the grid capped at 3 or 7
+    blocks (FLASHGDN_GRAD_WG_GRID; 5-23 items a block, across sequences of odd lengths and
+    q/k heads) every gradient equals the uncapped run's bit for bit (these cases have fewer
+    items than SMs: one item a block there)."""
+    for k in ("FLASHGDN_CP", "FLASHGDN_CP_SEG", "FLASHGDN_BWD_SHORT", "FLASHGDN_BWD_QUEUE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("FLASHGDN_BWD_COLS", "1")
+    monkeypatch.setenv("FLASHGDN_GRAD_WG", "1")
+    monkeypatch.delenv("FLASHGDN_GRAD_WG_GRID", raising=False)
+    names, full, refs, _ = run_grads(case, "cuda", seed=67)
+    monkeypatch.setenv("FLASHGDN_GRAD_WG_GRID", str(blocks))
+    _, capped, _, _ = run_grads(case, "cuda", seed=67)
+    for n, a, b, r in zip(names, capped, full, refs):
+        assert torch.equal(a, b), f"d{n}: capped grid differs by {(a - b).abs().max().item():.3e}"
+        assert rel_err(a, r) < GRAD_TOL, f"d{n}: {rel_err(a, r):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=NO_GPU_REASON)
 @pytest.mark.parametrize("hv,tokens,dtype,wg", [
     (8, 33000, torch.bfloat16, True),    # value heads x chunks 4128 > 2048: wgmma
     (8, 33000, torch.float16, False),    # fp16 inputs: grad_chunk_tc_kernel

@@ -1924,6 +1924,7 @@ int bwd_queue(const Problem& p, const SegmentPlan& plan, bool rec16, bool tc, bo
 // possible (and no queue), =0 never.
 bool grad_wg(const Problem& p, bool rec16, bool tc, bool simt) {
   if (!rec16 || !tc || simt || p.qkv_dtype != FLASHGDN_DTYPE_BF16) return false;
+  if (p.max_chunks() * p.Hqk >= (int64_t{1} << 31)) return false;  // its items are int
   const int mode = env_int_or("FLASHGDN_GRAD_WG", -1);
   if (mode >= 0) return mode != 0;
   return !backward_ready_queue(p.Hv, (p.TT + C - 1) / C);
@@ -2029,13 +2030,19 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   if (p.max_chunks() > 0) {
     const dim3 grid(static_cast<unsigned>(p.max_chunks()), static_cast<unsigned>(p.Hqk));
     if constexpr (std::is_same_v<In, __nv_bfloat16>) {
+      // persistent: one block an SM, each taking every gridDim.x-th (chunk, q/k head) item;
+      // FLASHGDN_GRAD_WG_GRID=n caps the blocks at n (tests: many items a block, same bits)
+      const int64_t items = p.max_chunks() * p.Hqk;
+      const int cap = env_int_or("FLASHGDN_GRAD_WG_GRID", 0);
+      const dim3 wgrid(static_cast<unsigned>(
+          std::min<int64_t>(items, cap > 0 ? cap : sm_count(p.device_id))));
       if (wg && (g.debug & (1 << 20)))  // timing only: phase clocks printed by two blocks
       {
-        grad_chunk_wg_kernel<In, true><<<grid, NT, GradWgSmem::kBytes, st>>>(g);
+        grad_chunk_wg_kernel<In, true><<<wgrid, NT, GradWgSmem::kBytes, st>>>(g);
         grad_wg_probe_print<<<1, 1, 0, st>>>();
       }
       else if (wg)
-        grad_chunk_wg_kernel<In><<<grid, NT, GradWgSmem::kBytes, st>>>(g);
+        grad_chunk_wg_kernel<In><<<wgrid, NT, GradWgSmem::kBytes, st>>>(g);
     }
     if (wg) {
     } else if (queue)  // the ready queue's: the reverse pass's programmatic dependent
