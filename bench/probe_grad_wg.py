@@ -6,14 +6,23 @@ its second item (the kernel is persistent since session 62: that item's first op
 copied under the first item's tail), and a one-thread kernel after it prints them (cycles
 from that item's start):
 
-    h0/h1: h and dS landed, dO / U / dVt landed, row pass done, Y / Z / R (and, from v5,
-           the 64 x 64 products' issue) done, the 64 x 64 products done, their epilogue done
-    end:   the item's end (the M tiles, the dq / dk products, the next item's copies issued)
+    h0/h1: the head's scalar loads issued, h and dS landed (B1), dO / U / dVt landed and the
+           h / dS row pass done (B2's wait), the U / dVt / dO row pass done, Y / Z / R with
+           their epilogues (and the 64 x 64 products' issue) done, the 64 x 64 products done,
+           their epilogue done, the dG / dbeta pass done
+    end:   the last head's sums synced, the M tiles written (with the last head's dg / dbeta
+           stores), the dq / dk products done, synced, and the item's end (the next item's
+           copies issued)
+    then:  the item's nanoseconds (globaltimer: the clock's rate) and the block's items' total
+
+The timing-only instantiation spills more than the default one (ptxas: 192 bytes against
+80 in session 62), so its phases run somewhat slower than the default kernel's.
 
     python bench/probe_grad_wg.py            # 16/32 x 32768 and 2/4 x 8192, bf16
 
 Needs a GPU and the CUDA build; bf16 inputs, the 128-column backward passes
-(FLASHGDN_BWD_COLS=1), the ready queue off. docs/benchmarks.md "Session 61" has its output.
+(FLASHGDN_BWD_COLS=1), the ready queue off. docs/benchmarks.md "Session 61" and "Session 62"
+have its output.
 """
 from __future__ import annotations
 

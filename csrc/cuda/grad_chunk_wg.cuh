@@ -11,8 +11,9 @@
 //   bf16 inputs and the 128-column passes' fp16 record blocks (BwdParams::rec16) only.
 //   Per value head (warpgroup wg takes key columns 64 wg .. of the 64 x 128 products and
 //   token columns 32 wg .. of the 64 x 64 ones):
-//   * operands: Q, K (bf16, the block's) and dO [64 x 128] by cp.async into core-matrix
-//     tiles (wgmma.cuh); h, dS [128 keys x 128 values] and U, dVt [64 x 128] by one bulk
+//   * operands: Q, K (bf16, the item's) and dO [64 x 128] by TMA (tensor maps: two boxes of
+//     64 tokens x 64 values a tile, 128-byte swizzled; rows past the chunk zeroed in smem);
+//     h, dS [128 keys x 128 values] and U, dVt [64 x 128] by one bulk
 //     copy a record (mbarriers), as their fp16 blocks lie ([block][row][16 values]), then
 //     rewritten 32-byte swizzled in place (sw32_desc) by the row passes, which also bring
 //     the blocks' powers of two to one factor a matrix (a block 2^k below the largest keeps
@@ -37,6 +38,7 @@
 #include <cstdio>
 
 #include "bwd_kernels.cuh"
+#include "state_fwd_tma_layout.cuh"
 #include "wgmma.cuh"
 
 namespace flashgdn {
@@ -52,7 +54,7 @@ __device__ __forceinline__ uint64_t sw32_desc(const void* p) {
 }
 
 struct GradWgSmem {
-  static constexpr int kTile = C * D * 2;  // [64][128] 16-bit core tile
+  static constexpr int kTile = C * D * 2;  // [64][128] 16-bit tile
   static constexpr int kRec = D * D * 2;   // [128][128] fp16 core tile
   static constexpr int kM = C * C * 2;     // [64][64] bf16 core tile (M1, M2 pairs: in kH)
   static constexpr int kLdE = C + 1;       // E, M1, M2 + M2^T [64][65] fp32
@@ -64,9 +66,10 @@ struct GradWgSmem {
   // the record factors [32]
   static constexpr int kBuf = 9 * C;
   static constexpr int kScalFloats = 2 * kBuf + 16 + 6 * C + 2 * C + 32;
-  static constexpr int kBars = kScal + 4 * kScalFloats;  // two mbarriers: h / dS, U / dVt
-  static constexpr int kNext = kBars + 16;                // GradWgNext [2]
-  static constexpr size_t kBytes = kNext + 64;
+  static constexpr int kBars = kScal + 4 * kScalFloats;  // mbarriers: h / dS, U / dVt / dO, Q / K
+  static constexpr int kNext = kBars + 24;                // GradWgNext [2]
+  // (+1024: the tiles' base rounded up to 1024 bytes, the 128-byte swizzle's period)
+  static constexpr size_t kBytes = kNext + 64 + 1024;
 };
 // The block's next item, written by thread 0 at an item's start (two slots, by the items'
 // parity): kept in shared memory rather than registers, which the head loop has none left for.
@@ -104,20 +107,25 @@ __device__ __forceinline__ int opaque_tid() {
   return x;
 }
 
-__device__ long long g_wg_probe[2][20];
+__device__ long long g_wg_probe[2][26];
 __global__ void grad_wg_probe_print() {
   for (int b = 0; b < 2; ++b) {
     const long long* x = g_wg_probe[b];
-    printf("probe %d group %lld: h0 %lld %lld %lld %lld %lld %lld | h1 %lld %lld %lld %lld %lld %lld | end %lld\n",
-           b, x[1], x[3], x[4], x[5], x[6], x[7], x[8], x[11], x[12], x[13], x[14], x[15], x[16], x[0]);
+    printf("probe %d group %lld: h0 %lld %lld %lld %lld %lld %lld %lld %lld | h1 %lld %lld %lld "
+           "%lld %lld %lld %lld %lld | end %lld %lld %lld %lld %lld\n",
+           b, x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11], x[12], x[13],
+           x[14], x[15], x[16], x[17], x[18], x[19], x[20], x[21], x[0]);
+    printf("probe %d: the item took %lld ns (%.2f GHz); the block's %lld items took %lld ns\n", b,
+           x[22], x[22] > 0 ? static_cast<double>(x[0]) / x[22] : 0.0, x[24], x[23]);
   }
 }
 // kProbe (timing only, FLASHGDN_DEBUG bit 1 << 20): thread 0 of blocks 0 and 64 records the
 // clock at each phase boundary of the first two heads of its second item (from that item's
 // start: its first head's operands were copied under the first item's tail)
 template <typename In, bool kProbe = false>
-__global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
-  __shared__ long long probe_ts[32];
+__global__ void __launch_bounds__(NT, 1)
+    grad_chunk_wg_kernel(const __grid_constant__ TmaMaps maps, BwdParams p) {
+  __shared__ long long probe_ts[32];  // (the probe's: clocks 0-21, globaltimer 22, 24)
 #define PROBE(i)                                                                     \
   do {                                                                               \
     if constexpr (kProbe) {                                                          \
@@ -143,10 +151,16 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
   const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, g = lane_id() >> 2,
             t = lane_id() & 3;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_base[];
+  // 1024-byte aligned (Q, K, dO: TMA's 128-byte swizzle) by an offset from smem_base, which
+  // keeps the shared state space (state_fwd_tma_kernel's note)
+  unsigned char* smem_raw =
+      smem_base + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_base)) & 1023u)) & 1023u);
   In* Qc = reinterpret_cast<In*>(smem_raw + Sm::kQ);
   In* Kc = reinterpret_cast<In*>(smem_raw + Sm::kK);
-  __half* dOc = reinterpret_cast<__half*>(smem_raw + Sm::kDO);  // dO (In) until the row pass
+  // Q, K, dO: [64][128] as TMA lands them, two 128-byte-swizzled 64-column halves (swz128,
+  // sw128_desc); dO (In) becomes fp16 in place in the row pass
+  __half* dOc = reinterpret_cast<__half*>(smem_raw + Sm::kDO);
   __half* Uc = reinterpret_cast<__half*>(smem_raw + Sm::kU);
   __half* dVc = reinterpret_cast<__half*>(smem_raw + Sm::kDV);
   __half* Hc = reinterpret_cast<__half*>(smem_raw + Sm::kH);
@@ -169,8 +183,8 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
   float* recsc = dbp + 2 * C;        // [32]: h, dS, U, dVt factors
   GradWgNext* nexts = reinterpret_cast<GradWgNext*>(smem_raw + Sm::kNext);
 
-  // an item's Q and K (cp.async into core tiles, copy_qk); a value head's dO (cp.async, one
-  // group: copy_do) and its U and dVt (bulk copies, bar_v: copy_uv), its h and dS (bulk
+  // an item's Q and K (TMA, bar_q: copy_qk); a value head's dO (TMA, bar_v: copy_do) and its
+  // U and dVt (bulk copies, bar_v: copy_uv), its h and dS (bulk
   // copies, bar_h: copy_h): each record one contiguous copy. A buffer's copy is issued after
   // a barrier that follows the last generic writes to it (the row passes', fenced into the
   // async proxy) and reads of it. The next item's h and dS are issued under the last head's
@@ -178,23 +192,33 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
   // dq / dk products: the next item starts on landed operands.
   uint64_t* bar_h = reinterpret_cast<uint64_t*>(smem_raw + Sm::kBars);
   uint64_t* bar_v = bar_h + 1;
+  uint64_t* bar_q = bar_h + 2;
   if (tid == 0) {
     mbar_init(bar_h, 2);  // two copies, each announcing its bytes
-    mbar_init(bar_v, 2);
+    mbar_init(bar_v, 3);  // U, dVt, dO
+    mbar_init(bar_q, 1);  // Q and K
     fence_mbar_init();
   }
   __syncthreads();
-  auto copy_qk = [&](int64_t tk0, int LL, int64_t hqq) {
-    const int64_t qk_off = (tk0 * p.Hqk + hqq) * D;
-    cp_async_core16<C, D>(Qc, static_cast<const In*>(p.q) + qk_off, p.Hqk * D, LL);
-    cp_async_core16<C, D>(Kc, static_cast<const In*>(p.k) + qk_off, p.Hqk * D, LL);
-    cp_async_commit();
+  // (TMA boxes of 64 tokens x 64 values: rows past the chunk are the next sequence's or,
+  // past the tensor's end, zeros; the row pass and zero_rows_qk zero them)
+  auto copy_qk = [&](int64_t tk0, int64_t hqq) {
+    if (opaque_tid() == 0) {
+      mbar_arrive_expect_tx(bar_q, 2 * Sm::kTile);
+      const int z = static_cast<int>(tk0), y = static_cast<int>(hqq);
+      tma_load_3d(Qc, &maps.q, 0, y, z, bar_q);
+      tma_load_3d(reinterpret_cast<char*>(Qc) + 8192, &maps.q, 64, y, z, bar_q);
+      tma_load_3d(Kc, &maps.k, 0, y, z, bar_q);
+      tma_load_3d(reinterpret_cast<char*>(Kc) + 8192, &maps.k, 64, y, z, bar_q);
+    }
   };
-  auto copy_do = [&](int64_t tk0, int LL, int64_t hh) {
-    const int64_t off = (tk0 * p.Hv + hh) * D;
-    cp_async_core16<C, D>(reinterpret_cast<In*>(dOc), static_cast<const In*>(p.d_o) + off,
-                          p.Hv * D, LL);
-    cp_async_commit();
+  auto copy_do = [&](int64_t tk0, int64_t hh) {
+    if (opaque_tid() == 0) {
+      mbar_arrive_expect_tx(bar_v, Sm::kTile);
+      const int z = static_cast<int>(tk0), y = static_cast<int>(hh);
+      tma_load_3d(dOc, &maps.v, 0, y, z, bar_v);
+      tma_load_3d(reinterpret_cast<char*>(dOc) + 8192, &maps.v, 64, y, z, bar_v);
+    }
   };
   auto copy_uv = [&](int64_t ch, int64_t hh) {
     const int64_t rec = ch * p.Hv + hh;
@@ -210,9 +234,9 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
       bulk_load(dSc, record_at<D>(p.dh, rec, true), Sm::kRec, bar_h);
     }
   };
-  copy_qk(ck.tok0, ck.L, hq);
+  copy_qk(ck.tok0, hq);
   copy_h(chunk, hq * group);  // (with Q and K)
-  copy_do(ck.tok0, ck.L, hq * group);
+  copy_do(ck.tok0, hq * group);
   copy_uv(chunk, hq * group);
   uint32_t n_head = 0;  // heads this block has done: the mbarriers' phases
   for (;;) {  // the block's items
@@ -232,7 +256,11 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
       nexts[n_item & 1] = v;
     }
     if constexpr (kProbe) {
-      if (threadIdx.x == 0 && n_item == 1) probe_ts[0] = clock64();
+      if (threadIdx.x == 0 && n_item == 1) {
+        probe_ts[0] = clock64();
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(probe_ts[22]));
+      }
+      if (threadIdx.x == 0 && n_item == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(probe_ts[24]));
     }
 
     // a head's last-row terms, dg and dbeta (finish_dg_dbeta; warp 0, run under the next
@@ -242,8 +270,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
       const float* dG = gam + 3 * C;
       finish_dg_dbeta(p, tok0, L, h, gam, dG, dG + C, dG + 2 * C, red + buf * 8);
     };
-    constexpr uint32_t kRG = 128 * (D / 8);  // row-group stride of a [.][128] core tile (bytes)
-    constexpr uint32_t kRGm = 128 * (C / 8);  // of a [.][64] one
+    constexpr uint32_t kRGm = 128 * (C / 8);  // row-group stride of a [.][64] core tile (bytes)
     constexpr uint32_t kRecBlk = D * 16 * 2, kVBlk = C * 16 * 2;  // a record block (bytes)
     float dq[8][4] = {}, dk[8][4] = {};  // rows 16 w + g (+8), key columns 64 wg + 8 j + 2 t (+1)
 
@@ -273,7 +300,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
         ld_scale = (m == 0 ? p.h_scale : m == 1 ? p.dh_scale : m == 2 ? p.U_scale : p.dVt_scale)[i];
       }
       // the row passes: row rr, columns 32 qq .. (a warp's eight rows in each quarter: the
-      // core tiles' 16-byte pieces without bank conflicts; a row's four threads are lanes
+      // tiles' 16-byte pieces without bank conflicts; a row's four threads are lanes
       // l, l + 8, l + 16, l + 24)
       const int rr = (tid & 7) + 8 * (tid >> 5), qq = (tid >> 3) & 3;
       uint4 vrow[4];
@@ -284,6 +311,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
         for (int c8 = 0; c8 < 4; ++c8) vrow[c8] = *reinterpret_cast<const uint4*>(src + 8 * c8);
       }
       const uint32_t par = n_head & 1u;
+      PROBE(0);
       mbar_wait(bar_h, par);  // the head's h and dS
       if (tid < C) {
         Gs[tid] = ld_g;
@@ -343,8 +371,18 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
         for (int o = 16; o >= 1; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (lane_id() == 0) red[buf * 8 + (tid >> 5)] = s;
       }
-      cp_async_wait<0>();    // the head's dO (and the block's Q and K)
-      mbar_wait(bar_v, par);  // its U and dVt
+      mbar_wait(bar_v, par);  // the head's dO, U and dVt
+      if (h == hq * group) {  // the item's Q and K; rows past the chunk zeroed
+        mbar_wait(bar_q, static_cast<uint32_t>(n_item) & 1u);
+        if (L < C) {
+          const int n = (C - L) * (D / 8);  // 16-byte pieces of a tile's rows past the chunk
+          for (int i = tid; i < 2 * n; i += NT) {
+            const int j = i < n ? i : i - n, r = L + (j >> 4), c = 8 * (j & 15);
+            char* tile = reinterpret_cast<char*>(i < n ? Qc : Kc);
+            *reinterpret_cast<uint4*>(tile + swz128(r, c)) = make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
+      }
       __syncthreads();  // the head's dO, U, dVt
       PROBE(2);
       // ---- row pass: dv = beta dVt, v . dVt; U, dVt to one factor; dO to fp16 per row
@@ -393,7 +431,9 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
         }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          dor[c] = *reinterpret_cast<const uint4*>(dOc + core16<16>(rr, 32 * qq + 8 * c));
+          dor[c] = rr < L ? *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(dOc) +
+                                                            swz128(rr, 32 * qq + 8 * c))
+                          : zero;
           const In* oi = reinterpret_cast<const In*>(&dor[c]);
 #pragma unroll
           for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(to_f(oi[e])));
@@ -409,7 +449,7 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
           uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
           for (int e = 0; e < 4; ++e) ow[e] = pack_half2(up * to_f(oi[2 * e]), up * to_f(oi[2 * e + 1]));
-          *reinterpret_cast<uint4*>(dOc + core16<16>(rr, 32 * qq + 8 * c)) = o;
+          *reinterpret_cast<uint4*>(reinterpret_cast<char*>(dOc) + swz128(rr, 32 * qq + 8 * c)) = o;
         }
         vd += __shfl_xor_sync(0xffffffffu, vd, 8);
         vd += __shfl_xor_sync(0xffffffffu, vd, 16);
@@ -438,9 +478,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
           wgmma_fence();
 #pragma unroll
           for (int kt = 0; kt < 8; ++kt) {
-            const uint32_t ko = 256 * kt, kr = kRecBlk * kt, kv = kVBlk * kt;
+            // (a k16 step of a 128-byte-swizzled tile: 32 bytes, 8192 a 64-column half)
+            const uint32_t ko = (kt >> 2) * 8192 + (kt & 3) * 32, kr = kRecBlk * kt, kv = kVBlk * kt;
             const uint64_t dh = sw32_desc(reinterpret_cast<char*>(Hc) + bofs + kr);
-            wgmma_ss_f16_n32<0, 0>(Y, f16_core_desc(reinterpret_cast<char*>(dOc) + ko, 128, kRG),
+            wgmma_ss_f16_n32<0, 0>(Y, sw128_desc(reinterpret_cast<char*>(dOc) + ko, 16, 1024),
                                    dh, kt > 0);
             wgmma_ss_f16_n32<0, 0>(
                 Z, sw32_desc(reinterpret_cast<char*>(dVc) + kv), dh, kt > 0);
@@ -462,8 +503,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               const int c = 64 * wg + 32 * qk + 8 * j + 2 * t;
-              const __nv_bfloat162 q2 = *reinterpret_cast<const __nv_bfloat162*>(Qc + core16<16>(r, c));
-              const __nv_bfloat162 k2 = *reinterpret_cast<const __nv_bfloat162*>(Kc + core16<16>(r, c));
+              const __nv_bfloat162 q2 =
+                  *reinterpret_cast<const __nv_bfloat162*>(reinterpret_cast<const char*>(Qc) + swz128(r, c));
+              const __nv_bfloat162 k2 =
+                  *reinterpret_cast<const __nv_bfloat162*>(reinterpret_cast<const char*>(Kc) + swz128(r, c));
               const float2 qf = __bfloat1622float2(q2), kf = __bfloat1622float2(k2);
 #pragma unroll
               for (int o = 0; o < 2; ++o) {
@@ -486,20 +529,20 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
         wgmma_wait<1>();
         epi_round(0, Y0, Z0, R0);
         {
-          const uint32_t bofs = 4 * wg * kRG;
+          const uint32_t bofs = 32 * wg * 128;  // K's rows 32 wg .. (swizzled rows: 128 bytes)
           wgmma_fence();
 #pragma unroll
           for (int kt = 0; kt < 8; ++kt) {
-            const uint32_t ko = 256 * kt, kv = kVBlk * kt;
+            const uint32_t ko = (kt >> 2) * 8192 + (kt & 3) * 32, kv = kVBlk * kt;
             const uint64_t du = sw32_desc(reinterpret_cast<char*>(Uc) + 4 * wg * 256 + kv);
-            const uint64_t dkb = f16_core_desc(reinterpret_cast<char*>(Kc) + bofs + ko, 128, kRG);
+            const uint64_t dkb = sw128_desc(reinterpret_cast<char*>(Kc) + bofs + ko, 16, 1024);
             wgmma_ss_f16_n32<0, 0>(
                 t1, sw32_desc(reinterpret_cast<char*>(dVc) + kv), du, kt > 0);
-            wgmma_ss_f16_n32<0, 0>(t2, f16_core_desc(reinterpret_cast<char*>(dOc) + ko, 128, kRG),
+            wgmma_ss_f16_n32<0, 0>(t2, sw128_desc(reinterpret_cast<char*>(dOc) + ko, 16, 1024),
                                    du, kt > 0);
-            wgmma_ss_bf16_n32<0, 0>(t3, f16_core_desc(reinterpret_cast<char*>(Kc) + ko, 128, kRG),
+            wgmma_ss_bf16_n32<0, 0>(t3, sw128_desc(reinterpret_cast<char*>(Kc) + ko, 16, 1024),
                                     dkb, kt > 0);
-            wgmma_ss_bf16_n32<0, 0>(t4, f16_core_desc(reinterpret_cast<char*>(Qc) + ko, 128, kRG),
+            wgmma_ss_bf16_n32<0, 0>(t4, sw128_desc(reinterpret_cast<char*>(Qc) + ko, 16, 1024),
                                     dkb, kt > 0);
           }
           wgmma_commit();
@@ -534,10 +577,10 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
       __syncthreads();  // (B3) both warpgroups' products done: the tiles are free; parts written
       PROBE(5);
       if (h + 1 < (hq + 1) * group) {
-        copy_do(tok0, L, h + 1);
+        copy_do(tok0, h + 1);
         copy_uv(chunk, h + 1);
       } else if (nx->L) {
-        copy_do(nx->tok0, nx->L, nx->hq * group);  // (U and dVt hold the M tiles until the end)
+        copy_do(nx->tok0, nx->hq * group);  // (U and dVt hold the M tiles until the end)
       }
       if (tid < C) {
         const int r = tid;
@@ -597,9 +640,17 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
           db[rr] += dbp[rr] + dbp[C + rr] + vdt[rr];
         }
       }
+      PROBE(7);
       ++n_head;
     }
+#define PROBE_END(i)                                                             \
+  do {                                                                           \
+    if constexpr (kProbe) {                                                      \
+      if (threadIdx.x == 0 && n_item == 1) probe_ts[18 + (i)] = clock64();       \
+    }                                                                            \
+  } while (0)
     __syncthreads();  // the last head's dG, db; its products done (U, dVt free)
+    PROBE_END(0);
     if (tid < 32) finish_head((hq + 1) * group - 1, static_cast<int>(group - 1) & 1);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {  // M1, M2 + M2^T -> bf16 (hi, lo) core tiles
@@ -617,16 +668,16 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
     }
     fence_proxy_async();
     __syncthreads();  // the M tiles
-    // ---- dq += M1 K, dk += M1^T Q + (M2 + M2^T) K: keys 64 wg .. (B N-major, A's hi and lo)
+    PROBE_END(1);    // ---- dq += M1 K, dk += M1^T Q + (M2 + M2^T) K: keys 64 wg .. (B N-major, A's hi and lo)
       {
-        const uint32_t nofs = 8 * wg * 128;
+        const uint32_t nofs = 8192 * wg;  // keys 64 wg ..: the tiles' swizzled half wg
         wgmma_fence();
         fence_acc(dq);
         fence_acc(dk);
 #pragma unroll
-        for (int kt = 0; kt < 4; ++kt) {
-          const uint64_t bk = f16_core_desc(reinterpret_cast<char*>(Kc) + 2 * kt * kRG + nofs, kRG, 128);
-          const uint64_t bq = f16_core_desc(reinterpret_cast<char*>(Qc) + 2 * kt * kRG + nofs, kRG, 128);
+        for (int kt = 0; kt < 4; ++kt) {  // (16 tokens: 16 swizzled rows, 2048 bytes)
+          const uint64_t bk = sw128_desc(reinterpret_cast<char*>(Kc) + nofs + 2048 * kt, 8192, 1024);
+          const uint64_t bq = sw128_desc(reinterpret_cast<char*>(Qc) + nofs + 2048 * kt, 8192, 1024);
           const uint32_t ak = 256 * kt, at = 2 * kt * kRGm;  // K-major / MN-major k steps
           wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1h) + ak, 128, kRGm), bk, true);
           wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1l) + ak, 128, kRGm), bk, true);
@@ -640,21 +691,27 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
         fence_acc(dq);
         fence_acc(dk);
       }
+    PROBE_END(2);
     __syncthreads();  // both warpgroups' dq / dk products done: Q, K, U, dVt are free
+    PROBE_END(3);
     if (nx->L) {
-      copy_qk(nx->tok0, nx->L, nx->hq);
+      copy_qk(nx->tok0, nx->hq);
       copy_uv(nx->chunk, nx->hq * group);
     }
     if constexpr (kProbe) {  // (printed by grad_wg_probe_print: no call in this kernel)
       const int sel = blockIdx.x == 0 ? 0 : blockIdx.x == 64 ? 1 : -1;
       if (threadIdx.x == 0 && sel >= 0 && n_item == 1) {
         const long long t0 = probe_ts[0];
-        for (int i = 0; i < 17; ++i) g_wg_probe[sel][i] = probe_ts[i] - t0;
+        for (int i = 0; i < 22; ++i) g_wg_probe[sel][i] = probe_ts[i] - t0;
+        long long ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        g_wg_probe[sel][22] = ns - probe_ts[22];  // the item's ns (the clock's rate)
         g_wg_probe[sel][0] = clock64() - t0;
         g_wg_probe[sel][1] = group;
       }
     }
 #undef PROBE
+#undef PROBE_END
     // dq, dk: pairs of columns straight from the accumulators
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -677,6 +734,15 @@ __global__ void __launch_bounds__(NT, 1) grad_chunk_wg_kernel(BwdParams p) {
     ck.L = nx->L;
     ++n_item;
   }  // items
+  if constexpr (kProbe) {
+    const int sel = blockIdx.x == 0 ? 0 : blockIdx.x == 64 ? 1 : -1;
+    if (threadIdx.x == 0 && sel >= 0) {
+      long long ns;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+      g_wg_probe[sel][23] = ns - probe_ts[24];
+      g_wg_probe[sel][24] = n_item + 1;
+    }
+  }
 }
 
 }  // namespace cuda

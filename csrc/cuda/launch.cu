@@ -2005,7 +2005,12 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
   g.dg = io.dg;
   g.dbeta = io.dbeta;
   g.debug = f.debug;
-  const bool wg = grad_wg(p, g.rec16, tc, simt);
+  // grad_chunk_wg_kernel's tensor maps: Q, K and dO (in maps.v), boxes of 64 tokens x 64 values
+  TmaMaps wg_maps{};
+  const bool wg = grad_wg(p, g.rec16, tc, simt) &&
+                  make_tma_map(wg_maps.q, p.q, p.TT, p.Hqk, D, tma_in_type(p)) &&
+                  make_tma_map(wg_maps.k, p.k, p.TT, p.Hqk, D, tma_in_type(p)) &&
+                  make_tma_map(wg_maps.v, io.d_o, p.TT, p.Hv, D, tma_in_type(p));
   g.rq_signal = wg ? 0 : bwd_queue(p, plan, g.rec16, tc, simt);
   const bool queue = g.rq_signal != 0;
   if (queue) {
@@ -2038,11 +2043,11 @@ void backward(const Problem& p, const BwdIO& io, void* ws, cudaStream_t st) {
           std::min<int64_t>(items, cap > 0 ? cap : sm_count(p.device_id))));
       if (wg && (g.debug & (1 << 20)))  // timing only: phase clocks printed by two blocks
       {
-        grad_chunk_wg_kernel<In, true><<<wgrid, NT, GradWgSmem::kBytes, st>>>(g);
+        grad_chunk_wg_kernel<In, true><<<wgrid, NT, GradWgSmem::kBytes, st>>>(wg_maps, g);
         grad_wg_probe_print<<<1, 1, 0, st>>>();
       }
       else if (wg)
-        grad_chunk_wg_kernel<In><<<wgrid, NT, GradWgSmem::kBytes, st>>>(g);
+        grad_chunk_wg_kernel<In><<<wgrid, NT, GradWgSmem::kBytes, st>>>(wg_maps, g);
     }
     if (wg) {
     } else if (queue)  // the ready queue's: the reverse pass's programmatic dependent
