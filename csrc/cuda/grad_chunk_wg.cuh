@@ -198,6 +198,8 @@ __global__ void __launch_bounds__(NT, 1)
     mbar_init(bar_v, 3);  // U, dVt, dO
     mbar_init(bar_q, 1);  // Q and K
     fence_mbar_init();
+    for (const CUtensorMap* m : {&maps.q, &maps.k, &maps.v})  // the descriptors into cache
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
   }
   __syncthreads();
   // (TMA boxes of 64 tokens x 64 values: rows past the chunk are the next sequence's or,
@@ -594,7 +596,7 @@ __global__ void __launch_bounds__(NT, 1)
       // ---- the 64 x 64 epilogue: M1, M2 + M2^T (bf16 pairs), E, dbeta's row sums
       {
         const float f1 = pow2f(pair_exp(fmax[3], fmax[2]));
-        const bool first = h == hq * group;
+        const bool first = h == hq * group, last = h + 1 == (hq + 1) * group;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int r = 16 * w + g + 8 * hf;
@@ -611,11 +613,21 @@ __global__ void __launch_bounds__(NT, 1)
               const float A = s < r ? br * t3[j][e] * dec : 0.f;
               const float P = t4[j][e] * dec;
               const float m1 = dP * dec, m2 = br * dA * dec;
-              // each (r, s) and its mirror belong to one thread: sums without races
-              M1s[r * Sm::kLdE + s] = first ? m1 : M1s[r * Sm::kLdE + s] + m1;
+              // each (r, s) and its mirror belong to one thread: sums without races. The
+              // item's last head writes the sums as the bf16 (hi, lo) tiles (U and dVt are
+              // free once its 64 x 64 products are done)
+              const float v1 = first ? m1 : M1s[r * Sm::kLdE + s] + m1;
+              if (!last) M1s[r * Sm::kLdE + s] = v1;
+              else split_bf16(v1, M1h[core16<8>(r, s)], M1l[core16<8>(r, s)]);
               if (s <= r) {
-                M2s[r * Sm::kLdE + s] = first ? m2 : M2s[r * Sm::kLdE + s] + m2;
-                if (s < r) M2s[s * Sm::kLdE + r] = first ? m2 : M2s[s * Sm::kLdE + r] + m2;
+                const float v2 = first ? m2 : M2s[r * Sm::kLdE + s] + m2;
+                if (!last) M2s[r * Sm::kLdE + s] = v2;
+                else split_bf16(v2, M2h[core16<8>(r, s)], M2l[core16<8>(r, s)]);
+                if (s < r) {
+                  const float v3 = first ? m2 : M2s[s * Sm::kLdE + r] + m2;
+                  if (!last) M2s[s * Sm::kLdE + r] = v3;
+                  else split_bf16(v3, M2h[core16<8>(s, r)], M2l[core16<8>(s, r)]);
+                }
               }
               dsum += dA * t3[j][e] * dec;
               E[r * Sm::kLdE + s] = dA * A + dP * P;
@@ -626,7 +638,8 @@ __global__ void __launch_bounds__(NT, 1)
           if (t == 0) dbp[wg * C + r] = dsum;
         }
       }
-      __syncthreads();  // (B4) E; dG's first terms
+      if (h + 1 == (hq + 1) * group) fence_proxy_async();  // the M tiles, for dq / dk
+      __syncthreads();  // (B4) E; dG's first terms; the last head's M tiles
       PROBE(6);
       // ---- dG += rowsum(E) - colsum(E); dbeta
       {
@@ -649,48 +662,34 @@ __global__ void __launch_bounds__(NT, 1)
       if (threadIdx.x == 0 && n_item == 1) probe_ts[18 + (i)] = clock64();       \
     }                                                                            \
   } while (0)
-    __syncthreads();  // the last head's dG, db; its products done (U, dVt free)
+    __syncthreads();  // the last head's dG, db (its M tiles: B4)
     PROBE_END(0);
-    if (tid < 32) finish_head((hq + 1) * group - 1, static_cast<int>(group - 1) & 1);
+    // ---- dq += M1 K, dk += M1^T Q + (M2 + M2^T) K: keys 64 wg .. (B N-major, A's hi and lo)
+    {
+      const uint32_t nofs = 8192 * wg;  // keys 64 wg ..: the tiles' swizzled half wg
+      wgmma_fence();
+      fence_acc(dq);
+      fence_acc(dk);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {  // M1, M2 + M2^T -> bf16 (hi, lo) core tiles
-      const int e = 2 * (tid + NT * j), r = e >> 6, s = e & (C - 1);
-      __nv_bfloat16 a[2], b[2], c[2], d[2];
-      split_bf16(M1s[r * Sm::kLdE + s], a[0], b[0]);
-      split_bf16(M1s[r * Sm::kLdE + s + 1], a[1], b[1]);
-      split_bf16(M2s[r * Sm::kLdE + s], c[0], d[0]);
-      split_bf16(M2s[r * Sm::kLdE + s + 1], c[1], d[1]);
-      const int o = core16<8>(r, s);
-      *reinterpret_cast<__nv_bfloat162*>(M1h + o) = __halves2bfloat162(a[0], a[1]);
-      *reinterpret_cast<__nv_bfloat162*>(M1l + o) = __halves2bfloat162(b[0], b[1]);
-      *reinterpret_cast<__nv_bfloat162*>(M2h + o) = __halves2bfloat162(c[0], c[1]);
-      *reinterpret_cast<__nv_bfloat162*>(M2l + o) = __halves2bfloat162(d[0], d[1]);
-    }
-    fence_proxy_async();
-    __syncthreads();  // the M tiles
-    PROBE_END(1);    // ---- dq += M1 K, dk += M1^T Q + (M2 + M2^T) K: keys 64 wg .. (B N-major, A's hi and lo)
-      {
-        const uint32_t nofs = 8192 * wg;  // keys 64 wg ..: the tiles' swizzled half wg
-        wgmma_fence();
-        fence_acc(dq);
-        fence_acc(dk);
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt) {  // (16 tokens: 16 swizzled rows, 2048 bytes)
-          const uint64_t bk = sw128_desc(reinterpret_cast<char*>(Kc) + nofs + 2048 * kt, 8192, 1024);
-          const uint64_t bq = sw128_desc(reinterpret_cast<char*>(Qc) + nofs + 2048 * kt, 8192, 1024);
-          const uint32_t ak = 256 * kt, at = 2 * kt * kRGm;  // K-major / MN-major k steps
-          wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1h) + ak, 128, kRGm), bk, true);
-          wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1l) + ak, 128, kRGm), bk, true);
-          wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1h) + at, kRGm, 128), bq, true);
-          wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1l) + at, kRGm, 128), bq, true);
-          wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2h) + ak, 128, kRGm), bk, true);
-          wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2l) + ak, 128, kRGm), bk, true);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(dq);
-        fence_acc(dk);
+      for (int kt = 0; kt < 4; ++kt) {  // (16 tokens: 16 swizzled rows, 2048 bytes)
+        const uint64_t bk = sw128_desc(reinterpret_cast<char*>(Kc) + nofs + 2048 * kt, 8192, 1024);
+        const uint64_t bq = sw128_desc(reinterpret_cast<char*>(Qc) + nofs + 2048 * kt, 8192, 1024);
+        const uint32_t ak = 256 * kt, at = 2 * kt * kRGm;  // K-major / MN-major k steps
+        wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1h) + ak, 128, kRGm), bk, true);
+        wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1l) + ak, 128, kRGm), bk, true);
+        wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1h) + at, kRGm, 128), bq, true);
+        wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1l) + at, kRGm, 128), bq, true);
+        wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2h) + ak, 128, kRGm), bk, true);
+        wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2l) + ak, 128, kRGm), bk, true);
       }
+      wgmma_commit();
+      // the last head's last-row terms, dg and dbeta under the products
+      if (tid < 32) finish_head((hq + 1) * group - 1, static_cast<int>(group - 1) & 1);
+      PROBE_END(1);
+      wgmma_wait<0>();
+      fence_acc(dq);
+      fence_acc(dk);
+    }
     PROBE_END(2);
     __syncthreads();  // both warpgroups' dq / dk products done: Q, K, U, dVt are free
     PROBE_END(3);
