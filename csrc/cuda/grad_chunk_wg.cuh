@@ -202,8 +202,9 @@ __global__ void __launch_bounds__(NT, 1)
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
   }
   __syncthreads();
-  // (TMA boxes of 64 tokens x 64 values: rows past the chunk are the next sequence's or,
-  // past the tensor's end, zeros; the row pass and zero_rows_qk zero them)
+  // (TMA boxes of 64 tokens x 64 values, int32 coordinates: rows past the chunk are the
+  // next sequence's or, past the tensor's end, zeros; dO's row pass and the item's first
+  // head zero them)
   auto copy_qk = [&](int64_t tk0, int64_t hqq) {
     if (opaque_tid() == 0) {
       mbar_arrive_expect_tx(bar_q, 2 * Sm::kTile);
@@ -326,7 +327,8 @@ __global__ void __launch_bounds__(NT, 1)
       PROBE(1);
       if (tid < 32 && h > hq * group) finish_head(h - 1, buf ^ 1);
       // the next head's operands into L2 (its copies are issued once this head's products
-      // are done with the tiles)
+      // are done with the tiles; without this prefetch, as a runtime switch, the backward
+      // measured 1.1-1.6% faster on three of four rows: docs/perf-notes.md version 62)
       if (h + 1 < (hq + 1) * group) prefetch_grad_head<In, true>(p, chunk, tok0, L, h + 1);
       else if (nx->L) prefetch_grad_head<In, true>(p, nx->chunk, nx->tok0, nx->L, nx->hq * group);
 
