@@ -1,9 +1,9 @@
 // grad_chunk_wg_kernel  grid (min(chunks x H_qk, SMs)), 256 threads (two warpgroups), ~200 KB
 //   smem, persistent: block b takes the (chunk, q/k head) items b, b + gridDim.x, ... (chunks
 //   first) and copies the next item's records under the current item's last head and dq / dk
-//   (launch.cu grad_wg: the default beyond the ready queue's region, FLASHGDN_GRAD_WG; 4-5.5%
-//   faster backward there than grad_chunk_tc_kernel, which inside the region runs beside the
-//   reverse pass: docs/perf-notes.md version 61)
+//   (launch.cu grad_wg: the default beyond the ready queue's region, FLASHGDN_GRAD_WG; 4-6%
+//   faster backward there than grad_chunk_tc_kernel on the H200, 3.7-5.4% on the H100; inside
+//   the region that kernel runs beside the reverse pass: docs/perf-notes.md versions 61, 62)
 //   grad_chunk_tc_kernel's gradients (bwd_kernels.cuh: same quantities, the value heads of
 //   a q/k head in the same order, dq and dk summed in registers) with every product on
 //   wgmma, both operands from shared memory: a head's products are ~80 asynchronous
@@ -23,8 +23,9 @@
 //   * Y = dO h^T, Z = dVt h^T, R = U dS^T (fp16, two rounds of m64n32), then dq += scale
 //     gam Y, dk += eL R - beta gam Z and the rows' dots; dVt U^T, dO U^T (fp16), K K^T,
 //     Q K^T (bf16, m64n32), issued under the epilogues; M1 = dP . Dec and M2 + M2^T summed
-//     over the value heads in fp32, then as bf16 (hi, lo) pairs (16 bits of mantissa, fp32's
-//     range): dq += M1 K, dk += M1^T Q + (M2 + M2^T) K (bf16, m64n64), once a block.
+//     over the value heads in fp32 (the last head writes the sums as bf16 (hi, lo) pairs: 16
+//     bits of mantissa, fp32's range): dq += M1 K, dk += M1^T Q + (M2 + M2^T) K (bf16,
+//     m64n64), once an item, the last head's dg / dbeta stored under them.
 //   * The next head's copies are issued once the products stop reading the tiles (h, dS
 //     after Y, Z, R; dO, U, dVt after the 64 x 64 products), its rows brought into L2 at the
 //     head's start. After an item's last head the next item's h, dS and dO are copied the
