@@ -486,11 +486,11 @@ __global__ void __launch_bounds__(NT, 1)
             // (a k16 step of a 128-byte-swizzled tile: 32 bytes, 8192 a 64-column half)
             const uint32_t ko = (kt >> 2) * 8192 + (kt & 3) * 32, kr = kRecBlk * kt, kv = kVBlk * kt;
             const uint64_t dh = sw32_desc(reinterpret_cast<char*>(Hc) + bofs + kr);
-            wgmma_ss_f16_n32<0, 0>(Y, sw128_desc(reinterpret_cast<char*>(dOc) + ko, 16, 1024),
+            wgmma_ss_n32<__half>(Y, sw128_desc(reinterpret_cast<char*>(dOc) + ko, 16, 1024),
                                    dh, kt > 0);
-            wgmma_ss_f16_n32<0, 0>(
+            wgmma_ss_n32<__half>(
                 Z, sw32_desc(reinterpret_cast<char*>(dVc) + kv), dh, kt > 0);
-            wgmma_ss_f16_n32<0, 0>(
+            wgmma_ss_n32<__half>(
                 R, sw32_desc(reinterpret_cast<char*>(Uc) + kv),
                 sw32_desc(reinterpret_cast<char*>(dSc) + bofs + kr), kt > 0);
           }
@@ -541,13 +541,13 @@ __global__ void __launch_bounds__(NT, 1)
             const uint32_t ko = (kt >> 2) * 8192 + (kt & 3) * 32, kv = kVBlk * kt;
             const uint64_t du = sw32_desc(reinterpret_cast<char*>(Uc) + 4 * wg * 256 + kv);
             const uint64_t dkb = sw128_desc(reinterpret_cast<char*>(Kc) + bofs + ko, 16, 1024);
-            wgmma_ss_f16_n32<0, 0>(
+            wgmma_ss_n32<__half>(
                 t1, sw32_desc(reinterpret_cast<char*>(dVc) + kv), du, kt > 0);
-            wgmma_ss_f16_n32<0, 0>(t2, sw128_desc(reinterpret_cast<char*>(dOc) + ko, 16, 1024),
+            wgmma_ss_n32<__half>(t2, sw128_desc(reinterpret_cast<char*>(dOc) + ko, 16, 1024),
                                    du, kt > 0);
-            wgmma_ss_bf16_n32<0, 0>(t3, sw128_desc(reinterpret_cast<char*>(Kc) + ko, 16, 1024),
+            wgmma_ss_n32<__nv_bfloat16>(t3, sw128_desc(reinterpret_cast<char*>(Kc) + ko, 16, 1024),
                                     dkb, kt > 0);
-            wgmma_ss_bf16_n32<0, 0>(t4, sw128_desc(reinterpret_cast<char*>(Qc) + ko, 16, 1024),
+            wgmma_ss_n32<__nv_bfloat16>(t4, sw128_desc(reinterpret_cast<char*>(Qc) + ko, 16, 1024),
                                     dkb, kt > 0);
           }
           wgmma_commit();
@@ -678,12 +678,12 @@ __global__ void __launch_bounds__(NT, 1)
         const uint64_t bk = sw128_desc(reinterpret_cast<char*>(Kc) + nofs + 2048 * kt, 8192, 1024);
         const uint64_t bq = sw128_desc(reinterpret_cast<char*>(Qc) + nofs + 2048 * kt, 8192, 1024);
         const uint32_t ak = 256 * kt, at = 2 * kt * kRGm;  // K-major / MN-major k steps
-        wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1h) + ak, 128, kRGm), bk, true);
-        wgmma_ss_bf16_n64<0, 1>(dq, f16_core_desc(reinterpret_cast<char*>(M1l) + ak, 128, kRGm), bk, true);
-        wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1h) + at, kRGm, 128), bq, true);
-        wgmma_ss_bf16_n64<1, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M1l) + at, kRGm, 128), bq, true);
-        wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2h) + ak, 128, kRGm), bk, true);
-        wgmma_ss_bf16_n64<0, 1>(dk, f16_core_desc(reinterpret_cast<char*>(M2l) + ak, 128, kRGm), bk, true);
+        wgmma_ss_n64<__nv_bfloat16, true>(dq, f16_core_desc(reinterpret_cast<char*>(M1h) + ak, 128, kRGm), bk, true);
+        wgmma_ss_n64<__nv_bfloat16, true>(dq, f16_core_desc(reinterpret_cast<char*>(M1l) + ak, 128, kRGm), bk, true);
+        wgmma_ss_n64<__nv_bfloat16, true, true>(dk, f16_core_desc(reinterpret_cast<char*>(M1h) + at, kRGm, 128), bq, true);
+        wgmma_ss_n64<__nv_bfloat16, true, true>(dk, f16_core_desc(reinterpret_cast<char*>(M1l) + at, kRGm, 128), bq, true);
+        wgmma_ss_n64<__nv_bfloat16, true>(dk, f16_core_desc(reinterpret_cast<char*>(M2h) + ak, 128, kRGm), bk, true);
+        wgmma_ss_n64<__nv_bfloat16, true>(dk, f16_core_desc(reinterpret_cast<char*>(M2l) + ak, 128, kRGm), bk, true);
       }
       wgmma_commit();
       // the last head's last-row terms, dg and dbeta under the products

@@ -124,29 +124,7 @@ __device__ __forceinline__ float2 bits_to_float2(uint32_t v, const __half*) {
 __device__ __forceinline__ float2 bits_to_float2(uint32_t v, const __nv_bfloat16*) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
 }
-// d (+)= A B, m64n64k16, A and B both through shared-memory descriptors, in the 16-bit type
-// of T (fp16 or bf16; kSsY's S^T Q^T, kWy's Q K^T).
-// kTransB: B read MN-major (a tile stored [k][n], n contiguous).
-template <typename T = __half, bool kTransB = false>
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t da, uint64_t db, bool acc) {
-#define FLASHGDN_WGMMA_SS_N64(TY)                                                                 \
-  asm volatile(                                                                                \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                              \
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"     \
-      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, %35;\n}\n"                 \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
-        "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
-        "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
-        "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
-        "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
-        "+f"(d[7][2]), "+f"(d[7][3])                                                           \
-      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTransB ? 1 : 0))
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) FLASHGDN_WGMMA_SS_N64("bf16");
-  else FLASHGDN_WGMMA_SS_N64("f16");
-#undef FLASHGDN_WGMMA_SS_N64
-}
+// (wgmma_ss_n64, the m64n64k16 product with both operands from shared memory: wgmma.cuh)
 
 }  // namespace cuda
 }  // namespace flashgdn

@@ -249,48 +249,48 @@ __device__ __forceinline__ void cp_async_core16(T* dst, const T* src, int64_t st
 }
 
 
-// ---- both operands from shared memory (m64nNk16, fp16 or bf16, fp32 accumulators):
-// wgmma_ss_<type>_n<N><kTA, kTB>; kTA / kTB read A / B MN-major (transposed) instead of
-// K-major. Descriptors from f16_core_desc: lbo is the byte offset between core matrices
-// along K, sbo along M (A) or N (B), for either major mode (as state_fwd_cols's B operands).
-template <int kTA, int kTB>
-__device__ __forceinline__ void wgmma_ss_f16_n32(float (&d)[4][4], uint64_t da, uint64_t db, bool acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTA), "n"(kTB));
+// ---- both operands from shared memory (m64nNk16, fp16 or bf16 as T, fp32 accumulators):
+// d (+)= A B. kTransB / kTransA read B / A MN-major (a tile stored [k][n], n contiguous)
+// instead of K-major. Descriptors from f16_core_desc (interleaved: lbo between core matrices
+// along K, sbo along M or N, for either major mode, as state_fwd_cols's B operands) or
+// sw128_desc / sw32_desc (swizzled tiles).
+template <typename T = __half, bool kTransB = false, bool kTransA = false>
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[4][4], uint64_t da, uint64_t db, bool acc) {
+#define FLASHGDN_WGMMA_SS_N32(TY)                                                                 \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                              \
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, %20;\n}\n" \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
+        "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
+        "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
+        "+f"(d[3][3])                                                                          \
+      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTransA ? 1 : 0),                   \
+        "n"(kTransB ? 1 : 0))
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) FLASHGDN_WGMMA_SS_N32("bf16");
+  else FLASHGDN_WGMMA_SS_N32("f16");
+#undef FLASHGDN_WGMMA_SS_N32
 }
-
-template <int kTA, int kTB>
-__device__ __forceinline__ void wgmma_ss_bf16_n32(float (&d)[4][4], uint64_t da, uint64_t db, bool acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTA), "n"(kTB));
-}
-
-template <int kTA, int kTB>
-__device__ __forceinline__ void wgmma_ss_f16_n64(float (&d)[8][4], uint64_t da, uint64_t db, bool acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTA), "n"(kTB));
-}
-
-template <int kTA, int kTB>
-__device__ __forceinline__ void wgmma_ss_bf16_n64(float (&d)[8][4], uint64_t da, uint64_t db, bool acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTA), "n"(kTB));
+template <typename T = __half, bool kTransB = false, bool kTransA = false>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], uint64_t da, uint64_t db, bool acc) {
+#define FLASHGDN_WGMMA_SS_N64(TY)                                                                 \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                              \
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"     \
+      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"               \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),             \
+        "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),             \
+        "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),             \
+        "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),             \
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
+        "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
+        "+f"(d[7][2]), "+f"(d[7][3])                                                           \
+      : "l"(da), "l"(db), "r"(static_cast<int>(acc)), "n"(kTransA ? 1 : 0),                   \
+        "n"(kTransB ? 1 : 0))
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) FLASHGDN_WGMMA_SS_N64("bf16");
+  else FLASHGDN_WGMMA_SS_N64("f16");
+#undef FLASHGDN_WGMMA_SS_N64
 }
 
 }  // namespace cuda
